@@ -1,0 +1,34 @@
+"""The `tracekit` command line. Commands live next to the code they render; this file wires them.
+
+Exit codes: 0 ok; 1 a finding in check modes (e.g. a straggler or mismatch where one was asked
+not to exist); 2 bad input (unreadable or invalid files, impossible configs).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+from tracekit import __version__
+
+# (module, attribute) of each subcommand, imported lazily so `tracekit --help` stays fast and a
+# broken optional dependency of one command does not take the others down.
+COMMANDS: dict[str, tuple[str, str]] = {}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, attr = COMMANDS[name]
+        return getattr(importlib.import_module(module), attr)
+
+
+@click.group(cls=LazyGroup)
+@click.version_option(__version__, prog_name="tracekit")
+def main() -> None:
+    """Debug 4D-parallel training jobs: stragglers, hangs, memory and numerics."""
