@@ -30,11 +30,12 @@ from numerics.canonical_comm import canonical_all_reduce_, canonical_reduce_scat
 from numerics.reduction_order import ORDERS, ring_plan
 
 DEFAULT_GROUPS: tuple[tuple[int, ...], ...] = ((0, 1), (2, 5, 7), (0, 2, 4, 6), tuple(range(8)))
-# Element counts: a single element, fewer elements than segments, odd sizes, just over 1 MiB, and
-# sizes over 2n MiB where the segment count is set by bytes and rounded up to a multiple of n.
+# Element counts: a single element, fewer elements than segments, an odd size spanning segments, and
+# one large odd size (> 1 MiB) whose segment count is set by bytes (more than 2n MiB) and rounded up
+# to a multiple of n for small groups.
 DEFAULT_SIZES: dict[str, tuple[int, ...]] = {
-    "float32": (1, 7, 1001, 262_145, 1_800_001),
-    "bfloat16": (1, 7, 1001, 524_289, 3_600_001),
+    "float32": (1, 7, 1001, 1_800_001),  # 7.2 MB: 8 segments for n=2, 9 for n=3
+    "bfloat16": (1, 7, 1001, 2_200_001),  # 4.4 MB: 6 segments for n=2
 }
 # (collective, op, order the real call follows)
 COLLECTIVES = (
@@ -57,6 +58,7 @@ class GlooModelMismatch(AssertionError):
 @dataclass(frozen=True)
 class Case:
     case_id: int
+    data_id: int  # cases sharing a data_id reduce the same inputs (generated once per rank)
     ranks: tuple[int, ...]
     collective: str
     op: str
@@ -82,22 +84,27 @@ class CaseResult:
 
 def make_cases(groups: Sequence[Sequence[int]], sizes: dict[str, Sequence[int]]) -> list[Case]:
     cases = []
-    for ranks in groups:
+    data = [(tuple(ranks), dtype, numel) for ranks in groups for dtype, numels in sizes.items() for numel in numels]
+    for data_id, (ranks, dtype, numel) in enumerate(data):
         n = len(ranks)
-        for dtype, numels in sizes.items():
-            for numel in numels:
-                for collective, op, order in COLLECTIVES:
-                    # reduce_scatter splits dim 0 into n equal slices: round the size up to a multiple of n
-                    size = -(-numel // n) * n if collective == "reduce_scatter" else numel
-                    cases.append(Case(len(cases), tuple(ranks), collective, op, order, dtype, size))
+        for collective, op, order in COLLECTIVES:
+            # reduce_scatter splits dim 0 into n equal slices: round the size up to a multiple of n
+            size = -(-numel // n) * n if collective == "reduce_scatter" else numel
+            cases.append(Case(len(cases), data_id, ranks, collective, op, order, dtype, size))
     return cases
 
 
-def case_input(case: Case, group_rank: int) -> torch.Tensor:
-    """Deterministic input of one group rank: normals over several binades so additions round often."""
-    gen = torch.Generator().manual_seed(1_000_003 * case.case_id + group_rank)
-    x = torch.randn(case.numel, generator=gen) * torch.exp2(torch.randint(-6, 7, (case.numel,), generator=gen))
-    return x.to(getattr(torch, case.dtype))
+def case_inputs(case: Case) -> list[torch.Tensor]:
+    """Deterministic inputs of every group rank (long enough for all cases of the same data_id):
+    normals spread over 13 binades so that additions round often and orders can be told apart."""
+    n = len(case.ranks)
+    numel = -(-case.numel // n) * n
+    inputs = []
+    for group_rank in range(n):
+        gen = torch.Generator().manual_seed(1_000_003 * case.data_id + group_rank)
+        x = torch.randn(numel, generator=gen) * torch.exp2(torch.randint(-6, 7, (numel,), generator=gen).float())
+        inputs.append(x.to(getattr(torch, case.dtype)))
+    return inputs
 
 
 def _bit_mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -138,11 +145,14 @@ def _worker(rank: int, world_size: int, init_file: str, cases: list[Case], out_d
     for ranks in dict.fromkeys(c.ranks for c in cases):  # every rank creates every group, same order
         groups[ranks] = dist.new_group(list(ranks))
     results = []
+    data_id, data = None, []
     for case in cases:
         if rank not in case.ranks:
             continue
         me, n = case.ranks.index(rank), len(case.ranks)
-        inputs = [case_input(case, i) for i in range(n)]
+        if case.data_id != data_id:
+            data_id, data = case.data_id, case_inputs(case)
+        inputs = [x[: case.numel] for x in data]
         real = _real(case, inputs[me], groups[case.ranks], me)
         other = "canonical" if case.order == "gloo_ring" else "gloo_ring"
         x = inputs[0]
