@@ -20,13 +20,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 import polars as pl
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from numerics.canonical_comm import canonical_all_reduce_, canonical_reduce_scatter
+from numerics.compare import bit_mismatches
 from numerics.reduction_order import ORDERS, ring_plan
 
 DEFAULT_GROUPS: tuple[tuple[int, ...], ...] = ((0, 1), (2, 5, 7), (0, 2, 4, 6), tuple(range(8)))
@@ -107,12 +107,7 @@ def case_inputs(case: Case) -> list[torch.Tensor]:
     return inputs
 
 
-def _bit_mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
-    int_view = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return int((a.reshape(-1).view(int_view) != b.reshape(-1).view(int_view)).sum())
-
-
-def _real(case: Case, x: torch.Tensor, group: dist.ProcessGroup, me: int) -> torch.Tensor:
+def _real(case: Case, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     n = len(case.ranks)
     if case.collective == "all_reduce":
         out = x.clone()
@@ -153,15 +148,15 @@ def _worker(rank: int, world_size: int, init_file: str, cases: list[Case], out_d
         if case.data_id != data_id:
             data_id, data = case.data_id, case_inputs(case)
         inputs = [x[: case.numel] for x in data]
-        real = _real(case, inputs[me], groups[case.ranks], me)
+        real = _real(case, inputs[me], groups[case.ranks])
         other = "canonical" if case.order == "gloo_ring" else "gloo_ring"
         x = inputs[0]
         results.append(
             CaseResult(
                 case.case_id, rank, n, case.collective, case.op, case.order, case.dtype, case.numel,
                 ring_plan(x.numel(), x.element_size(), n).num_segments,
-                _bit_mismatches(real, _model(case, case.order, inputs, me)),
-                _bit_mismatches(real, _model(case, other, inputs, me)),
+                bit_mismatches(real, _model(case, case.order, inputs, me)),
+                bit_mismatches(real, _model(case, other, inputs, me)),
             )
         )
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps([asdict(r) for r in results]))
