@@ -215,3 +215,11 @@ def check_gloo_matches_model(report: SelfTestReport) -> None:
             f"Bit-exact numerics checks that emulate gloo collectives are invalid until the model is updated "
             f"(or the run is switched to the canonical order).\n{bad}"
         )
+
+
+def assert_gloo_matches_model(**kwargs) -> SelfTestReport:
+    """pytest-friendly: run the self-test (``run_gloo_selftest`` arguments) and raise
+    GlooModelMismatch unless every real result matches its model."""
+    report = run_gloo_selftest(**kwargs)
+    check_gloo_matches_model(report)
+    return report

@@ -16,6 +16,10 @@ association is known. Two orders are modelled:
   tensor dtype; AVG divides by n. Any backend can be made to follow it
   (``numerics.canonical_comm``), so a run switched to it is emulatable everywhere.
 
+Apply a model to exactly the tensor the real collective reduces: the ring's segment layout depends
+on that tensor's total size, so a flat gradient bucket must be modelled as one tensor, not parameter
+by parameter.
+
 Every add is an explicit elementwise tensor add in the collective's dtype: torch's own ``sum`` of a
 bf16 tensor accumulates in fp32 internally and would NOT reproduce a bf16 collective.
 """

@@ -5,6 +5,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from numerics.compare import assert_bit_exact, compare, diff_buffer, ulp_distance
 
@@ -116,3 +118,22 @@ def test_assert_bit_exact_reports_the_first_divergent_buffer():
 def test_bad_input_raises_a_clear_error(actual, expected, order, message):
     with pytest.raises(ValueError, match=message):
         compare(actual, expected, order)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    x=st.floats(width=32, allow_nan=False, allow_infinity=False),
+    up=st.integers(min_value=0, max_value=100),
+    down=st.integers(min_value=0, max_value=100),
+)
+def test_ulp_distance_is_additive_along_the_float_line(x, up, down):
+    # walking `down` steps below x and `up` steps above it, across zero and binade edges included
+    mid = torch.tensor([x], dtype=torch.float32)
+    hi = _next_up(mid, up)
+    lo = mid
+    for _ in range(down):
+        lo = torch.nextafter(lo, torch.tensor(-math.inf))
+    if math.isinf(hi.item()) or math.isinf(lo.item()):
+        return
+    assert int(ulp_distance(hi, mid)[0]) == up and int(ulp_distance(mid, lo)[0]) == down
+    assert int(ulp_distance(hi, lo)[0]) == int(ulp_distance(lo, hi)[0]) == up + down
