@@ -6,8 +6,9 @@ Model of one gradient buffer fed by k = micro_batches x dp terms (ALGORITHMS.md,
   (bf16);
 - on each DP rank the micro-batch terms are accumulated into the buffer in micro-batch order by
   chained adds in the buffer dtype (``buf = g0; buf += g1; ...``);
-- the DP ranks' buffers are summed by a reduction-order model (default ``gloo_ring``) in the buffer
-  dtype.
+- the DP ranks' buffers are summed (SUM) by a reduction-order model (default ``gloo_ring``) in the
+  buffer dtype. A ZeRO reduce-scatter gives the same bits per element on gloo; averaging or loss
+  scaling by a power of two changes no relative error.
 
 Errors are normwise against the exact sum S of the unrounded terms, computed in fp64:
 ``E(dtype) = ||buffer_dtype - S||_2 / ||S||_2``. The bf16 storage floor is ``F = ||bf16(S) - S||_2 / ||S||_2``:
