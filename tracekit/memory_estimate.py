@@ -1,0 +1,420 @@
+"""Per-GPU memory of a Llama-architecture model under 4D parallelism (Fujii, Watanabe, Yokota 2024).
+
+Two views of the same model:
+
+- ``paper_estimate``: the paper's formula verbatim (first pipeline stage, 1F1B, bf16 weights, fp32
+  gradients, fp32 master weights and Adam moments sharded over dp x cp, FlashAttention, TP with
+  sequence parallelism). Real-valued, as in the paper.
+- ``estimate_rank``: the same terms built from exact integer parameter counts of one rank's stage
+  (``param_count``), with the bytes per parameter, the ZeRO stage, the stage contents and the number
+  of micro-batches in flight made explicit, so it can be applied to a concrete trainer config and
+  compared with measured peaks and real tensors.
+
+Symbols: h hidden, f FFN hidden, a heads, k KV heads, L layers, v vocabulary; t, c, p, d the TP, CP,
+PP, DP sizes; s sequence length, b micro-batch size. Bytes are reported as bytes and GiB (1024^3).
+The verdict follows the paper's 454-run rule of thumb: an estimate <= 80% of device memory never ran
+out of memory, between 80% and 100% it may, above 100% it will.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from tracekit.topology import Layout
+
+GIB = 1024**3
+SAFE_FRACTION = 0.8  # the paper's "never OOM below 80%" threshold
+
+
+class EstimateError(ValueError):
+    """An impossible model or parallel configuration."""
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Llama architecture: untied embedding/head, GQA, SwiGLU, RMSNorm, no biases, no dropout."""
+
+    hidden: int
+    ffn_hidden: int
+    heads: int
+    kv_heads: int
+    layers: int
+    vocab: int
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for f in ("hidden", "ffn_hidden", "heads", "kv_heads", "layers", "vocab"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise EstimateError(f"model {self.name}: {f} must be a positive integer, got {v!r}")
+        if self.hidden % self.heads:
+            raise EstimateError(
+                f"model {self.name}: hidden {self.hidden} not divisible by heads {self.heads}"
+            )
+        if self.heads % self.kv_heads:
+            raise EstimateError(
+                f"model {self.name}: heads {self.heads} not divisible by kv_heads {self.kv_heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the K (and of the V) projection: h * k / a."""
+        return self.head_dim * self.kv_heads
+
+
+PRESETS: dict[str, ModelDims] = {
+    "llama3-8b": ModelDims(4096, 14336, 32, 8, 32, 128256, "llama3-8b"),
+    "llama3-70b": ModelDims(8192, 28672, 64, 8, 80, 128256, "llama3-70b"),
+    "llama3-405b": ModelDims(16384, 53248, 128, 8, 126, 128256, "llama3-405b"),
+}
+
+
+def preset(name: str) -> ModelDims:
+    key = name.lower().replace("llama-3.1-", "llama3-").replace("llama3.1-", "llama3-")
+    if key not in PRESETS:
+        raise EstimateError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    return PRESETS[key]
+
+
+# -- validity: the one place that decides whether a configuration can exist ---------------------
+
+
+def config_problems(model: ModelDims, layout: Layout, seq: int, mbs: int) -> list[str]:
+    """Why (model, layout, seq, mbs) cannot run; empty when it can.
+
+    Rules: tp divides heads and kv heads (no KV-head replication) and the FFN width (column/row
+    split); pp divides the layer count (even stages) or the layer count + 2 (Llama 3's layout, see
+    ``stage_layers``); seq divides into 2*cp chunks
+    (the load-balanced causal CP split) and each CP rank's tokens divide over tp (sequence
+    parallelism); seq and mbs are positive. The vocabulary need not divide by tp: each TP rank holds
+    ceil(v / t) rows (padded vocab).
+    """
+    t, c, p = layout.tp, layout.cp, layout.pp
+    out = []
+    if seq < 1 or mbs < 1:
+        out.append(f"seq ({seq}) and mbs ({mbs}) must be >= 1")
+    if model.heads % t:
+        out.append(f"tp {t} does not divide heads {model.heads}")
+    if model.kv_heads % t:
+        out.append(f"tp {t} does not divide kv_heads {model.kv_heads}")
+    if model.ffn_hidden % t:
+        out.append(f"tp {t} does not divide ffn_hidden {model.ffn_hidden}")
+    L = model.layers
+    if L % p and ((L + 2) % p or (L + 2) // p < 2):
+        out.append(f"pp {p} divides neither layers {L} nor layers + 2")
+    if seq >= 1 and seq % (2 * c):
+        out.append(f"seq {seq} does not split into 2*cp = {2 * c} chunks")
+    elif seq >= 1 and (seq // c) % t:
+        out.append(f"per-CP-rank tokens {seq // c} do not divide over tp {t} (sequence parallel)")
+    return out
+
+
+def check_config(model: ModelDims, layout: Layout, seq: int, mbs: int) -> None:
+    problems = config_problems(model, layout, seq, mbs)
+    if problems:
+        raise EstimateError(f"invalid config {layout} seq={seq} mbs={mbs} for {model.name}: "
+                            + "; ".join(problems))
+
+
+# -- exact parameter counts ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageContents:
+    """What one rank's pipeline stage (all of its virtual stages together) holds."""
+
+    layers: int
+    embedding: bool
+    head: bool  # output projection and the final RMSNorm
+
+
+def stage_layers(model: ModelDims, pp: int) -> list[int]:
+    """Layers per pipeline stage: L/p each, or Llama 3's layout when p divides L + 2 but not L
+    (first and last stage hold one layer fewer, since they also hold the embedding and the head)."""
+    L = model.layers
+    if pp < 1:
+        raise EstimateError(f"pp must be >= 1, got {pp}")
+    if L % pp == 0:
+        return [L // pp] * pp
+    if (L + 2) % pp == 0 and (L + 2) // pp >= 2:
+        n = (L + 2) // pp
+        return [n - 1] + [n] * (pp - 2) + [n - 1]
+    raise EstimateError(f"pp {pp} divides neither layers {L} nor layers + 2")
+
+
+def stage_contents(model: ModelDims, pp: int, stage: int) -> StageContents:
+    """What stage ``stage`` of ``pp`` holds: its layers (``stage_layers``); the first stage also
+    holds the embedding, the last the head and final norm."""
+    if not 0 <= stage < pp:
+        raise EstimateError(f"stage {stage} outside 0..{pp - 1}")
+    return StageContents(stage_layers(model, pp)[stage], stage == 0, stage == pp - 1)
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameters held by one TP rank of one stage, by module kind (elements, not bytes)."""
+
+    embedding: int
+    attention: int  # q, k, v, o projections of all held layers
+    mlp: int  # gate, up, down projections
+    norms: int  # RMSNorm weights (replicated over TP), including the final norm
+    head: int  # output projection
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.attention + self.mlp + self.norms + self.head
+
+
+def param_count(model: ModelDims, tp: int, contents: StageContents) -> ParamCount:
+    """Exact number of parameters on one TP rank holding ``contents``.
+
+    Q and O are h x h/t, K and V h x (h*k/a)/t, gate/up/down h x f/t, the embedding and head
+    ceil(v/t) x h (vocab-parallel, padded); RMSNorm weights (2 per layer, 1 final) are whole on every
+    TP rank.
+    """
+    for name, n in (("heads", model.heads), ("kv_heads", model.kv_heads), ("ffn_hidden", model.ffn_hidden)):
+        if n % tp:
+            raise EstimateError(f"tp {tp} does not divide {name} {n}")
+    h, n = model.hidden, contents.layers
+    vocab_rows = math.ceil(model.vocab / tp)
+    return ParamCount(
+        embedding=vocab_rows * h if contents.embedding else 0,
+        attention=n * (2 * h * (h // tp) + 2 * h * (model.kv_dim // tp)),
+        mlp=n * 3 * h * (model.ffn_hidden // tp),
+        norms=n * 2 * h + (h if contents.head else 0),
+        head=vocab_rows * h if contents.head else 0,
+    )
+
+
+def total_params(model: ModelDims) -> int:
+    """Parameters of the whole unsharded model."""
+    return param_count(model, 1, StageContents(model.layers, True, True)).total
+
+
+# -- bytes ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of each model state, and how far ZeRO shards them over dp x cp.
+
+    The paper's 18 bytes: 2 bf16 weight + 4 fp32 gradient + 4 fp32 master + 8 Adam (m, v), with
+    ZeRO stage 1 (master and moments sharded). Stage 2 also shards gradients, 3 also weights.
+    """
+
+    weight: int = 2
+    gradient: int = 4
+    master: int = 4
+    optimizer: int = 8
+    zero_stage: int = 1
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise EstimateError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        for f in ("weight", "gradient", "master", "optimizer"):
+            if getattr(self, f) < 0:
+                raise EstimateError(f"{f} bytes per parameter must be >= 0")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU by component. ``optimizer`` includes the fp32 master weights."""
+
+    model: str
+    formula: str  # "paper" | "exact"
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    seq: int
+    mbs: int
+    stage: int
+    params: float  # parameters held by this rank (before ZeRO sharding)
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    detail: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def model_states(self) -> float:
+        return self.weights + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations
+
+    def gib(self) -> dict[str, float]:
+        return {k: getattr(self, k) / GIB
+                for k in ("weights", "gradients", "optimizer", "activations", "total")}
+
+    def verdict(self, device_gib: float) -> str:
+        return verdict(self.total, device_gib * GIB)
+
+    def as_dict(self, device_gib: float | None = None) -> dict:
+        d = asdict(self)
+        d["model_states"] = self.model_states
+        d["total"] = self.total
+        d["gib"] = self.gib()
+        if device_gib is not None:
+            d["device_gib"] = device_gib
+            d["fraction_of_device"] = self.total / (device_gib * GIB)
+            d["verdict"] = self.verdict(device_gib)
+        return d
+
+
+def verdict(total_bytes: float, device_bytes: float) -> str:
+    """fits (<= 80% of the device), may-not-fit (80-100%: buffers, fragmentation), will-not-fit."""
+    if device_bytes <= 0:
+        raise EstimateError(f"device size must be positive, got {device_bytes} bytes")
+    frac = total_bytes / device_bytes
+    return "fits" if frac <= SAFE_FRACTION else "may-not-fit" if frac <= 1.0 else "will-not-fit"
+
+
+def _activation_terms(model: ModelDims, t: int, c: int, s: int, b: int) -> tuple[float, float, float]:
+    """(per layer per micro-batch, embedding input per micro-batch, head) in bytes, bf16 activations.
+
+    Per layer s*b*h*(12 + 4k/a + 8f/h)/(t*c): norm inputs and outputs, Q, K, V, attention output
+    (FlashAttention keeps no s^2 scores) and the SwiGLU intermediates; all split by TP (sequence
+    parallel) and CP. The embedding input is 8*s*b*h/(t*c); the head 4*s*b*h*(1 + v/h)/(t*c).
+    """
+    h, a, k, f, v = model.hidden, model.heads, model.kv_heads, model.ffn_hidden, model.vocab
+    unit = s * b * h / (t * c)
+    return unit * (12 + 4 * k / a + 8 * f / h), unit * 8, unit * 4 * (1 + v / h)
+
+
+def paper_estimate(model: ModelDims, layout: Layout, seq: int, mbs: int) -> MemoryEstimate:
+    """The paper's formula for the first pipeline stage under 1F1B, exactly as published.
+
+    L/p is taken as a real number, as in the paper, also where p divides only L + 2."""
+    check_config(model, layout, seq, mbs)
+    h, a, k, f, v, L = (model.hidden, model.heads, model.kv_heads, model.ffn_hidden, model.vocab,
+                        model.layers)
+    t, c, p, d = layout.tp, layout.cp, layout.pp, layout.dp
+    vocab_term = h * v / t if p > 1 else 2 * h * v / t + h
+    params = vocab_term + 2 * (L / p) * h**2 * ((1 + k / a + 1.5 * f / h) / t + 1 / h)
+    per_layer, embed, head = _activation_terms(model, t, c, seq, mbs)
+    acts = per_layer * L + embed * p + (head if p == 1 else 0.0)
+    return MemoryEstimate(
+        model=model.name, formula="paper", tp=t, cp=c, pp=p, dp=d, seq=seq, mbs=mbs, stage=0,
+        params=params, weights=2 * params, gradients=4 * params, optimizer=12 * params / (d * c),
+        activations=acts,
+        detail={"act_layers": per_layer * L, "act_embedding": embed * p,
+                "act_head": head if p == 1 else 0.0},
+    )
+
+
+def estimate_rank(
+    model: ModelDims,
+    layout: Layout,
+    seq: int,
+    mbs: int,
+    *,
+    stage: int = 0,
+    contents: StageContents | None = None,
+    state: StateBytes = StateBytes(),
+    microbatches_in_flight: int | None = None,
+    activation_bytes: int = 2,
+) -> MemoryEstimate:
+    """One rank of ``stage`` from exact parameter counts; the knobs the paper fixes are arguments.
+
+    ``contents`` defaults to ``stage_contents``. ``microbatches_in_flight`` is the number
+    of micro-batches whose activations the stage holds at its peak: p - stage under 1F1B (the
+    default), the micro-batch count under all-forward-all-backward. The head term counts once (its
+    backward runs right after its forward). ZeRO shards are ceil(N / (d*c)) elements, as a flat
+    buffer padded to a multiple of d*c gives. ``activation_bytes`` scales the bf16 coefficients.
+    """
+    check_config(model, layout, seq, mbs)
+    t, c, p, d = layout.tp, layout.cp, layout.pp, layout.dp
+    if not 0 <= stage < p:
+        raise EstimateError(f"stage {stage} outside 0..{p - 1}")
+    contents = contents if contents is not None else stage_contents(model, p, stage)
+    inflight = p - stage if microbatches_in_flight is None else microbatches_in_flight
+    if inflight < 1:
+        raise EstimateError(f"microbatches_in_flight must be >= 1, got {inflight}")
+    n = param_count(model, t, contents).total
+    shard = math.ceil(n / (d * c))
+
+    def held(bytes_per_param: int, sharded: bool) -> int:
+        return bytes_per_param * (shard if sharded else n)
+
+    z = state.zero_stage
+    per_layer, embed, head = _activation_terms(model, t, c, seq, mbs)
+    scale = activation_bytes / 2
+    act_layers = per_layer * contents.layers * inflight * scale
+    act_embed = embed * inflight * scale if contents.embedding else 0.0
+    act_head = head * scale if contents.head else 0.0
+    return MemoryEstimate(
+        model=model.name, formula="exact", tp=t, cp=c, pp=p, dp=d, seq=seq, mbs=mbs, stage=stage,
+        params=n,
+        weights=held(state.weight, z >= 3),
+        gradients=held(state.gradient, z >= 2),
+        optimizer=held(state.master + state.optimizer, z >= 1),
+        activations=act_layers + act_embed + act_head,
+        detail={"act_layers": act_layers, "act_embedding": act_embed, "act_head": act_head,
+                "shard_params": shard, "microbatches_in_flight": inflight},
+    )
+
+
+# -- sweep ---------------------------------------------------------------------------------------
+
+
+def _divisors(n: int) -> list[int]:
+    return [x for x in range(1, n + 1) if n % x == 0]
+
+
+def sweep(
+    model: ModelDims,
+    gpus: int,
+    seq: int,
+    *,
+    mbs_values: tuple[int, ...] = (1, 2, 4),
+    device_gib: float = 80.0,
+    global_batch: int | None = None,
+    max_tp: int | None = None,
+):
+    """Every valid (tp, cp, pp, mbs) on ``gpus`` GPUs with the paper's estimate, smallest first.
+
+    dp = gpus / (tp*cp*pp) must be whole; validity per ``config_problems``. With ``global_batch``
+    (sequences per step) mbs*dp must divide it. ``max_tp`` caps TP (e.g. GPUs per NVLink domain).
+    Returns a polars DataFrame with GiB by component, the fraction of the device and the verdict.
+    """
+    import polars as pl
+
+    if gpus < 1:
+        raise EstimateError(f"gpus must be >= 1, got {gpus}")
+    if device_gib <= 0:
+        raise EstimateError(f"device size must be positive, got {device_gib} GiB")
+    if not mbs_values or any(m < 1 for m in mbs_values):
+        raise EstimateError(f"micro-batch sizes must be >= 1, got {mbs_values!r}")
+    rows = []
+    for tp in _divisors(gpus):
+        if max_tp is not None and tp > max_tp:
+            continue
+        for cp in _divisors(gpus // tp):
+            for pp in _divisors(gpus // (tp * cp)):
+                layout = Layout(tp=tp, cp=cp, pp=pp, dp=gpus // (tp * cp * pp))
+                for mbs in mbs_values:
+                    if config_problems(model, layout, seq, mbs):
+                        continue
+                    if global_batch is not None and global_batch % (mbs * layout.dp):
+                        continue
+                    e = paper_estimate(model, layout, seq, mbs)
+                    g = e.gib()
+                    rows.append({
+                        "tp": tp, "cp": cp, "pp": pp, "dp": layout.dp, "mbs": mbs,
+                        "weights_gib": g["weights"], "gradients_gib": g["gradients"],
+                        "optimizer_gib": g["optimizer"], "activations_gib": g["activations"],
+                        "total_gib": g["total"], "fraction": e.total / (device_gib * GIB),
+                        "verdict": e.verdict(device_gib),
+                    })
+    schema = {"tp": pl.Int64, "cp": pl.Int64, "pp": pl.Int64, "dp": pl.Int64, "mbs": pl.Int64,
+              "weights_gib": pl.Float64, "gradients_gib": pl.Float64, "optimizer_gib": pl.Float64,
+              "activations_gib": pl.Float64, "total_gib": pl.Float64, "fraction": pl.Float64,
+              "verdict": pl.Utf8}
+    return pl.DataFrame(rows, schema=schema).sort(["total_gib", "tp", "cp", "pp", "mbs"])
