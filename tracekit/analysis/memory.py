@@ -1,0 +1,195 @@
+"""Per-rank memory from allocator trace rows (the store's ``memory_events`` table).
+
+Input: a polars DataFrame with the ``memory_events`` columns (tracekit.schema): at least rank, seq,
+action, addr, size; run_id, ts_ns, category, frame are used when present. Every computation is
+columnar (polars), so a rank with millions of trace entries is never turned into Python objects.
+
+Allocator semantics (CUDA caching allocator trace, FORMATS.md section 3): ``alloc`` makes a block
+live; it stops counting as allocated at ``free_completed`` (``free_requested`` only marks it as
+pending while other streams still use it). A ``free_completed`` with no earlier ``alloc`` of that
+address in the trace is a block allocated before recording started: it counts as live from the
+start (the "baseline"). Blocks allocated before recording and never freed in it are invisible here;
+the snapshot's segments (``memory_segments``) hold them. Reserved memory follows segment events:
+``segment_alloc``/``segment_map`` add, ``segment_free``/``segment_unmap`` subtract.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from tracekit.topology import Layout
+
+REQUIRED = ("rank", "seq", "action", "addr", "size")
+KEY = ["run_id", "rank"]
+RESERVE_SIGN = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+
+
+class MemoryDataError(ValueError):
+    """memory_events rows that cannot be analysed (missing columns, bad values)."""
+
+
+def _normalize(events: pl.DataFrame) -> pl.DataFrame:
+    missing = [c for c in REQUIRED if c not in events.columns]
+    if missing:
+        raise MemoryDataError(f"memory_events rows lack columns {missing}; have {events.columns}")
+    defaults = {"run_id": pl.lit(""), "ts_ns": pl.lit(None, pl.Int64),
+                "category": pl.lit(None, pl.Utf8), "frame": pl.lit(None, pl.Utf8)}
+    ev = events.with_columns([v.alias(k) for k, v in defaults.items() if k not in events.columns])
+    bad = ev.filter(pl.col("size").is_null() | (pl.col("size") < 0)
+                    | pl.col("rank").is_null() | pl.col("seq").is_null())
+    if bad.height:
+        raise MemoryDataError(f"{bad.height} memory_events rows have a null rank/seq or a null or "
+                              f"negative size (first: {bad.row(0, named=True)})")
+    dup = ev.group_by(KEY + ["seq"]).len().filter(pl.col("len") > 1)
+    if dup.height:
+        raise MemoryDataError(f"seq is not unique within a rank: {dup.row(0, named=True)}")
+    return ev.with_columns(
+        pl.col("size").cast(pl.Int64), pl.col("seq").cast(pl.Int64), pl.col("ts_ns").cast(pl.Int64),
+        pl.col("category").fill_null("unknown"), pl.col("frame").fill_null("<unknown>"),
+    ).sort(KEY + ["seq"])
+
+
+def block_lifetimes(events: pl.DataFrame) -> pl.DataFrame:
+    """One row per block: run_id, rank, addr, size, category, frame, alloc_seq, free_seq.
+
+    alloc_seq is null for a block live before the trace began; free_seq is null for a block still
+    live at its end. A block's interval is [alloc_seq, free_seq)."""
+    ev = _normalize(events).filter(pl.col("action").is_in(["alloc", "free_completed"]))
+    by_addr = KEY + ["addr"]
+    ev = ev.sort(by_addr + ["seq"]).with_columns(
+        pl.col("action").shift(-1).over(by_addr).alias("next_action"),
+        pl.col("seq").shift(-1).over(by_addr).alias("next_seq"),
+        pl.col("action").shift(1).over(by_addr).alias("prev_action"),
+    )
+    cols = KEY + ["addr", "size", "category", "frame", "alloc_seq", "free_seq"]
+    allocated = ev.filter(pl.col("action") == "alloc").select(
+        *KEY, "addr", "size", "category", "frame",
+        pl.col("seq").alias("alloc_seq"),
+        # the next event at this address ends the block (a free, or an alloc if a free went unrecorded)
+        pl.col("next_seq").alias("free_seq"),
+    )
+    before = ev.filter((pl.col("action") == "free_completed")
+                       & (pl.col("prev_action").is_null() | (pl.col("prev_action") != "alloc"))).select(
+        *KEY, "addr", "size", "category", "frame",
+        pl.lit(None, pl.Int64).alias("alloc_seq"), pl.col("seq").alias("free_seq"),
+    )
+    return pl.concat([allocated.select(cols), before.select(cols)]).sort(KEY + ["alloc_seq", "addr"],
+                                                                         nulls_last=False)
+
+
+def timeline(events: pl.DataFrame) -> pl.DataFrame:
+    """Allocated bytes per rank after every event that changed it: run_id, rank, seq, ts_ns, allocated."""
+    ev = _normalize(events)
+    life = block_lifetimes(ev)
+    baseline = life.filter(pl.col("alloc_seq").is_null()).group_by(KEY).agg(
+        pl.col("size").sum().alias("baseline"))
+    deltas = pl.concat([
+        life.filter(pl.col("alloc_seq").is_not_null()).select(*KEY, pl.col("alloc_seq").alias("seq"),
+                                                              pl.col("size").alias("delta")),
+        life.filter(pl.col("free_seq").is_not_null()).select(*KEY, pl.col("free_seq").alias("seq"),
+                                                             (-pl.col("size")).alias("delta")),
+    ]).group_by(KEY + ["seq"]).agg(pl.col("delta").sum()).sort(KEY + ["seq"])
+    out = deltas.join(baseline, on=KEY, how="left").with_columns(
+        (pl.col("delta").cum_sum().over(KEY) + pl.col("baseline").fill_null(0)).alias("allocated"))
+    return out.join(ev.select(*KEY, "seq", "ts_ns"), on=KEY + ["seq"], how="left").select(
+        *KEY, "seq", "ts_ns", "allocated")
+
+
+def reserved_timeline(events: pl.DataFrame, segments: pl.DataFrame | None = None) -> pl.DataFrame:
+    """Reserved bytes per rank: run_id, rank, seq, reserved; a row at seq -1 is the state before
+    the first event.
+
+    ``segments`` are memory_segments rows (the allocator's state when the snapshot was taken, after
+    the trace): with them the starting reserve is the end state minus the trace's net change;
+    without them it is taken as 0 (recording began with the process), and a rank with neither
+    segment events nor segments has no rows (unknown)."""
+    ev = _normalize(events).filter(pl.col("action").is_in(list(RESERVE_SIGN)))
+    ev = ev.with_columns((pl.col("action").replace_strict(RESERVE_SIGN, return_dtype=pl.Int64)
+                          * pl.col("size")).alias("delta"))
+    net = ev.group_by(KEY).agg(pl.col("delta").sum().alias("net"))
+    start = net.select(*KEY, pl.lit(0, pl.Int64).alias("start"))
+    if segments is not None and segments.height:
+        seg = segments if "run_id" in segments.columns else segments.with_columns(pl.lit("").alias("run_id"))
+        end = seg.group_by(KEY).agg(pl.col("total_size").sum().cast(pl.Int64).alias("end_reserved"))
+        start = end.join(net, on=KEY, how="full", coalesce=True).select(
+            *KEY, (pl.col("end_reserved").fill_null(0) - pl.col("net").fill_null(0)).alias("start"))
+    rows = pl.concat([
+        start.select(*KEY, pl.lit(-1, pl.Int64).alias("seq"), pl.col("start").alias("delta")),
+        ev.select(*KEY, "seq", "delta"),
+    ]).sort(KEY + ["seq"])
+    return rows.with_columns(pl.col("delta").cum_sum().over(KEY).alias("reserved")).select(
+        *KEY, "seq", "reserved")
+
+
+def peaks(events: pl.DataFrame, segments: pl.DataFrame | None = None,
+          steps: pl.DataFrame | None = None) -> pl.DataFrame:
+    """Per rank: peak allocated bytes, when (seq, ts_ns, step if ``steps`` and times are known), the
+    allocation that reached it (its frame and category), baseline and final allocated, and the
+    reserve at the peak with fragmentation = 1 - allocated / reserved (null when unknown)."""
+    ev = _normalize(events)
+    tl = timeline(ev)
+    if tl.height == 0:
+        raise MemoryDataError("memory_events rows hold no alloc or free_completed entries")
+    at_peak = tl.sort(KEY + ["seq"]).group_by(KEY, maintain_order=True).agg(
+        pl.col("allocated").max().alias("peak_allocated"),
+        pl.col("seq").get(pl.col("allocated").arg_max()).alias("peak_seq"),
+        pl.col("ts_ns").get(pl.col("allocated").arg_max()).alias("peak_ts_ns"),
+        pl.col("allocated").last().alias("final_allocated"),
+    )
+    base = block_lifetimes(ev).filter(pl.col("alloc_seq").is_null()).group_by(KEY).agg(
+        pl.col("size").sum().alias("baseline_allocated"))
+    trigger = ev.select(*KEY, pl.col("seq").alias("peak_seq"), pl.col("frame").alias("peak_frame"),
+                        pl.col("category").alias("peak_category"))
+    out = (at_peak.join(trigger, on=KEY + ["peak_seq"], how="left")
+           .join(base, on=KEY, how="left")
+           .with_columns(pl.col("baseline_allocated").fill_null(0)))
+    res = reserved_timeline(ev, segments)
+    res_at = out.select(*KEY, "peak_seq").join(res, on=KEY).filter(
+        pl.col("seq") <= pl.col("peak_seq")).group_by(KEY).agg(
+        pl.col("reserved").sort_by("seq").last().alias("reserved_at_peak"))
+    res_max = res.group_by(KEY).agg(pl.col("reserved").max().alias("peak_reserved"))
+    out = out.join(res_at, on=KEY, how="left").join(res_max, on=KEY, how="left")
+    out = out.with_columns((1 - pl.col("peak_allocated") / pl.col("reserved_at_peak"))
+                           .alias("fragmentation_at_peak"))
+    if steps is not None:
+        out = _with_step(out, steps)
+    return out.sort(KEY)
+
+
+def _with_step(peak: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
+    st = steps if "run_id" in steps.columns else steps.with_columns(pl.lit("").alias("run_id"))
+    hit = (peak.select(*KEY, "peak_ts_ns").join(st.select(*KEY, "step", "start_ns", "end_ns"), on=KEY)
+           .filter((pl.col("peak_ts_ns") >= pl.col("start_ns")) & (pl.col("peak_ts_ns") < pl.col("end_ns")))
+           .group_by(KEY).agg(pl.col("step").min().alias("peak_step")))
+    return peak.join(hit, on=KEY, how="left")
+
+
+def live_at_peak(events: pl.DataFrame, by: str = "category") -> pl.DataFrame:
+    """What was live at each rank's peak, grouped by ``by`` ('category' or 'frame'):
+    run_id, rank, <by>, bytes, blocks, share (of the peak), largest first."""
+    if by not in ("category", "frame"):
+        raise MemoryDataError(f"group live memory by 'category' or 'frame', not {by!r}")
+    ev = _normalize(events)
+    peak = peaks(ev).select(*KEY, "peak_seq", "peak_allocated")
+    live = block_lifetimes(ev).join(peak, on=KEY).filter(
+        (pl.col("alloc_seq").is_null() | (pl.col("alloc_seq") <= pl.col("peak_seq")))
+        & (pl.col("free_seq").is_null() | (pl.col("free_seq") > pl.col("peak_seq"))))
+    return (live.group_by(KEY + [by]).agg(pl.col("size").sum().alias("bytes"), pl.len().alias("blocks"),
+                                          pl.col("peak_allocated").first())
+            .with_columns((pl.col("bytes") / pl.col("peak_allocated")).alias("share"))
+            .drop("peak_allocated").sort(KEY + ["bytes", by], descending=[False, False, True, False]))
+
+
+def imbalance(peak: pl.DataFrame, layout: Layout) -> pl.DataFrame:
+    """Peaks with each rank's 4D coordinates and its ratio to the mean peak of its run, and to the
+    mean of its pipeline stage (1F1B's first stage holds the most warm-up activations)."""
+    if peak.height and int(peak["rank"].max()) >= layout.world_size:
+        raise MemoryDataError(f"rank {int(peak['rank'].max())} outside layout {layout}")
+    coords = pl.DataFrame([{"rank": r, **layout.coords(r).as_dict()} for r in range(layout.world_size)],
+                          schema={"rank": peak.schema["rank"], "dp": pl.Int64, "pp": pl.Int64,
+                                  "cp": pl.Int64, "tp": pl.Int64})
+    return peak.join(coords, on="rank", how="left").with_columns(
+        (pl.col("peak_allocated") / pl.col("peak_allocated").mean().over("run_id")).alias("vs_run_mean"),
+        (pl.col("peak_allocated").mean().over(["run_id", "pp"])
+         / pl.col("peak_allocated").mean().over("run_id")).alias("stage_vs_run_mean"),
+    ).sort(KEY)
