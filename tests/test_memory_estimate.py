@@ -13,6 +13,7 @@ from tracekit.memory_estimate import (
     EstimateError,
     ModelDims,
     StageContents,
+    StateBuffer,
     StateBytes,
     check_config,
     config_problems,
@@ -140,6 +141,35 @@ def test_zero_stages_and_byte_counts_are_explicit():
     assert z0.optimizer == 12 * n
     with pytest.raises(EstimateError, match="zero_stage"):
         StateBytes(zero_stage=4)
+
+
+def test_explicit_buffers_per_virtual_stage_bucket():
+    # A trainer-like arrangement: rank of PP stage 0 of 2 with 2 virtual stages holds virtual
+    # stages 0 (embedding + 1 layer) and 2 (1 layer), each in its own flat buffer sharded over
+    # d*c = 3; bf16 weights, a full padded fp32 gradient buffer plus two fp32 gradient shards
+    # (reduce-scatter output and the reduced copy), fp32 master and Adam moments on the shard.
+    state = (StateBuffer("weights", 2, "params"), StateBuffer("gradients", 4, "padded"),
+             StateBuffer("gradients", 4, "shard"), StateBuffer("gradients", 4, "shard"),
+             StateBuffer("optimizer", 4, "shard"), StateBuffer("optimizer", 8, "shard"))
+    buckets = [StageContents(1, True, False), StageContents(1, False, False)]
+    e = estimate_rank(TINY, Layout(pp=2, dp=3), 128, 1, contents=buckets, state=state)
+    # per layer at tp 1: q 4096 + o 4096 + k 2048 + v 2048 + mlp 3*64*128 + norms 128 = 36992
+    # bucket A: 256*64 + 36992 = 53376 = 3 * 17792; bucket B: 36992 -> shard 12331, padded 36993
+    assert e.params == 53376 + 36992
+    assert e.detail["shard_params"] == 17792 + 12331
+    assert e.weights == 2 * 90368
+    assert e.gradients == 4 * (53376 + 36993) + 2 * 4 * (17792 + 12331) == 602460
+    assert e.optimizer == 12 * 30123 == 361476
+    # one buffer holding both would shard 90368 -> 30123 as well, but pad to 90369 only once
+    one = estimate_rank(TINY, Layout(pp=2, dp=3), 128, 1, contents=StageContents(2, True, False),
+                        state=state)
+    assert one.gradients == 4 * 90369 + 8 * 30123
+    with pytest.raises(EstimateError, match="extent must be one of"):
+        StateBuffer("weights", 2, "half")
+    with pytest.raises(EstimateError, match="component must be one of"):
+        StateBuffer("activations", 2, "params")
+    with pytest.raises(EstimateError, match="at least one stage"):
+        estimate_rank(TINY, Layout(pp=2), 128, 1, contents=[])
 
 
 def test_activations_follow_stage_and_microbatches_in_flight():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Sequence
 
 from tracekit.topology import Layout
 
@@ -199,12 +200,42 @@ def total_params(model: ModelDims) -> int:
 # -- bytes ---------------------------------------------------------------------------------------
 
 
+COMPONENTS = ("weights", "gradients", "optimizer")
+EXTENTS = ("params", "padded", "shard")
+
+
+@dataclass(frozen=True)
+class StateBuffer:
+    """One per-parameter buffer of the model state: what it counts toward, its bytes per element
+    and its extent over one flat buffer (bucket) of N parameters sharded over d*c ranks:
+    ``params`` N elements (unsharded tensors), ``padded`` ceil(N/(d*c))*d*c (a whole flat buffer
+    padded for sharding), ``shard`` ceil(N/(d*c)) (this rank's ZeRO shard)."""
+
+    component: str
+    bytes_per_element: int
+    extent: str
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.component not in COMPONENTS:
+            raise EstimateError(f"state buffer component must be one of {COMPONENTS}, got {self.component!r}")
+        if self.extent not in EXTENTS:
+            raise EstimateError(f"state buffer extent must be one of {EXTENTS}, got {self.extent!r}")
+        if self.bytes_per_element < 0:
+            raise EstimateError(f"bytes per element must be >= 0, got {self.bytes_per_element}")
+
+    def elements(self, n: int, shards: int) -> int:
+        shard = -(-n // shards)
+        return {"params": n, "padded": shard * shards, "shard": shard}[self.extent]
+
+
 @dataclass(frozen=True)
 class StateBytes:
-    """Bytes per parameter of each model state, and how far ZeRO shards them over dp x cp.
+    """Bytes per parameter of each model state and the ZeRO stage that shards them over dp x cp.
 
     The paper's 18 bytes: 2 bf16 weight + 4 fp32 gradient + 4 fp32 master + 8 Adam (m, v), with
     ZeRO stage 1 (master and moments sharded). Stage 2 also shards gradients, 3 also weights.
+    A shorthand for the common cases; any other arrangement is a tuple of ``StateBuffer``.
     """
 
     weight: int = 2
@@ -219,6 +250,15 @@ class StateBytes:
         for f in ("weight", "gradient", "master", "optimizer"):
             if getattr(self, f) < 0:
                 raise EstimateError(f"{f} bytes per parameter must be >= 0")
+
+    def buffers(self) -> tuple[StateBuffer, ...]:
+        z = self.zero_stage
+        return (
+            StateBuffer("weights", self.weight, "shard" if z >= 3 else "params", "weight"),
+            StateBuffer("gradients", self.gradient, "shard" if z >= 2 else "params", "gradient"),
+            StateBuffer("optimizer", self.master, "shard" if z >= 1 else "params", "master"),
+            StateBuffer("optimizer", self.optimizer, "shard" if z >= 1 else "params", "moments"),
+        )
 
 
 @dataclass(frozen=True)
@@ -316,48 +356,50 @@ def estimate_rank(
     mbs: int,
     *,
     stage: int = 0,
-    contents: StageContents | None = None,
-    state: StateBytes = StateBytes(),
+    contents: StageContents | Sequence[StageContents] | None = None,
+    state: StateBytes | Sequence[StateBuffer] = StateBytes(),
     microbatches_in_flight: int | None = None,
     activation_bytes: int = 2,
 ) -> MemoryEstimate:
     """One rank of ``stage`` from exact parameter counts; the knobs the paper fixes are arguments.
 
-    ``contents`` defaults to ``stage_contents``. ``microbatches_in_flight`` is the number
-    of micro-batches whose activations the stage holds at its peak: p - stage under 1F1B (the
-    default), the micro-batch count under all-forward-all-backward. The head term counts once (its
-    backward runs right after its forward). ZeRO shards are ceil(N / (d*c)) elements, as a flat
-    buffer padded to a multiple of d*c gives. ``activation_bytes`` scales the bf16 coefficients.
+    ``contents`` defaults to ``stage_contents``; a sequence means one flat buffer per entry (e.g. per
+    virtual stage), each padded to a multiple of d*c on its own. ``state`` is ``StateBytes`` or
+    explicit ``StateBuffer``s. ``microbatches_in_flight`` is the number of micro-batches whose
+    activations the stage holds at its peak: p - stage under 1F1B (the default), the micro-batch
+    count under all-forward-all-backward. The head term counts once (its backward runs right after
+    its forward). ``activation_bytes`` scales the bf16 coefficients (4 for fp32 compute).
     """
     check_config(model, layout, seq, mbs)
     t, c, p, d = layout.tp, layout.cp, layout.pp, layout.dp
     if not 0 <= stage < p:
         raise EstimateError(f"stage {stage} outside 0..{p - 1}")
     contents = contents if contents is not None else stage_contents(model, p, stage)
+    buckets = [contents] if isinstance(contents, StageContents) else list(contents)
+    if not buckets:
+        raise EstimateError("contents must name at least one stage")
     inflight = p - stage if microbatches_in_flight is None else microbatches_in_flight
     if inflight < 1:
         raise EstimateError(f"microbatches_in_flight must be >= 1, got {inflight}")
-    n = param_count(model, t, contents).total
-    shard = math.ceil(n / (d * c))
-
-    def held(bytes_per_param: int, sharded: bool) -> int:
-        return bytes_per_param * (shard if sharded else n)
-
-    z = state.zero_stage
+    buffers = state.buffers() if isinstance(state, StateBytes) else tuple(state)
+    counts = [param_count(model, t, b).total for b in buckets]
+    held = {comp: 0 for comp in COMPONENTS}
+    for buf in buffers:
+        held[buf.component] += buf.bytes_per_element * sum(buf.elements(n, d * c) for n in counts)
+    layers = sum(b.layers for b in buckets)
     per_layer, embed, head = _activation_terms(model, t, c, seq, mbs)
     scale = activation_bytes / 2
-    act_layers = per_layer * contents.layers * inflight * scale
-    act_embed = embed * inflight * scale if contents.embedding else 0.0
-    act_head = head * scale if contents.head else 0.0
+    act_layers = per_layer * layers * inflight * scale
+    act_embed = embed * inflight * scale if any(b.embedding for b in buckets) else 0.0
+    act_head = head * scale if any(b.head for b in buckets) else 0.0
     return MemoryEstimate(
         model=model.name, formula="exact", tp=t, cp=c, pp=p, dp=d, seq=seq, mbs=mbs, stage=stage,
-        params=n,
-        weights=held(state.weight, z >= 3),
-        gradients=held(state.gradient, z >= 2),
-        optimizer=held(state.master + state.optimizer, z >= 1),
+        params=sum(counts),
+        weights=held["weights"], gradients=held["gradients"], optimizer=held["optimizer"],
         activations=act_layers + act_embed + act_head,
         detail={"act_layers": act_layers, "act_embedding": act_embed, "act_head": act_head,
-                "shard_params": shard, "microbatches_in_flight": inflight},
+                "shard_params": sum(-(-n // (d * c)) for n in counts),
+                "microbatches_in_flight": inflight},
     )
 
 
