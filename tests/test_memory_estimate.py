@@ -235,6 +235,17 @@ def test_llama3_405b_pipeline_layout_sheds_a_layer_on_first_and_last_stage():
     assert sum(param_count(m, 1, stage_contents(m, 16, s)).total for s in range(16)) == total_params(m)
 
 
+def test_llama3_405b_at_metas_8k_layout_needs_activation_savings():
+    # Llama 3 Table 2 at seq 8192: TP 8, CP 1, PP 16, DP 128 (16K GPUs). L/p = 126/16 as in the paper.
+    e = paper_estimate(preset("llama3-405b"), Layout(tp=8, pp=16, dp=128), 8192, 1)
+    assert e.params == 16384 * 128256 / 8 + 2 * (126 / 16) * 16384**2 * (
+        (1 + 8 / 128 + 1.5 * 53248 / 16384) / 8 + 1 / 16384)
+    unit = 8192 * 16384 / 8  # s*b*h/(t*c)
+    assert e.activations == pytest.approx(unit * ((12 + 0.25 + 26) * 126 + 8 * 16))  # 77.30 GiB
+    assert e.total / GIB == pytest.approx(96.61, abs=0.01)
+    assert e.verdict(80) == "will-not-fit" and e.verdict(141) == "fits"  # an H200 would do
+
+
 def test_bad_model_dims_raise_clearly():
     with pytest.raises(EstimateError, match="hidden 100 not divisible by heads 3"):
         ModelDims(100, 128, 3, 1, 2, 10)
