@@ -6,6 +6,7 @@ format by torch's own ``_profile_to_snapshot``; its trace entries become memory_
 plain-Python replay of the same trace, and against what the training loop really allocated.
 """
 
+import json
 import re
 from collections import Counter
 from pathlib import Path
@@ -239,3 +240,99 @@ def test_bad_rows_raise_clear_errors():
         peaks(frame([(0, "segment_alloc", 0, 5, None, None, None)]))
     with pytest.raises(MemoryDataError, match="'category' or 'frame'"):
         live_at_peak(frame(HAND), by="stream")
+
+
+# -- measured vs estimated, and the `tracekit memory` command over a DuckDB store ----------------
+
+
+def test_compare_with_estimate_by_component(run):
+    from tracekit.analysis.memory import compare_with_estimate
+    from tracekit.memory_estimate import MemoryEstimate
+
+    _, truths, events = run
+    live = live_at_peak(events)
+    # What this fp32 Adam loop should hold at its peak inside opt.step(): 4-byte weights and
+    # gradients, Adam's two 4-byte moments plus one 4-byte step counter per tensor, no activations
+    est = {}
+    for rank, t in truths.items():
+        n = t["param_bytes"]
+        est[rank] = MemoryEstimate(model="mlp", formula="exact", tp=1, cp=1, pp=1, dp=1, seq=16, mbs=1,
+                                   stage=0, params=n // 4, weights=n, gradients=n,
+                                   optimizer=2 * n + 4 * t["param_tensors"], activations=0)
+    cmp = compare_with_estimate(live, est)
+    assert cmp["component"].to_list()[:5] == ["weights", "gradients", "optimizer", "activations", "other"]
+    r0 = {r["component"]: r for r in cmp.filter(pl.col("rank") == 0).iter_rows(named=True)}
+    assert r0["gradients"]["difference"] == 0 and r0["optimizer"]["difference"] == 0
+    assert r0["weights"]["difference"] >= 0  # plus the optimizer's in-place update scratch
+    assert sum(r["measured"] for r in r0.values()) == peaks(events)["peak_allocated"][0]
+    with pytest.raises(MemoryDataError, match=r"no estimate for ranks \[1\]"):
+        compare_with_estimate(live, {0: est[0]})
+
+
+@pytest.fixture(scope="module")
+def store(run, tmp_path_factory):
+    import duckdb
+
+    from tracekit.schema import create_sql
+
+    _, _, events = run
+    path = tmp_path_factory.mktemp("store") / "run.duckdb"
+    con = duckdb.connect(str(path))
+    for t in ("runs", "memory_events", "memory_segments", "steps"):
+        con.execute(create_sql(t))
+    con.execute("INSERT INTO runs (run_id, tp, cp, pp, dp) VALUES ('run', 1, 1, 2, 1)")
+    con.register("ev", events.to_arrow())
+    con.execute("INSERT INTO memory_events SELECT * FROM ev")
+    other = frame(HAND).with_columns(pl.lit("other").alias("run_id"))
+    con.register("ev2", other.to_arrow())
+    con.execute("INSERT INTO memory_events (run_id, rank, seq, ts_ns, action, addr, size, category, frame)"
+                " SELECT run_id, rank, seq, ts_ns, action, addr, size, category, frame FROM ev2")
+    con.close()
+    return path
+
+
+def cli(*args):
+    from click.testing import CliRunner
+
+    from tracekit.cli import main
+
+    return CliRunner().invoke(main, ["memory", *map(str, args)])
+
+
+def test_memory_command_tables_and_json(run, store):
+    _, _, events = run
+    r = cli(store, "--run-id", "run")
+    assert r.exit_code == 0, r.output
+    assert "peak allocated per rank, run run" in r.output and "live at the peak, by category" in r.output
+    assert "_train_step (optimizer_state)" in r.output or "_train_step (" in r.output
+    j = json.loads(cli(store, "--run-id", "run", "--json").output)
+    pk = peaks(events)
+    assert [p["peak_allocated"] for p in j["peaks"]] == pk["peak_allocated"].to_list()
+    assert [p["pp"] for p in j["peaks"]] == [0, 1] and j["layout"]["pp"] == 2
+    by_cat = {(x["rank"], x["category"]): x["bytes"] for x in j["live_by_category"]}
+    live = live_at_peak(events)
+    assert by_cat == {(r, c): b for r, c, b in live.select("rank", "category", "bytes").iter_rows()}
+    sites = json.loads(cli(store, "--run-id", "run", "--by", "frame", "--top", "1", "--json").output)
+    assert [s["rank"] for s in sites["live_by_frame"]] == [0, 1]
+    assert all(s["frame"].endswith(":_train_step") for s in sites["live_by_frame"])
+    other = json.loads(cli(store, "--run-id", "other", "--json").output)
+    assert other["peaks"][0]["peak_allocated"] == 600 and other["layout"] is None
+
+
+def test_memory_command_bad_input(store, tmp_path):
+    import duckdb
+
+    assert "2 runs ['other', 'run']; pick one with --run-id" in cli(store).output
+    assert cli(store).exit_code == 2
+    r = cli(store, "--run-id", "nope")
+    assert r.exit_code == 2 and "no memory events for run 'nope'" in r.output
+    r = cli(tmp_path / "missing.duckdb")
+    assert r.exit_code == 2 and "no such store file" in r.output
+    junk = tmp_path / "junk.duckdb"
+    junk.write_bytes(b"not a database at all" * 100)
+    r = cli(junk)
+    assert r.exit_code == 2 and "not a DuckDB store" in r.output
+    empty = tmp_path / "empty.duckdb"
+    duckdb.connect(str(empty)).close()
+    r = cli(empty)
+    assert r.exit_code == 2 and "has no memory_events table" in r.output

@@ -16,6 +16,7 @@ from tracekit import __version__
 # broken optional dependency of one command does not take the others down.
 COMMANDS: dict[str, tuple[str, str]] = {
     "estimate": ("tracekit.estimate_cli", "estimate_command"),
+    "memory": ("tracekit.memory_cli", "memory_command"),
 }
 
 

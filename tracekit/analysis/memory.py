@@ -193,3 +193,35 @@ def imbalance(peak: pl.DataFrame, layout: Layout) -> pl.DataFrame:
         (pl.col("peak_allocated").mean().over(["run_id", "pp"])
          / pl.col("peak_allocated").mean().over("run_id")).alias("stage_vs_run_mean"),
     ).sort(KEY)
+
+
+# Snapshot categories (torch's memory profiler names) -> estimator components (memory_estimate).
+CATEGORY_COMPONENT = {
+    "parameter": "weights", "gradient": "gradients", "optimizer_state": "optimizer",
+    "activation": "activations", "autograd_detail": "activations", "input": "activations",
+    "temporary": "other", "unknown": "other",
+}
+COMPARED = ("weights", "gradients", "optimizer", "activations", "other")
+
+
+def compare_with_estimate(live: pl.DataFrame, estimates: dict) -> pl.DataFrame:
+    """Measured bytes live at each rank's peak (``live_at_peak(..., by='category')``) next to an
+    estimate per rank (``{rank: MemoryEstimate}``), by component: run_id, rank, component,
+    estimated, measured, difference (measured - estimated). Categories the estimator has no term
+    for (temporaries, uncategorized blocks) land in 'other', estimated 0."""
+    missing = sorted(set(live["rank"].unique().to_list()) - set(estimates))
+    if missing:
+        raise MemoryDataError(f"no estimate for ranks {missing}")
+    measured = live.with_columns(
+        pl.col("category").replace_strict(CATEGORY_COMPONENT, default="other").alias("component")
+    ).group_by(KEY + ["component"]).agg(pl.col("bytes").sum().alias("measured"))
+    est = pl.DataFrame(
+        [{"rank": r, "component": c, "estimated": float(getattr(e, c)) if c != "other" else 0.0}
+         for r, e in estimates.items() for c in COMPARED],
+        schema={"rank": live.schema["rank"], "component": pl.Utf8, "estimated": pl.Float64})
+    runs = live.select(KEY).unique()
+    return (runs.join(est, on="rank").join(measured, on=KEY + ["component"], how="left")
+            .with_columns(pl.col("measured").fill_null(0))
+            .with_columns((pl.col("measured") - pl.col("estimated")).alias("difference"))
+            .with_columns(pl.col("component").cast(pl.Enum(list(COMPARED))))
+            .sort(KEY + ["component"]).with_columns(pl.col("component").cast(pl.Utf8)))
