@@ -40,59 +40,79 @@ def _normalize(events: pl.DataFrame) -> pl.DataFrame:
     if bad.height:
         raise MemoryDataError(f"{bad.height} memory_events rows have a null rank/seq or a null or "
                               f"negative size (first: {bad.row(0, named=True)})")
-    dup = ev.group_by(KEY + ["seq"]).len().filter(pl.col("len") > 1)
-    if dup.height:
-        raise MemoryDataError(f"seq is not unique within a rank: {dup.row(0, named=True)}")
-    return ev.with_columns(
+    ev = ev.with_columns(
         pl.col("size").cast(pl.Int64), pl.col("seq").cast(pl.Int64), pl.col("ts_ns").cast(pl.Int64),
         pl.col("category").fill_null("unknown"), pl.col("frame").fill_null("<unknown>"),
     ).sort(KEY + ["seq"])
+    # sorted, a duplicate is a repeat of the previous row's key (hash group-bys over millions of
+    # distinct keys are what makes large traces slow; sorts and shifts are not)
+    dup = ev.filter(_same_as(-1, KEY + ["seq"]))
+    if dup.height:
+        raise MemoryDataError(f"seq is not unique within a rank: {dup.row(0, named=True)}")
+    return ev
 
 
-def block_lifetimes(events: pl.DataFrame) -> pl.DataFrame:
-    """One row per block: run_id, rank, addr, size, category, frame, alloc_seq, free_seq.
+def _same_as(step: int, cols: list[str]) -> pl.Expr:
+    """The row ``step`` away has the same values in ``cols`` (for frames sorted by them)."""
+    return pl.all_horizontal(pl.col(c) == pl.col(c).shift(step) for c in cols).fill_null(False)
 
-    alloc_seq is null for a block live before the trace began; free_seq is null for a block still
-    live at its end. A block's interval is [alloc_seq, free_seq)."""
-    ev = _normalize(events).filter(pl.col("action").is_in(["alloc", "free_completed"]))
-    by_addr = KEY + ["addr"]
-    ev = ev.sort(by_addr + ["seq"]).with_columns(
-        pl.col("action").shift(-1).over(by_addr).alias("next_action"),
-        pl.col("seq").shift(-1).over(by_addr).alias("next_seq"),
-        pl.col("action").shift(1).over(by_addr).alias("prev_action"),
+
+def _lifetimes(ev: pl.DataFrame) -> pl.DataFrame:
+    ev = ev.filter(pl.col("action").is_in(["alloc", "free_completed"])).sort(KEY + ["addr", "seq"])
+    # neighbours at the same address by plain shifts (a window over millions of addresses is slow)
+    block = KEY + ["addr"]
+    ev = ev.with_columns(
+        pl.when(_same_as(-1, block)).then(pl.col("seq").shift(-1)).alias("next_seq"),
+        pl.when(_same_as(-1, block)).then(pl.col("ts_ns").shift(-1)).alias("next_ts_ns"),
+        pl.when(_same_as(1, block)).then(pl.col("action").shift(1)).alias("prev_action"),
     )
-    cols = KEY + ["addr", "size", "category", "frame", "alloc_seq", "free_seq"]
+    cols = KEY + ["addr", "size", "category", "frame", "alloc_seq", "alloc_ts_ns", "free_seq",
+                  "free_ts_ns"]
     allocated = ev.filter(pl.col("action") == "alloc").select(
         *KEY, "addr", "size", "category", "frame",
-        pl.col("seq").alias("alloc_seq"),
+        pl.col("seq").alias("alloc_seq"), pl.col("ts_ns").alias("alloc_ts_ns"),
         # the next event at this address ends the block (a free, or an alloc if a free went unrecorded)
-        pl.col("next_seq").alias("free_seq"),
+        pl.col("next_seq").alias("free_seq"), pl.col("next_ts_ns").alias("free_ts_ns"),
     )
     before = ev.filter((pl.col("action") == "free_completed")
                        & (pl.col("prev_action").is_null() | (pl.col("prev_action") != "alloc"))).select(
         *KEY, "addr", "size", "category", "frame",
-        pl.lit(None, pl.Int64).alias("alloc_seq"), pl.col("seq").alias("free_seq"),
+        pl.lit(None, pl.Int64).alias("alloc_seq"), pl.lit(None, pl.Int64).alias("alloc_ts_ns"),
+        pl.col("seq").alias("free_seq"), pl.col("ts_ns").alias("free_ts_ns"),
     )
-    return pl.concat([allocated.select(cols), before.select(cols)]).sort(KEY + ["alloc_seq", "addr"],
-                                                                         nulls_last=False)
+    return pl.concat([allocated.select(cols), before.select(cols)])
+
+
+def block_lifetimes(events: pl.DataFrame) -> pl.DataFrame:
+    """One row per block: run_id, rank, addr, size, category, frame, alloc_seq, alloc_ts_ns,
+    free_seq, free_ts_ns.
+
+    alloc_seq is null for a block live before the trace began; free_seq is null for a block still
+    live at its end. A block's interval is [alloc_seq, free_seq)."""
+    return _lifetimes(_normalize(events)).sort(KEY + ["alloc_seq", "addr"], nulls_last=False)
+
+
+def _timeline(ev: pl.DataFrame, life: pl.DataFrame) -> pl.DataFrame:
+    baseline = life.filter(pl.col("alloc_seq").is_null()).group_by(KEY).agg(
+        pl.col("size").sum().alias("baseline"))
+    deltas = pl.concat([
+        life.filter(pl.col("alloc_seq").is_not_null()).select(
+            *KEY, pl.col("alloc_seq").alias("seq"), pl.col("alloc_ts_ns").alias("ts_ns"),
+            pl.col("size").alias("delta")),
+        life.filter(pl.col("free_seq").is_not_null()).select(
+            *KEY, pl.col("free_seq").alias("seq"), pl.col("free_ts_ns").alias("ts_ns"),
+            (-pl.col("size")).alias("delta")),
+    ]).sort(KEY + ["seq", "delta"])  # at one seq (an alloc ending an unfreed block) frees go first
+    out = deltas.join(baseline, on=KEY, how="left").with_columns(
+        (pl.col("delta").cum_sum().over(KEY) + pl.col("baseline").fill_null(0)).alias("allocated"))
+    # one row per seq: the state after all of its changes
+    return out.filter(~_same_as(-1, KEY + ["seq"])).select(*KEY, "seq", "ts_ns", "allocated")
 
 
 def timeline(events: pl.DataFrame) -> pl.DataFrame:
     """Allocated bytes per rank after every event that changed it: run_id, rank, seq, ts_ns, allocated."""
     ev = _normalize(events)
-    life = block_lifetimes(ev)
-    baseline = life.filter(pl.col("alloc_seq").is_null()).group_by(KEY).agg(
-        pl.col("size").sum().alias("baseline"))
-    deltas = pl.concat([
-        life.filter(pl.col("alloc_seq").is_not_null()).select(*KEY, pl.col("alloc_seq").alias("seq"),
-                                                              pl.col("size").alias("delta")),
-        life.filter(pl.col("free_seq").is_not_null()).select(*KEY, pl.col("free_seq").alias("seq"),
-                                                             (-pl.col("size")).alias("delta")),
-    ]).group_by(KEY + ["seq"]).agg(pl.col("delta").sum()).sort(KEY + ["seq"])
-    out = deltas.join(baseline, on=KEY, how="left").with_columns(
-        (pl.col("delta").cum_sum().over(KEY) + pl.col("baseline").fill_null(0)).alias("allocated"))
-    return out.join(ev.select(*KEY, "seq", "ts_ns"), on=KEY + ["seq"], how="left").select(
-        *KEY, "seq", "ts_ns", "allocated")
+    return _timeline(ev, _lifetimes(ev))
 
 
 def reserved_timeline(events: pl.DataFrame, segments: pl.DataFrame | None = None) -> pl.DataFrame:
@@ -103,7 +123,11 @@ def reserved_timeline(events: pl.DataFrame, segments: pl.DataFrame | None = None
     the trace): with them the starting reserve is the end state minus the trace's net change;
     without them it is taken as 0 (recording began with the process), and a rank with neither
     segment events nor segments has no rows (unknown)."""
-    ev = _normalize(events).filter(pl.col("action").is_in(list(RESERVE_SIGN)))
+    return _reserved(_normalize(events), segments)
+
+
+def _reserved(ev: pl.DataFrame, segments: pl.DataFrame | None) -> pl.DataFrame:
+    ev = ev.filter(pl.col("action").is_in(list(RESERVE_SIGN)))
     ev = ev.with_columns((pl.col("action").replace_strict(RESERVE_SIGN, return_dtype=pl.Int64)
                           * pl.col("size")).alias("delta"))
     net = ev.group_by(KEY).agg(pl.col("delta").sum().alias("net"))
@@ -127,23 +151,30 @@ def peaks(events: pl.DataFrame, segments: pl.DataFrame | None = None,
     allocation that reached it (its frame and category), baseline and final allocated, and the
     reserve at the peak with fragmentation = 1 - allocated / reserved (null when unknown)."""
     ev = _normalize(events)
-    tl = timeline(ev)
+    return _peaks(ev, _lifetimes(ev), segments, steps)
+
+
+def _peaks(ev: pl.DataFrame, life: pl.DataFrame, segments: pl.DataFrame | None,
+           steps: pl.DataFrame | None) -> pl.DataFrame:
+    tl = _timeline(ev, life)
     if tl.height == 0:
         raise MemoryDataError("memory_events rows hold no alloc or free_completed entries")
-    at_peak = tl.sort(KEY + ["seq"]).group_by(KEY, maintain_order=True).agg(
+    at_peak = tl.group_by(KEY, maintain_order=True).agg(  # tl is sorted by KEY, seq
         pl.col("allocated").max().alias("peak_allocated"),
         pl.col("seq").get(pl.col("allocated").arg_max()).alias("peak_seq"),
         pl.col("ts_ns").get(pl.col("allocated").arg_max()).alias("peak_ts_ns"),
         pl.col("allocated").last().alias("final_allocated"),
     )
-    base = block_lifetimes(ev).filter(pl.col("alloc_seq").is_null()).group_by(KEY).agg(
+    base = life.filter(pl.col("alloc_seq").is_null()).group_by(KEY).agg(
         pl.col("size").sum().alias("baseline_allocated"))
-    trigger = ev.select(*KEY, pl.col("seq").alias("peak_seq"), pl.col("frame").alias("peak_frame"),
-                        pl.col("category").alias("peak_category"))
+    # the few rows at a peak seq first (an integer set test), then a small join
+    trigger = ev.filter(pl.col("seq").is_in(at_peak["peak_seq"].implode())).select(
+        *KEY, pl.col("seq").alias("peak_seq"), pl.col("frame").alias("peak_frame"),
+        pl.col("category").alias("peak_category"))
     out = (at_peak.join(trigger, on=KEY + ["peak_seq"], how="left")
            .join(base, on=KEY, how="left")
            .with_columns(pl.col("baseline_allocated").fill_null(0)))
-    res = reserved_timeline(ev, segments)
+    res = _reserved(ev, segments)
     res_at = out.select(*KEY, "peak_seq").join(res, on=KEY).filter(
         pl.col("seq") <= pl.col("peak_seq")).group_by(KEY).agg(
         pl.col("reserved").sort_by("seq").last().alias("reserved_at_peak"))
@@ -170,8 +201,9 @@ def live_at_peak(events: pl.DataFrame, by: str = "category") -> pl.DataFrame:
     if by not in ("category", "frame"):
         raise MemoryDataError(f"group live memory by 'category' or 'frame', not {by!r}")
     ev = _normalize(events)
-    peak = peaks(ev).select(*KEY, "peak_seq", "peak_allocated")
-    live = block_lifetimes(ev).join(peak, on=KEY).filter(
+    life = _lifetimes(ev)
+    peak = _peaks(ev, life, None, None).select(*KEY, "peak_seq", "peak_allocated")
+    live = life.join(peak, on=KEY).filter(
         (pl.col("alloc_seq").is_null() | (pl.col("alloc_seq") <= pl.col("peak_seq")))
         & (pl.col("free_seq").is_null() | (pl.col("free_seq") > pl.col("peak_seq"))))
     return (live.group_by(KEY + [by]).agg(pl.col("size").sum().alias("bytes"), pl.len().alias("blocks"),
