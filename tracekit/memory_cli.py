@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 import polars as pl
 
-from tracekit.analysis.memory import MemoryDataError, imbalance, live_at_peak, peaks
+from tracekit.analysis.memory import MemoryDataError, analyse, imbalance
 from tracekit.topology import Layout, LayoutError
 
 MIB = 1024**2
@@ -94,10 +94,9 @@ def memory_command(store: Path, run_id: str | None, by: str, top: int, as_json: 
     try:
         run_id, tables, layout = load_tables(store, run_id)
         events = tables["memory_events"]
-        pk = peaks(events, segments=tables.get("memory_segments"), steps=tables.get("steps"))
-        if layout is not None:
-            pk = imbalance(pk, layout)
-        live = live_at_peak(events, by=by)
+        result = analyse(events, segments=tables.get("memory_segments"), steps=tables.get("steps"))
+        pk = result.peaks if layout is None else imbalance(result.peaks, layout)
+        live = result.live_at_peak(by=by)
     except (MemoryDataError, LayoutError) as e:
         raise click.UsageError(str(e)) from e
     if by == "frame":

@@ -15,12 +15,15 @@ the snapshot's segments (``memory_segments``) hold them. Reserved memory follows
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import polars as pl
 
 from tracekit.topology import Layout
 
 REQUIRED = ("rank", "seq", "action", "addr", "size")
-KEY = ["run_id", "rank"]
+KEY = ["run_id", "rank"]  # a rank's identity in every output
+G = "g"  # internal integer id of (run_id, rank): sorts and windows on one int, not a string + int
 RESERVE_SIGN = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
 
 
@@ -28,7 +31,14 @@ class MemoryDataError(ValueError):
     """memory_events rows that cannot be analysed (missing columns, bad values)."""
 
 
-def _normalize(events: pl.DataFrame) -> pl.DataFrame:
+def _same_as(step: int, cols: list[str]) -> pl.Expr:
+    """The row ``step`` away has the same values in ``cols`` (for frames sorted by them)."""
+    return pl.all_horizontal(pl.col(c) == pl.col(c).shift(step) for c in cols).fill_null(False)
+
+
+def _normalize(events: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(events sorted by rank and seq with defaults filled and an integer rank id G, the ranks:
+    G -> run_id, rank). Sorting is skipped when the rows already come in order (as ingest writes)."""
     missing = [c for c in REQUIRED if c not in events.columns]
     if missing:
         raise MemoryDataError(f"memory_events rows lack columns {missing}; have {events.columns}")
@@ -43,76 +53,193 @@ def _normalize(events: pl.DataFrame) -> pl.DataFrame:
     ev = ev.with_columns(
         pl.col("size").cast(pl.Int64), pl.col("seq").cast(pl.Int64), pl.col("ts_ns").cast(pl.Int64),
         pl.col("category").fill_null("unknown"), pl.col("frame").fill_null("<unknown>"),
-    ).sort(KEY + ["seq"])
+    )
+    in_order = ev.select(
+        ((pl.col("run_id") > pl.col("run_id").shift(1))
+         | ((pl.col("run_id") == pl.col("run_id").shift(1))
+            & ((pl.col("rank") > pl.col("rank").shift(1))
+               | ((pl.col("rank") == pl.col("rank").shift(1)) & (pl.col("seq") > pl.col("seq").shift(1))))))
+        .fill_null(True).all()).item()
+    if not in_order:
+        ev = ev.sort(KEY + ["seq"])
     # sorted, a duplicate is a repeat of the previous row's key (hash group-bys over millions of
     # distinct keys are what makes large traces slow; sorts and shifts are not)
     dup = ev.filter(_same_as(-1, KEY + ["seq"]))
     if dup.height:
         raise MemoryDataError(f"seq is not unique within a rank: {dup.row(0, named=True)}")
-    return ev
-
-
-def _same_as(step: int, cols: list[str]) -> pl.Expr:
-    """The row ``step`` away has the same values in ``cols`` (for frames sorted by them)."""
-    return pl.all_horizontal(pl.col(c) == pl.col(c).shift(step) for c in cols).fill_null(False)
+    ev = ev.with_columns((~_same_as(1, KEY)).cum_sum().cast(pl.Int64).alias(G))
+    ranks = ev.filter(~_same_as(1, KEY)).select(G, *KEY)
+    return ev, ranks
 
 
 def _lifetimes(ev: pl.DataFrame) -> pl.DataFrame:
-    ev = ev.filter(pl.col("action").is_in(["alloc", "free_completed"])).sort(KEY + ["addr", "seq"])
-    # neighbours at the same address by plain shifts (a window over millions of addresses is slow)
-    block = KEY + ["addr"]
-    ev = ev.with_columns(
+    # Sort narrow rows by (rank, address); ev is in seq order, so a stable sort keeps each address's
+    # events in seq order. Neighbours at the same address come from plain shifts (a window over
+    # millions of addresses is slow), and the string columns are gathered only for the blocks kept.
+    narrow = (ev.select(pl.int_range(pl.len(), dtype=pl.Int64).alias("row"), G, "addr", "seq", "ts_ns",
+                        "size", "action")
+              .filter(pl.col("action").is_in(["alloc", "free_completed"]))
+              .sort([G, "addr"], maintain_order=True))
+    block = [G, "addr"]
+    narrow = narrow.with_columns(
         pl.when(_same_as(-1, block)).then(pl.col("seq").shift(-1)).alias("next_seq"),
         pl.when(_same_as(-1, block)).then(pl.col("ts_ns").shift(-1)).alias("next_ts_ns"),
         pl.when(_same_as(1, block)).then(pl.col("action").shift(1)).alias("prev_action"),
     )
-    cols = KEY + ["addr", "size", "category", "frame", "alloc_seq", "alloc_ts_ns", "free_seq",
-                  "free_ts_ns"]
-    allocated = ev.filter(pl.col("action") == "alloc").select(
-        *KEY, "addr", "size", "category", "frame",
+    allocated = narrow.filter(pl.col("action") == "alloc").select(
+        "row", G, "addr", "size",
         pl.col("seq").alias("alloc_seq"), pl.col("ts_ns").alias("alloc_ts_ns"),
         # the next event at this address ends the block (a free, or an alloc if a free went unrecorded)
         pl.col("next_seq").alias("free_seq"), pl.col("next_ts_ns").alias("free_ts_ns"),
     )
-    before = ev.filter((pl.col("action") == "free_completed")
-                       & (pl.col("prev_action").is_null() | (pl.col("prev_action") != "alloc"))).select(
-        *KEY, "addr", "size", "category", "frame",
+    before = narrow.filter((pl.col("action") == "free_completed")
+                           & (pl.col("prev_action").is_null() | (pl.col("prev_action") != "alloc"))).select(
+        "row", G, "addr", "size",
         pl.lit(None, pl.Int64).alias("alloc_seq"), pl.lit(None, pl.Int64).alias("alloc_ts_ns"),
         pl.col("seq").alias("free_seq"), pl.col("ts_ns").alias("free_ts_ns"),
     )
-    return pl.concat([allocated.select(cols), before.select(cols)])
+    life = pl.concat([allocated, before])
+    return life.with_columns(ev["category"].gather(life["row"]), ev["frame"].gather(life["row"])).select(
+        G, "addr", "size", "category", "frame", "alloc_seq", "alloc_ts_ns", "free_seq", "free_ts_ns")
+
+
+def _timeline(life: pl.DataFrame) -> pl.DataFrame:
+    baseline = life.filter(pl.col("alloc_seq").is_null()).group_by(G).agg(
+        pl.col("size").sum().alias("baseline"))
+    deltas = pl.concat([
+        life.filter(pl.col("alloc_seq").is_not_null()).select(
+            G, pl.col("alloc_seq").alias("seq"), pl.col("alloc_ts_ns").alias("ts_ns"),
+            pl.col("size").alias("delta")),
+        life.filter(pl.col("free_seq").is_not_null()).select(
+            G, pl.col("free_seq").alias("seq"), pl.col("free_ts_ns").alias("ts_ns"),
+            (-pl.col("size")).alias("delta")),
+    ]).sort([G, "seq", "delta"])  # at one seq (an alloc ending an unfreed block) frees go first
+    out = deltas.join(baseline, on=G, how="left").with_columns(
+        (pl.col("delta").cum_sum().over(G) + pl.col("baseline").fill_null(0)).alias("allocated"))
+    # one row per seq: the state after all of its changes
+    return out.filter(~_same_as(-1, [G, "seq"])).select(G, "seq", "ts_ns", "allocated")
+
+
+def _reserved(ev: pl.DataFrame, ranks: pl.DataFrame, segments: pl.DataFrame | None) -> pl.DataFrame:
+    ev = ev.filter(pl.col("action").is_in(list(RESERVE_SIGN)))
+    ev = ev.with_columns((pl.col("action").replace_strict(RESERVE_SIGN, return_dtype=pl.Int64)
+                          * pl.col("size")).alias("delta"))
+    net = ev.group_by(G).agg(pl.col("delta").sum().alias("net"))
+    start = net.select(G, pl.lit(0, pl.Int64).alias("start"))
+    if segments is not None and segments.height:
+        seg = segments if "run_id" in segments.columns else segments.with_columns(pl.lit("").alias("run_id"))
+        end = (seg.with_columns(pl.col("rank").cast(ranks.schema["rank"]))
+               .join(ranks, on=KEY).group_by(G).agg(pl.col("total_size").sum().cast(pl.Int64).alias("end")))
+        start = end.join(net, on=G, how="full", coalesce=True).select(
+            G, (pl.col("end").fill_null(0) - pl.col("net").fill_null(0)).alias("start"))
+    rows = pl.concat([
+        start.select(G, pl.lit(-1, pl.Int64).alias("seq"), pl.col("start").alias("delta")),
+        ev.select(G, "seq", "delta"),
+    ]).sort([G, "seq"])
+    return rows.with_columns(pl.col("delta").cum_sum().over(G).alias("reserved")).select(G, "seq", "reserved")
+
+
+def _with_step(peak: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
+    st = steps if "run_id" in steps.columns else steps.with_columns(pl.lit("").alias("run_id"))
+    st = st.with_columns(pl.col("rank").cast(peak.schema["rank"]))
+    hit = (peak.select(*KEY, "peak_ts_ns").join(st.select(*KEY, "step", "start_ns", "end_ns"), on=KEY)
+           .filter((pl.col("peak_ts_ns") >= pl.col("start_ns")) & (pl.col("peak_ts_ns") < pl.col("end_ns")))
+           .group_by(KEY).agg(pl.col("step").min().alias("peak_step")))
+    return peak.join(hit, on=KEY, how="left")
+
+
+@dataclass(frozen=True)
+class MemoryAnalysis:
+    """One pass over the trace: block lifetimes and per-rank peaks, reused by every question."""
+
+    ranks: pl.DataFrame  # G, run_id, rank
+    lifetimes: pl.DataFrame  # G, addr, size, category, frame, alloc/free seq and ts_ns
+    timeline: pl.DataFrame  # G, seq, ts_ns, allocated
+    reserved: pl.DataFrame  # G, seq, reserved
+    peaks: pl.DataFrame  # run_id, rank, peak_allocated, peak_seq, ... (see ``peaks``)
+
+    def _named(self, df: pl.DataFrame) -> pl.DataFrame:
+        return self.ranks.join(df, on=G).drop(G)
+
+    def live_at_peak(self, by: str = "category") -> pl.DataFrame:
+        """What was live at each rank's peak, grouped by ``by`` ('category' or 'frame'):
+        run_id, rank, <by>, bytes, blocks, share (of the peak), largest first."""
+        if by not in ("category", "frame"):
+            raise MemoryDataError(f"group live memory by 'category' or 'frame', not {by!r}")
+        peak = self.ranks.join(self.peaks.select(*KEY, "peak_seq", "peak_allocated"), on=KEY)
+        live = self.lifetimes.join(peak.select(G, "peak_seq", "peak_allocated"), on=G).filter(
+            (pl.col("alloc_seq").is_null() | (pl.col("alloc_seq") <= pl.col("peak_seq")))
+            & (pl.col("free_seq").is_null() | (pl.col("free_seq") > pl.col("peak_seq"))))
+        out = (live.group_by([G, by]).agg(pl.col("size").sum().alias("bytes"), pl.len().alias("blocks"),
+                                          pl.col("peak_allocated").first())
+               .with_columns((pl.col("bytes") / pl.col("peak_allocated")).alias("share"))
+               .drop("peak_allocated"))
+        return self._named(out).sort(KEY + ["bytes", by], descending=[False, False, True, False])
+
+
+def analyse(events: pl.DataFrame, segments: pl.DataFrame | None = None,
+            steps: pl.DataFrame | None = None) -> MemoryAnalysis:
+    """Everything at once. ``peaks`` per rank: peak allocated bytes, when (seq, ts_ns, and step
+    when ``steps`` rows and times are known), the allocation that reached it (frame, category),
+    baseline and final allocated, the reserve at the peak and its maximum, and fragmentation at the
+    peak = 1 - allocated / reserved (null when the reserve is unknown)."""
+    ev, ranks = _normalize(events)
+    life = _lifetimes(ev)
+    tl = _timeline(life)
+    if tl.height == 0:
+        raise MemoryDataError("memory_events rows hold no alloc or free_completed entries")
+    at_peak = tl.group_by(G, maintain_order=True).agg(  # tl is sorted by G, seq
+        pl.col("allocated").max().alias("peak_allocated"),
+        pl.col("seq").get(pl.col("allocated").arg_max()).alias("peak_seq"),
+        pl.col("ts_ns").get(pl.col("allocated").arg_max()).alias("peak_ts_ns"),
+        pl.col("allocated").last().alias("final_allocated"),
+    )
+    base = life.filter(pl.col("alloc_seq").is_null()).group_by(G).agg(
+        pl.col("size").sum().alias("baseline_allocated"))
+    # the few rows at a peak seq first (an integer set test), then a small join
+    trigger = ev.filter(pl.col("seq").is_in(at_peak["peak_seq"].implode())).select(
+        G, pl.col("seq").alias("peak_seq"), pl.col("frame").alias("peak_frame"),
+        pl.col("category").alias("peak_category"))
+    out = (at_peak.join(trigger, on=[G, "peak_seq"], how="left")
+           .join(base, on=G, how="left")
+           .with_columns(pl.col("baseline_allocated").fill_null(0)))
+    res = _reserved(ev, ranks, segments)
+    res_at = out.select(G, "peak_seq").join(res, on=G).filter(
+        pl.col("seq") <= pl.col("peak_seq")).group_by(G).agg(
+        pl.col("reserved").sort_by("seq").last().alias("reserved_at_peak"))
+    res_max = res.group_by(G).agg(pl.col("reserved").max().alias("peak_reserved"))
+    out = (out.join(res_at, on=G, how="left").join(res_max, on=G, how="left")
+           .with_columns((1 - pl.col("peak_allocated") / pl.col("reserved_at_peak"))
+                         .alias("fragmentation_at_peak")))
+    out = ranks.join(out, on=G).drop(G).sort(KEY)
+    if steps is not None:
+        out = _with_step(out, steps)
+    return MemoryAnalysis(ranks=ranks, lifetimes=life, timeline=tl, reserved=res, peaks=out)
+
+
+def peaks(events: pl.DataFrame, segments: pl.DataFrame | None = None,
+          steps: pl.DataFrame | None = None) -> pl.DataFrame:
+    """Per-rank peaks (see ``analyse``)."""
+    return analyse(events, segments, steps).peaks
+
+
+def live_at_peak(events: pl.DataFrame, by: str = "category") -> pl.DataFrame:
+    """What was live at each rank's peak (see ``MemoryAnalysis.live_at_peak``)."""
+    return analyse(events).live_at_peak(by)
 
 
 def block_lifetimes(events: pl.DataFrame) -> pl.DataFrame:
     """One row per block: run_id, rank, addr, size, category, frame, alloc_seq, alloc_ts_ns,
-    free_seq, free_ts_ns.
-
-    alloc_seq is null for a block live before the trace began; free_seq is null for a block still
-    live at its end. A block's interval is [alloc_seq, free_seq)."""
-    return _lifetimes(_normalize(events)).sort(KEY + ["alloc_seq", "addr"], nulls_last=False)
-
-
-def _timeline(ev: pl.DataFrame, life: pl.DataFrame) -> pl.DataFrame:
-    baseline = life.filter(pl.col("alloc_seq").is_null()).group_by(KEY).agg(
-        pl.col("size").sum().alias("baseline"))
-    deltas = pl.concat([
-        life.filter(pl.col("alloc_seq").is_not_null()).select(
-            *KEY, pl.col("alloc_seq").alias("seq"), pl.col("alloc_ts_ns").alias("ts_ns"),
-            pl.col("size").alias("delta")),
-        life.filter(pl.col("free_seq").is_not_null()).select(
-            *KEY, pl.col("free_seq").alias("seq"), pl.col("free_ts_ns").alias("ts_ns"),
-            (-pl.col("size")).alias("delta")),
-    ]).sort(KEY + ["seq", "delta"])  # at one seq (an alloc ending an unfreed block) frees go first
-    out = deltas.join(baseline, on=KEY, how="left").with_columns(
-        (pl.col("delta").cum_sum().over(KEY) + pl.col("baseline").fill_null(0)).alias("allocated"))
-    # one row per seq: the state after all of its changes
-    return out.filter(~_same_as(-1, KEY + ["seq"])).select(*KEY, "seq", "ts_ns", "allocated")
+    free_seq, free_ts_ns. alloc_seq is null for a block live before the trace began; free_seq is
+    null for a block still live at its end. A block's interval is [alloc_seq, free_seq)."""
+    ev, ranks = _normalize(events)
+    return ranks.join(_lifetimes(ev), on=G).drop(G).sort(KEY + ["alloc_seq", "addr"], nulls_last=False)
 
 
 def timeline(events: pl.DataFrame) -> pl.DataFrame:
     """Allocated bytes per rank after every event that changed it: run_id, rank, seq, ts_ns, allocated."""
-    ev = _normalize(events)
-    return _timeline(ev, _lifetimes(ev))
+    ev, ranks = _normalize(events)
+    return ranks.join(_timeline(_lifetimes(ev)), on=G).drop(G).sort(KEY + ["seq"])
 
 
 def reserved_timeline(events: pl.DataFrame, segments: pl.DataFrame | None = None) -> pl.DataFrame:
@@ -123,93 +250,8 @@ def reserved_timeline(events: pl.DataFrame, segments: pl.DataFrame | None = None
     the trace): with them the starting reserve is the end state minus the trace's net change;
     without them it is taken as 0 (recording began with the process), and a rank with neither
     segment events nor segments has no rows (unknown)."""
-    return _reserved(_normalize(events), segments)
-
-
-def _reserved(ev: pl.DataFrame, segments: pl.DataFrame | None) -> pl.DataFrame:
-    ev = ev.filter(pl.col("action").is_in(list(RESERVE_SIGN)))
-    ev = ev.with_columns((pl.col("action").replace_strict(RESERVE_SIGN, return_dtype=pl.Int64)
-                          * pl.col("size")).alias("delta"))
-    net = ev.group_by(KEY).agg(pl.col("delta").sum().alias("net"))
-    start = net.select(*KEY, pl.lit(0, pl.Int64).alias("start"))
-    if segments is not None and segments.height:
-        seg = segments if "run_id" in segments.columns else segments.with_columns(pl.lit("").alias("run_id"))
-        end = seg.group_by(KEY).agg(pl.col("total_size").sum().cast(pl.Int64).alias("end_reserved"))
-        start = end.join(net, on=KEY, how="full", coalesce=True).select(
-            *KEY, (pl.col("end_reserved").fill_null(0) - pl.col("net").fill_null(0)).alias("start"))
-    rows = pl.concat([
-        start.select(*KEY, pl.lit(-1, pl.Int64).alias("seq"), pl.col("start").alias("delta")),
-        ev.select(*KEY, "seq", "delta"),
-    ]).sort(KEY + ["seq"])
-    return rows.with_columns(pl.col("delta").cum_sum().over(KEY).alias("reserved")).select(
-        *KEY, "seq", "reserved")
-
-
-def peaks(events: pl.DataFrame, segments: pl.DataFrame | None = None,
-          steps: pl.DataFrame | None = None) -> pl.DataFrame:
-    """Per rank: peak allocated bytes, when (seq, ts_ns, step if ``steps`` and times are known), the
-    allocation that reached it (its frame and category), baseline and final allocated, and the
-    reserve at the peak with fragmentation = 1 - allocated / reserved (null when unknown)."""
-    ev = _normalize(events)
-    return _peaks(ev, _lifetimes(ev), segments, steps)
-
-
-def _peaks(ev: pl.DataFrame, life: pl.DataFrame, segments: pl.DataFrame | None,
-           steps: pl.DataFrame | None) -> pl.DataFrame:
-    tl = _timeline(ev, life)
-    if tl.height == 0:
-        raise MemoryDataError("memory_events rows hold no alloc or free_completed entries")
-    at_peak = tl.group_by(KEY, maintain_order=True).agg(  # tl is sorted by KEY, seq
-        pl.col("allocated").max().alias("peak_allocated"),
-        pl.col("seq").get(pl.col("allocated").arg_max()).alias("peak_seq"),
-        pl.col("ts_ns").get(pl.col("allocated").arg_max()).alias("peak_ts_ns"),
-        pl.col("allocated").last().alias("final_allocated"),
-    )
-    base = life.filter(pl.col("alloc_seq").is_null()).group_by(KEY).agg(
-        pl.col("size").sum().alias("baseline_allocated"))
-    # the few rows at a peak seq first (an integer set test), then a small join
-    trigger = ev.filter(pl.col("seq").is_in(at_peak["peak_seq"].implode())).select(
-        *KEY, pl.col("seq").alias("peak_seq"), pl.col("frame").alias("peak_frame"),
-        pl.col("category").alias("peak_category"))
-    out = (at_peak.join(trigger, on=KEY + ["peak_seq"], how="left")
-           .join(base, on=KEY, how="left")
-           .with_columns(pl.col("baseline_allocated").fill_null(0)))
-    res = _reserved(ev, segments)
-    res_at = out.select(*KEY, "peak_seq").join(res, on=KEY).filter(
-        pl.col("seq") <= pl.col("peak_seq")).group_by(KEY).agg(
-        pl.col("reserved").sort_by("seq").last().alias("reserved_at_peak"))
-    res_max = res.group_by(KEY).agg(pl.col("reserved").max().alias("peak_reserved"))
-    out = out.join(res_at, on=KEY, how="left").join(res_max, on=KEY, how="left")
-    out = out.with_columns((1 - pl.col("peak_allocated") / pl.col("reserved_at_peak"))
-                           .alias("fragmentation_at_peak"))
-    if steps is not None:
-        out = _with_step(out, steps)
-    return out.sort(KEY)
-
-
-def _with_step(peak: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
-    st = steps if "run_id" in steps.columns else steps.with_columns(pl.lit("").alias("run_id"))
-    hit = (peak.select(*KEY, "peak_ts_ns").join(st.select(*KEY, "step", "start_ns", "end_ns"), on=KEY)
-           .filter((pl.col("peak_ts_ns") >= pl.col("start_ns")) & (pl.col("peak_ts_ns") < pl.col("end_ns")))
-           .group_by(KEY).agg(pl.col("step").min().alias("peak_step")))
-    return peak.join(hit, on=KEY, how="left")
-
-
-def live_at_peak(events: pl.DataFrame, by: str = "category") -> pl.DataFrame:
-    """What was live at each rank's peak, grouped by ``by`` ('category' or 'frame'):
-    run_id, rank, <by>, bytes, blocks, share (of the peak), largest first."""
-    if by not in ("category", "frame"):
-        raise MemoryDataError(f"group live memory by 'category' or 'frame', not {by!r}")
-    ev = _normalize(events)
-    life = _lifetimes(ev)
-    peak = _peaks(ev, life, None, None).select(*KEY, "peak_seq", "peak_allocated")
-    live = life.join(peak, on=KEY).filter(
-        (pl.col("alloc_seq").is_null() | (pl.col("alloc_seq") <= pl.col("peak_seq")))
-        & (pl.col("free_seq").is_null() | (pl.col("free_seq") > pl.col("peak_seq"))))
-    return (live.group_by(KEY + [by]).agg(pl.col("size").sum().alias("bytes"), pl.len().alias("blocks"),
-                                          pl.col("peak_allocated").first())
-            .with_columns((pl.col("bytes") / pl.col("peak_allocated")).alias("share"))
-            .drop("peak_allocated").sort(KEY + ["bytes", by], descending=[False, False, True, False]))
+    ev, ranks = _normalize(events)
+    return ranks.join(_reserved(ev, ranks, segments), on=G).drop(G).sort(KEY + ["seq"])
 
 
 def imbalance(peak: pl.DataFrame, layout: Layout) -> pl.DataFrame:
