@@ -229,6 +229,21 @@ def test_reserve_from_segments_and_steps():
     assert peaks(no_seg_events, segments=seg)["reserved_at_peak"].to_list() == [2000]
 
 
+def test_row_order_and_several_runs_do_not_matter(run):
+    _, _, events = run
+    expected = peaks(events)
+    shuffled = events.sample(fraction=1.0, shuffle=True, seed=7)
+    assert peaks(shuffled).equals(expected)
+    assert live_at_peak(shuffled).equals(live_at_peak(events))
+    # the same trace under a second run id, with a null run id on the hand trace: all separate
+    both = pl.concat([events, events.with_columns(pl.lit("again").alias("run_id")),
+                      frame(HAND).with_columns(pl.lit(None, pl.Utf8).alias("run_id"), pl.lit(None, pl.Int64).alias("stream"))
+                      .cast({"rank": pl.Int32}).select(events.columns)])
+    pk = peaks(both)
+    assert pk.select("run_id", "rank").rows() == [("", 0), ("again", 0), ("again", 1), ("run", 0), ("run", 1)]
+    assert pk["peak_allocated"].to_list() == [600] + expected["peak_allocated"].to_list() * 2
+
+
 def test_bad_rows_raise_clear_errors():
     with pytest.raises(MemoryDataError, match=r"lack columns \['addr'\]"):
         peaks(frame(HAND).drop("addr"))

@@ -52,6 +52,7 @@ def _normalize(events: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
                               f"negative size (first: {bad.row(0, named=True)})")
     ev = ev.with_columns(
         pl.col("size").cast(pl.Int64), pl.col("seq").cast(pl.Int64), pl.col("ts_ns").cast(pl.Int64),
+        pl.col("run_id").cast(pl.Utf8).fill_null(""),
         pl.col("category").fill_null("unknown"), pl.col("frame").fill_null("<unknown>"),
     )
     in_order = ev.select(
