@@ -71,15 +71,16 @@ def preset(name: str) -> ModelDims:
 # -- validity: the one place that decides whether a configuration can exist ---------------------
 
 
-def config_problems(model: ModelDims, layout: Layout, seq: int, mbs: int) -> list[str]:
+def config_problems(model: ModelDims, layout: Layout, seq: int, mbs: int,
+                    stage_rule: bool = True) -> list[str]:
     """Why (model, layout, seq, mbs) cannot run; empty when it can.
 
     Rules: tp divides heads and kv heads (no KV-head replication) and the FFN width (column/row
     split); pp divides the layer count (even stages) or the layer count + 2 (Llama 3's layout, see
-    ``stage_layers``); seq divides into 2*cp chunks
-    (the load-balanced causal CP split) and each CP rank's tokens divide over tp (sequence
-    parallelism); seq and mbs are positive. The vocabulary need not divide by tp: each TP rank holds
-    ceil(v / t) rows (padded vocab).
+    ``stage_layers``; ``stage_rule=False`` when the caller gives each stage's layers itself); seq
+    divides into 2*cp chunks (the load-balanced causal CP split) and each CP rank's tokens divide
+    over tp (sequence parallelism); seq and mbs are positive. The vocabulary need not divide by tp:
+    each TP rank holds ceil(v / t) rows (padded vocab).
     """
     t, c, p = layout.tp, layout.cp, layout.pp
     out = []
@@ -92,7 +93,7 @@ def config_problems(model: ModelDims, layout: Layout, seq: int, mbs: int) -> lis
     if model.ffn_hidden % t:
         out.append(f"tp {t} does not divide ffn_hidden {model.ffn_hidden}")
     L = model.layers
-    if L % p and ((L + 2) % p or (L + 2) // p < 2):
+    if stage_rule and L % p and ((L + 2) % p or (L + 2) // p < 2):
         out.append(f"pp {p} divides neither layers {L} nor layers + 2")
     if seq >= 1 and seq % (2 * c):
         out.append(f"seq {seq} does not split into 2*cp = {2 * c} chunks")
@@ -101,8 +102,8 @@ def config_problems(model: ModelDims, layout: Layout, seq: int, mbs: int) -> lis
     return out
 
 
-def check_config(model: ModelDims, layout: Layout, seq: int, mbs: int) -> None:
-    problems = config_problems(model, layout, seq, mbs)
+def check_config(model: ModelDims, layout: Layout, seq: int, mbs: int, stage_rule: bool = True) -> None:
+    problems = config_problems(model, layout, seq, mbs, stage_rule)
     if problems:
         raise EstimateError(f"invalid config {layout} seq={seq} mbs={mbs} for {model.name}: "
                             + "; ".join(problems))

@@ -222,7 +222,7 @@ def estimate_rank(
     count under all-forward-all-backward. The head term counts once (its backward runs right after
     its forward). ``activation_bytes`` scales the bf16 coefficients (4 for fp32 compute).
     """
-    check_config(model, layout, seq, mbs)
+    check_config(model, layout, seq, mbs, stage_rule=contents is None)
     t, c, p, d = layout.tp, layout.cp, layout.pp, layout.dp
     if not 0 <= stage < p:
         raise EstimateError(f"stage {stage} outside 0..{p - 1}")
