@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from tracekit.cli import main
-from tracekit.memory_estimate import GIB, estimate_rank, paper_estimate, preset
+from tracekit.memory_estimate import GIB, StateBytes, estimate_rank, paper_estimate, preset
 from tracekit.topology import Layout
 
 
@@ -59,6 +59,22 @@ def test_exact_formula_and_custom_dims():
     x = estimate_rank(m, Layout(tp=8), 8192, 1)
     assert json.loads(run("--model", "llama3-8b", "--tp", "8", "--formula", "exact",
                           "--json").output)["params"] == x.params
+
+
+def test_exact_formula_stage_and_zero_stage():
+    base = ["--model", "llama3-70b", "--tp", "8", "--pp", "4", "--dp", "2", "--formula", "exact", "--json"]
+    last = json.loads(run(*base, "--stage", "3").output)
+    z3 = json.loads(run(*base, "--zero-stage", "3").output)
+    m = preset("llama3-70b")
+    assert last["stage"] == 3
+    assert last["total"] == estimate_rank(m, Layout(tp=8, pp=4, dp=2), 8192, 1, stage=3).total
+    assert z3["weights"] == estimate_rank(m, Layout(tp=8, pp=4, dp=2), 8192, 1,
+                                          state=StateBytes(zero_stage=3)).weights
+    assert z3["weights"] < json.loads(run(*base).output)["weights"]
+    bad = run("--model", "llama3-8b", "--stage", "1")
+    assert bad.exit_code == 2 and "--stage and --zero-stage need --formula exact" in bad.output
+    bad = run(*base, "--stage", "4")
+    assert bad.exit_code == 2 and "stage 4 outside 0..3" in bad.output
 
 
 def test_sweep_table_and_json():

@@ -10,6 +10,7 @@ from tracekit.memory_estimate import (
     PRESETS,
     EstimateError,
     ModelDims,
+    StateBytes,
     estimate_rank,
     paper_estimate,
     preset,
@@ -61,8 +62,8 @@ def _render_one(est, device_gib: float) -> None:
     from rich.table import Table
 
     g = est.gib()
-    table = Table(title=f"{est.model}  tp{est.tp} cp{est.cp} pp{est.pp} dp{est.dp}  "
-                        f"seq {est.seq} mbs {est.mbs}  ({est.formula} formula, stage {est.stage})")
+    table = Table(title=f"{est.model} tp{est.tp} cp{est.cp} pp{est.pp} dp{est.dp} seq {est.seq} mbs {est.mbs}",
+                  caption=f"{est.formula} formula, pipeline stage {est.stage}, per GPU")
     table.add_column("component")
     table.add_column("GiB", justify="right")
     table.add_column("share", justify="right")
@@ -118,14 +119,17 @@ def _render_sweep(df, title: str) -> None:
 @click.option("--device-gib", type=float, default=80.0, show_default=True)
 @click.option("--formula", type=click.Choice(["paper", "exact"]), default="paper", show_default=True,
               help="paper: the published formula; exact: integer parameter counts of stage 0")
+@click.option("--stage", type=int, help="exact formula: pipeline stage to estimate (default 0)")
+@click.option("--zero-stage", type=click.IntRange(0, 3),
+              help="exact formula: ZeRO stage over dp x cp (default 1, as the paper)")
 @click.option("--sweep", "do_sweep", is_flag=True, help="all valid (tp, cp, pp, mbs) for --gpus")
 @click.option("--mbs-values", default="1,2,4", show_default=True, help="micro-batch sizes to sweep")
 @click.option("--global-batch", type=int, help="sweep: sequences per step; mbs*dp must divide it")
 @click.option("--max-tp", type=int, help="sweep: largest TP size (e.g. GPUs per node)")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def estimate_command(model_name, hidden, ffn, heads, kv_heads, layers, vocab, tp, cp, pp, dp, gpus,
-                     mbs, seq, device_gib, formula, do_sweep, mbs_values, global_batch, max_tp,
-                     as_json) -> None:
+                     mbs, seq, device_gib, formula, stage, zero_stage, do_sweep, mbs_values,
+                     global_batch, max_tp, as_json) -> None:
     """Estimate per-GPU memory of a Llama model under 4D parallelism (Fujii et al. 2024)."""
     dims = {"hidden": hidden, "ffn": ffn, "heads": heads, "kv_heads": kv_heads, "layers": layers,
             "vocab": vocab}
@@ -144,7 +148,14 @@ def estimate_command(model_name, hidden, ffn, heads, kv_heads, layers, vocab, tp
                        global_batch=global_batch, max_tp=max_tp)
         else:
             layout = _layout(tp, cp, pp, dp, gpus)
-            est = (paper_estimate if formula == "paper" else estimate_rank)(model, layout, seq, mbs)
+            if formula == "paper":
+                if stage is not None or zero_stage is not None:
+                    raise EstimateError("--stage and --zero-stage need --formula exact "
+                                        "(the paper's formula is stage 0 with ZeRO-1)")
+                est = paper_estimate(model, layout, seq, mbs)
+            else:
+                est = estimate_rank(model, layout, seq, mbs, stage=stage or 0,
+                                    state=StateBytes(zero_stage=1 if zero_stage is None else zero_stage))
     except (EstimateError, LayoutError) as e:
         raise click.UsageError(str(e)) from e
     if do_sweep:
