@@ -188,6 +188,12 @@ def test_activations_follow_stage_and_microbatches_in_flight():
     assert afab.activations == 2 * 6 * per_layer + 4 * (1 + 256 / 64) * unit
     fp32 = estimate_rank(m, lay, 128, 1, stage=1, activation_bytes=4)
     assert fp32.activations == 2 * estimate_rank(m, lay, 128, 1, stage=1).activations
+    # materialized attention (no FlashAttention): b*(a/t)*(s/c)*s elements per layer and micro-batch
+    # t=2 c=2 s=128 b=1 a=4: 1*2*64*128 = 16384 elements, 6 bytes each, 2 layers x 2 in flight
+    lay2 = Layout(tp=2, cp=2, pp=2)
+    eager = estimate_rank(TINY, lay2, 128, 1, attention_matrix_bytes=6)
+    assert eager.detail["act_attention_matrices"] == 16384 * 6 * 2 * 2 == 393216
+    assert eager.activations - estimate_rank(TINY, lay2, 128, 1).activations == 393216
     with pytest.raises(EstimateError, match="stage 4 outside"):
         estimate_rank(m, lay, 128, 1, stage=4)
     with pytest.raises(EstimateError, match="microbatches_in_flight"):

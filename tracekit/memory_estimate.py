@@ -212,6 +212,7 @@ def estimate_rank(
     state: StateBytes | Sequence[StateBuffer] = StateBytes(),
     microbatches_in_flight: int | None = None,
     activation_bytes: int = 2,
+    attention_matrix_bytes: int = 0,
 ) -> MemoryEstimate:
     """One rank of ``stage`` from exact parameter counts; the knobs the paper fixes are arguments.
 
@@ -221,6 +222,10 @@ def estimate_rank(
     activations the stage holds at its peak: p - stage under 1F1B (the default), the micro-batch
     count under all-forward-all-backward. The head term counts once (its backward runs right after
     its forward). ``activation_bytes`` scales the bf16 coefficients (4 for fp32 compute).
+    ``attention_matrix_bytes``: bytes per attention-score element kept for backward by an attention
+    that materializes them (0 with FlashAttention, as the paper assumes; e.g. 4 + 2 for fp32 scores
+    kept by softmax plus bf16 probabilities): b*(a/t)*(s/c)*s elements per layer and micro-batch
+    (queries of this CP rank against all gathered keys).
     """
     check_config(model, layout, seq, mbs, stage_rule=contents is None)
     t, c, p, d = layout.tp, layout.cp, layout.pp, layout.dp
@@ -244,12 +249,15 @@ def estimate_rank(
     act_layers = per_layer * layers * inflight * scale
     act_embed = embed * inflight * scale if any(b.embedding for b in buckets) else 0.0
     act_head = head * scale if any(b.head for b in buckets) else 0.0
+    scores = mbs * (model.heads // t) * (seq // c) * seq
+    act_attention = attention_matrix_bytes * scores * layers * inflight
     return MemoryEstimate(
         model=model.name, formula="exact", tp=t, cp=c, pp=p, dp=d, seq=seq, mbs=mbs, stage=stage,
         params=sum(counts),
         weights=held["weights"], gradients=held["gradients"], optimizer=held["optimizer"],
-        activations=act_layers + act_embed + act_head,
+        activations=act_layers + act_embed + act_head + act_attention,
         detail={"act_layers": act_layers, "act_embedding": act_embed, "act_head": act_head,
+                "act_attention_matrices": act_attention,
                 "shard_params": sum(-(-n // (d * c)) for n in counts),
                 "microbatches_in_flight": inflight},
     )

@@ -52,9 +52,11 @@ def _require(d: Mapping, key: str, where: str):
 def trainer_estimate(manifest: Mapping, rank: int, after_first_step: bool = True) -> MemoryEstimate:
     """Estimate for ``rank`` of a reference-trainer run described by its ``manifest.json`` dict.
 
-    Activations use the paper's per-layer coefficients scaled to the compute dtype, with the
-    micro-batches in flight of the schedule: all of them under all-forward-all-backward, and under
-    1F1B min(micro_batches, pp - stage) per virtual stage (an approximation for interleaving)."""
+    Activations use the paper's per-layer coefficients scaled to the compute dtype, plus the
+    attention matrices this trainer keeps (it does not use FlashAttention: softmax keeps its fp32
+    output and the product keeps the probabilities in the compute dtype), with the micro-batches in
+    flight of the schedule: all of them under all-forward-all-backward, and under 1F1B
+    min(micro_batches, pp - stage) (an approximation for interleaving)."""
     cfg = _require(manifest, "config", "manifest")
     layout = Layout(**{d: int(_require(_require(manifest, "layout", "manifest"), d, "layout"))
                        for d in ("tp", "cp", "pp", "dp")})
@@ -76,4 +78,5 @@ def trainer_estimate(manifest: Mapping, rank: int, after_first_step: bool = True
         model, layout, int(cfg["seq_len"]), int(cfg["micro_batch_size"]), stage=stage, contents=contents,
         state=trainer_state(cfg["compute_dtype"], cfg["grad_accum_dtype"], after_first_step),
         microbatches_in_flight=inflight, activation_bytes=DTYPE_BYTES[cfg["compute_dtype"]],
+        attention_matrix_bytes=4 + DTYPE_BYTES[cfg["compute_dtype"]],
     )
