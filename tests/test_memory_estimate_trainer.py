@@ -61,7 +61,9 @@ def _config(changes: dict) -> TrainConfig:
 
 
 def _bytes(*tensors: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    """Bytes of distinct tensors (one storage counted once, should two names share it)."""
+    seen = {t.untyped_storage().data_ptr(): t.numel() * t.element_size() for t in tensors if t is not None}
+    return sum(seen.values())
 
 
 def _worker(rank: int, world: int, jobs: dict[str, dict], init_method: str, out_dir: str) -> None:
