@@ -105,9 +105,12 @@ def _lifetimes(ev: pl.DataFrame) -> pl.DataFrame:
 
 
 def _timeline(life: pl.DataFrame) -> pl.DataFrame:
+    # blocks from before the trace start the running sum (a row at seq -1, dropped afterwards)
     baseline = life.filter(pl.col("alloc_seq").is_null()).group_by(G).agg(
-        pl.col("size").sum().alias("baseline"))
+        pl.lit(-1, pl.Int64).alias("seq"), pl.lit(None, pl.Int64).alias("ts_ns"),
+        pl.col("size").sum().alias("delta"))
     deltas = pl.concat([
+        baseline.select(G, "seq", "ts_ns", "delta"),
         life.filter(pl.col("alloc_seq").is_not_null()).select(
             G, pl.col("alloc_seq").alias("seq"), pl.col("alloc_ts_ns").alias("ts_ns"),
             pl.col("size").alias("delta")),
@@ -115,10 +118,10 @@ def _timeline(life: pl.DataFrame) -> pl.DataFrame:
             G, pl.col("free_seq").alias("seq"), pl.col("free_ts_ns").alias("ts_ns"),
             (-pl.col("size")).alias("delta")),
     ]).sort([G, "seq", "delta"])  # at one seq (an alloc ending an unfreed block) frees go first
-    out = deltas.join(baseline, on=G, how="left").with_columns(
-        (pl.col("delta").cum_sum().over(G) + pl.col("baseline").fill_null(0)).alias("allocated"))
+    out = deltas.with_columns(pl.col("delta").cum_sum().over(G).alias("allocated"))
     # one row per seq: the state after all of its changes
-    return out.filter(~_same_as(-1, [G, "seq"])).select(G, "seq", "ts_ns", "allocated")
+    return (out.filter(~_same_as(-1, [G, "seq"]) & (pl.col("seq") >= 0))
+            .select(G, "seq", "ts_ns", "allocated"))
 
 
 def _reserved(ev: pl.DataFrame, ranks: pl.DataFrame, segments: pl.DataFrame | None) -> pl.DataFrame:
