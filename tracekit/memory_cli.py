@@ -91,10 +91,15 @@ def _render(run_id: str, pk: pl.DataFrame, live: pl.DataFrame) -> None:
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def memory_command(store: Path, run_id: str | None, by: str, top: int, as_json: bool) -> None:
     """Per-rank peak memory, when it happened, what was live at it, and imbalance across ranks."""
+    from rich.console import Console
+
+    status = Console(stderr=True).status  # a spinner on a terminal, silent otherwise
     try:
-        run_id, tables, layout = load_tables(store, run_id)
+        with status(f"reading {store}"):
+            run_id, tables, layout = load_tables(store, run_id)
         events = tables["memory_events"]
-        result = analyse(events, segments=tables.get("memory_segments"), steps=tables.get("steps"))
+        with status(f"analysing {events.height:,} allocator events of run {run_id}"):
+            result = analyse(events, segments=tables.get("memory_segments"), steps=tables.get("steps"))
         pk = result.peaks if layout is None else imbalance(result.peaks, layout)
         live = result.live_at_peak(by=by)
     except (MemoryDataError, LayoutError) as e:
