@@ -224,6 +224,15 @@ def test_reserve_from_segments_and_steps():
     assert row["reserved_at_peak"] == 2500 and row["fragmentation_at_peak"] == pytest.approx(1 - 600 / 2500)
     steps = pl.DataFrame({"rank": [0, 0], "step": [0, 1], "start_ns": [100, 145], "end_ns": [145, 200]})
     assert peaks(ev, steps=steps)["peak_step"].to_list() == [1]
+    # the peak (ts 150) lies in a step span, a bwd span of micro-batch 1, and a nested bwd span of
+    # micro-batch 2 (innermost wins); a fwd span that ended at 150 does not contain it
+    spans = pl.DataFrame({"rank": [0] * 4, "ts_ns": [100, 140, 148, 120], "dur_ns": [100, 20, 5, 30],
+                          "phase": [None, "bwd", "bwd", "fwd"], "microbatch": [None, 1, 2, 0],
+                          "name": ["step", "tk.compute phase=bwd mb=1", "tk.compute phase=bwd mb=2",
+                                   "tk.compute phase=fwd mb=0"]})
+    row = peaks(ev, spans=spans).row(0, named=True)
+    assert (row["peak_phase"], row["peak_microbatch"], row["peak_vstage"]) == ("bwd", 2, None)
+    assert row["peak_span"] == "tk.compute phase=bwd mb=2"
     # only segments, no segment events: the reserve is the end state throughout
     no_seg_events = ev.filter(~pl.col("action").str.starts_with("segment"))
     assert peaks(no_seg_events, segments=seg)["reserved_at_peak"].to_list() == [2000]
@@ -293,7 +302,7 @@ def store(run, tmp_path_factory):
     _, _, events = run
     path = tmp_path_factory.mktemp("store") / "run.duckdb"
     con = duckdb.connect(str(path))
-    for t in ("runs", "memory_events", "memory_segments", "steps"):
+    for t in ("runs", "memory_events", "memory_segments", "steps", "events"):
         con.execute(create_sql(t))
     con.execute("INSERT INTO runs (run_id, tp, cp, pp, dp) VALUES ('run', 1, 1, 2, 1)")
     con.register("ev", events.to_arrow())
@@ -302,6 +311,11 @@ def store(run, tmp_path_factory):
     con.register("ev2", other.to_arrow())
     con.execute("INSERT INTO memory_events (run_id, rank, seq, ts_ns, action, addr, size, category, frame)"
                 " SELECT run_id, rank, seq, ts_ns, action, addr, size, category, frame FROM ev2")
+    # the hand trace's run also has steps and a phase span around its peak (ts 150)
+    con.execute("INSERT INTO steps VALUES ('other', 0, 4, 100, 200)")
+    con.execute("INSERT INTO events (run_id, rank, ts_ns, dur_ns, kind, name, phase, microbatch) VALUES"
+                " ('other', 0, 140, 20, 'compute', 'tk.compute phase=bwd mb=3', 'bwd', 3),"
+                " ('other', 0, 100, 30, 'compute', 'tk.compute phase=fwd mb=0', 'fwd', 0)")
     con.close()
     return path
 
@@ -332,6 +346,8 @@ def test_memory_command_tables_and_json(run, store):
     assert all(s["frame"].endswith(":_train_step") for s in sites["live_by_frame"])
     other = json.loads(cli(store, "--run-id", "other", "--json").output)
     assert other["peaks"][0]["peak_allocated"] == 600 and other["layout"] is None
+    assert (other["peaks"][0]["peak_step"], other["peaks"][0]["peak_phase"]) == (4, "bwd")
+    assert "step 4 bwd mb 3 (entry 5)" in cli(store, "--run-id", "other").output
 
 
 def test_memory_command_bad_input(store, tmp_path):

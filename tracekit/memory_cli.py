@@ -45,6 +45,10 @@ def load_tables(store: Path, run_id: str | None) -> tuple[str, dict[str, pl.Data
         # a relation's .pl() stays columnar (arrow), no Python row objects
         tables = {t: con.sql(f"SELECT * FROM {t} WHERE run_id = ?", params=[run_id]).pl()
                   for t in ("memory_events", "memory_segments", "steps") if t in have}
+        if "events" in have:  # only the spans that carry a phase (the trainer's tk.compute spans)
+            tables["spans"] = con.sql("SELECT rank, ts_ns, dur_ns, phase, microbatch, vstage, name, run_id"
+                                      " FROM events WHERE run_id = ? AND phase IS NOT NULL",
+                                      params=[run_id]).pl()
         layout = None
         if "runs" in have:
             row = con.execute("SELECT tp, cp, pp, dp FROM runs WHERE run_id = ?", [run_id]).fetchone()
@@ -61,11 +65,14 @@ def _render(run_id: str, pk: pl.DataFrame, live: pl.DataFrame) -> None:
 
     console = Console(width=160)
     t = Table(title=f"peak allocated per rank, run {run_id}")
-    for col in ("rank", "pp", "peak", "vs mean", "when (seq / step)", "allocated by", "baseline",
+    for col in ("rank", "pp", "peak", "vs mean", "when", "allocated by", "baseline",
                 "reserved at peak", "fragmentation"):
         t.add_column(col, justify="left" if col == "allocated by" else "right")
     for r in pk.iter_rows(named=True):
-        when = f"{r['peak_seq']}" + (f" / step {r['peak_step']}" if r.get("peak_step") is not None else "")
+        when = " ".join(x for x in (
+            f"step {r['peak_step']}" if r.get("peak_step") is not None else "",
+            f"{r['peak_phase']} mb {r['peak_microbatch']}" if r.get("peak_phase") is not None else "",
+            f"(entry {r['peak_seq']})") if x)
         frag = r["fragmentation_at_peak"]
         t.add_row(str(r["rank"]), str(r.get("pp", "-")), _size(r["peak_allocated"]),
                   f"{r['vs_run_mean']:.2f}x" if r.get("vs_run_mean") is not None else "-", when,
@@ -99,7 +106,8 @@ def memory_command(store: Path, run_id: str | None, by: str, top: int, as_json: 
             run_id, tables, layout = load_tables(store, run_id)
         events = tables["memory_events"]
         with status(f"analysing {events.height:,} allocator events of run {run_id}"):
-            result = analyse(events, segments=tables.get("memory_segments"), steps=tables.get("steps"))
+            result = analyse(events, segments=tables.get("memory_segments"), steps=tables.get("steps"),
+                             spans=tables.get("spans"))
         pk = result.peaks if layout is None else imbalance(result.peaks, layout)
         live = result.live_at_peak(by=by)
     except (MemoryDataError, LayoutError) as e:

@@ -143,12 +143,35 @@ def _reserved(ev: pl.DataFrame, ranks: pl.DataFrame, segments: pl.DataFrame | No
     return rows.with_columns(pl.col("delta").cum_sum().over(G).alias("reserved")).select(G, "seq", "reserved")
 
 
+def _with_run_id(df: pl.DataFrame, peak: pl.DataFrame) -> pl.DataFrame:
+    df = df if "run_id" in df.columns else df.with_columns(pl.lit("").alias("run_id"))
+    return df.with_columns(pl.col("rank").cast(peak.schema["rank"]))
+
+
 def _with_step(peak: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
-    st = steps if "run_id" in steps.columns else steps.with_columns(pl.lit("").alias("run_id"))
-    st = st.with_columns(pl.col("rank").cast(peak.schema["rank"]))
+    st = _with_run_id(steps, peak)
     hit = (peak.select(*KEY, "peak_ts_ns").join(st.select(*KEY, "step", "start_ns", "end_ns"), on=KEY)
            .filter((pl.col("peak_ts_ns") >= pl.col("start_ns")) & (pl.col("peak_ts_ns") < pl.col("end_ns")))
            .group_by(KEY).agg(pl.col("step").min().alias("peak_step")))
+    return peak.join(hit, on=KEY, how="left")
+
+
+def _with_phase(peak: pl.DataFrame, spans: pl.DataFrame) -> pl.DataFrame:
+    """The innermost (latest-starting) span with a phase that contains the peak's time: its phase,
+    micro-batch, virtual stage and name (``events`` rows; the trainer's tk.compute spans)."""
+    sp = _with_run_id(spans, peak).filter(pl.col("phase").is_not_null())
+    for col, dtype in (("microbatch", pl.Int64), ("vstage", pl.Int64), ("name", pl.Utf8)):
+        if col not in sp.columns:
+            sp = sp.with_columns(pl.lit(None, dtype).alias(col))
+    hit = (peak.select(*KEY, "peak_ts_ns")
+           .join(sp.select(*KEY, "ts_ns", "dur_ns", "phase", "microbatch", "vstage", "name"), on=KEY)
+           .filter((pl.col("peak_ts_ns") >= pl.col("ts_ns"))
+                   & (pl.col("peak_ts_ns") < pl.col("ts_ns") + pl.col("dur_ns")))
+           .sort("ts_ns").group_by(KEY).agg(
+               pl.col("phase").last().alias("peak_phase"),
+               pl.col("microbatch").last().alias("peak_microbatch"),
+               pl.col("vstage").last().alias("peak_vstage"),
+               pl.col("name").last().alias("peak_span")))
     return peak.join(hit, on=KEY, how="left")
 
 
@@ -182,9 +205,11 @@ class MemoryAnalysis:
 
 
 def analyse(events: pl.DataFrame, segments: pl.DataFrame | None = None,
-            steps: pl.DataFrame | None = None) -> MemoryAnalysis:
-    """Everything at once. ``peaks`` per rank: peak allocated bytes, when (seq, ts_ns, and step
-    when ``steps`` rows and times are known), the allocation that reached it (frame, category),
+            steps: pl.DataFrame | None = None, spans: pl.DataFrame | None = None) -> MemoryAnalysis:
+    """Everything at once. ``peaks`` per rank: peak allocated bytes, when (seq, ts_ns; the step
+    when ``steps`` rows are given, the phase, micro-batch and virtual stage of the innermost
+    ``spans`` row (the store's ``events`` with a phase) around it, when times are known), the
+    allocation that reached it (frame, category),
     baseline and final allocated, the reserve at the peak and its maximum, and fragmentation at the
     peak = 1 - allocated / reserved (null when the reserve is unknown)."""
     ev, ranks = _normalize(events)
@@ -218,13 +243,15 @@ def analyse(events: pl.DataFrame, segments: pl.DataFrame | None = None,
     out = ranks.join(out, on=G).drop(G).sort(KEY)
     if steps is not None:
         out = _with_step(out, steps)
+    if spans is not None:
+        out = _with_phase(out, spans)
     return MemoryAnalysis(ranks=ranks, lifetimes=life, timeline=tl, reserved=res, peaks=out)
 
 
 def peaks(events: pl.DataFrame, segments: pl.DataFrame | None = None,
-          steps: pl.DataFrame | None = None) -> pl.DataFrame:
+          steps: pl.DataFrame | None = None, spans: pl.DataFrame | None = None) -> pl.DataFrame:
     """Per-rank peaks (see ``analyse``)."""
-    return analyse(events, segments, steps).peaks
+    return analyse(events, segments, steps, spans).peaks
 
 
 def live_at_peak(events: pl.DataFrame, by: str = "category") -> pl.DataFrame:
