@@ -1,0 +1,55 @@
+"""`python -m reference_trainer` / `tracekit train`: one option per TrainConfig field."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import click
+
+from .config import BACKENDS, CP_SHARDINGS, DTYPES, REDUCE_ORDERS, SCHEDULES, ConfigError, TrainConfig
+
+_CHOICES = {"schedule": SCHEDULES, "compute_dtype": DTYPES, "grad_accum_dtype": DTYPES,
+            "reduce_dtype": DTYPES, "cp_sharding": CP_SHARDINGS, "reduce_order": REDUCE_ORDERS,
+            "backend": BACKENDS}
+
+
+def _config_options(fn):
+    for f in reversed(dataclasses.fields(TrainConfig)):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            fn = click.option(flag + "/--no-" + f.name.replace("_", "-"), f.name, default=f.default,
+                              show_default=True)(fn)
+            continue
+        kind = click.Choice(_CHOICES[f.name]) if f.name in _CHOICES else (
+            {"int": int, "float": float, "str": str}.get(str(f.type), str))
+        fn = click.option(flag, f.name, type=kind, default=f.default, show_default=True)(fn)
+    return fn
+
+
+@click.command("train")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="run directory to write")
+@_config_options
+def train_command(out: Path, **fields) -> None:
+    """Train the reference model on a spawned world of ranks and write a run directory."""
+    from rich.console import Console
+
+    from .launch import LaunchError, launch
+
+    console = Console(stderr=True)
+    try:
+        cfg = TrainConfig(**fields).validate()
+    except ConfigError as e:
+        console.print(f"[red]error:[/red] {e}")
+        sys.exit(2)
+    console.print(f"training {cfg.layout} ({cfg.world_size} ranks) -> {out}")
+    try:
+        with console.status("ranks running..."):
+            result = launch(cfg, out)
+    except LaunchError as e:
+        console.print(f"[red]run failed:[/red] {e}")
+        sys.exit(1)
+    for s in result.metrics.get("steps", []):
+        click.echo(f"step {s['step']}  loss {s['loss']:.6f}  {s['seconds']:.3f} s")
+    click.echo(f"wrote {out / 'manifest.json'} (backend {result.manifest['backend']})")

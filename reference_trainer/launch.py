@@ -1,0 +1,114 @@
+"""Spawn a world of ranks on this machine: gloo on CPU, NCCL when every rank can have its own GPU.
+
+Writes ``<out>/manifest.json`` (config, layout, world size, backend, versions, host, pids, faults)
+before training starts, so a run that hangs or dies still says what it was.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.multiprocessing as mp
+
+from .config import TrainConfig
+from .model import stage_layers
+from .train import rank_main
+
+
+class LaunchError(RuntimeError):
+    """A rank failed or the world did not finish in time; names the rank and its error."""
+
+
+@dataclass
+class RunResult:
+    out: Path
+    manifest: dict
+    metrics: dict
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_backend(cfg: TrainConfig) -> str:
+    if cfg.backend != "auto":
+        if cfg.backend == "nccl" and torch.cuda.device_count() < cfg.world_size:
+            raise LaunchError(f"backend nccl needs {cfg.world_size} GPUs, found {torch.cuda.device_count()}")
+        return cfg.backend
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= cfg.world_size else "gloo"
+
+
+def run_world(fn: Callable[..., None], world_size: int, args: Sequence[Any], timeout_s: float,
+              on_start: Callable[[list[int]], None] | None = None) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes and wait.
+
+    If a rank raises, the others are terminated and LaunchError carries that rank's traceback;
+    if the world does not finish within ``timeout_s`` seconds, all ranks are terminated.
+    """
+    ctx = mp.start_processes(fn, args=(world_size, *args), nprocs=world_size, join=False,
+                             start_method="spawn")
+    if on_start is not None:
+        on_start(list(ctx.pids()))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise LaunchError(f"world of {world_size} ranks did not finish within {timeout_s:g} s")
+    except mp.ProcessRaisedException as e:
+        raise LaunchError(f"rank {e.error_index} failed:\n{e}") from None
+    except mp.ProcessExitedException as e:
+        raise LaunchError(f"rank {e.error_index} exited with code {e.exit_code}") from None
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+
+
+def write_manifest(cfg: TrainConfig, out: Path, backend: str, pids: list[int]) -> dict:
+    manifest = {
+        "config": cfg.as_dict(),
+        "layout": cfg.layout.as_dict(),
+        "world_size": cfg.world_size,
+        "backend": backend,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "hosts": [socket.gethostname()] * cfg.world_size,
+        "pids": pids,
+        "stage_layers": [list(r) for r in stage_layers(cfg.n_layers, cfg.n_vstages_total)],
+        "faults": [],
+        "created_unix": time.time(),
+        "argv": sys.argv,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def launch(cfg: TrainConfig, out: str | Path) -> RunResult:
+    """Validate ``cfg``, spawn its world, train, and return the manifest and rank 0's metrics."""
+    cfg = cfg.validate()
+    out = Path(out)
+    backend = resolve_backend(cfg)
+    cfg = cfg.replace(backend=backend)
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    manifest: dict = {}
+
+    def started(pids: list[int]) -> None:
+        manifest.update(write_manifest(cfg, out, backend, pids))
+
+    budget = cfg.timeout_s + 60.0 * cfg.steps
+    run_world(rank_main, cfg.world_size, (cfg.as_dict(), str(out), init_method), budget, started)
+    metrics_path = out / "metrics.json"
+    metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
+    return RunResult(out, manifest, metrics)
