@@ -49,7 +49,7 @@ class TrainConfig:
     reduce_order: str = "native"  # native backend reductions, or canonical rank-ordered sums
     cp_sharding: str = "sequence"  # sequence: chunks i, 2cp-1-i; document: per-document (WLB-LLM)
     # optimizer (AdamW, decoupled weight decay)
-    lr: float = 1e-3
+    lr: float = 3e-3
     beta1: float = 0.9
     beta2: float = 0.95
     adam_eps: float = 1e-8

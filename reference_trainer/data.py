@@ -32,10 +32,13 @@ def pack_documents(rng: np.random.Generator, n_seqs: int, seq_tokens: int, vocab
     by ``eos``, concatenated and cut at row boundaries (a document may continue in the next row)."""
     need = n_seqs * seq_tokens
     lengths = document_lengths(rng, need, mean, sigma, max_len)
+    # Zipf-like unigram frequencies, so the model has something to learn (loss falls below ln V)
+    freq = 1.0 / np.arange(1, vocab) ** 1.1
+    freq /= freq.sum()
     stream = np.empty(sum(lengths) + len(lengths), dtype=np.int64)
     pos = 0
     for n in lengths:
-        toks = rng.integers(0, vocab - 1, size=n)
+        toks = rng.choice(vocab - 1, size=n, p=freq)
         toks = toks + (toks >= eos)  # skip the eos id
         stream[pos:pos + n] = toks
         stream[pos + n] = eos

@@ -82,7 +82,7 @@ class Bucket:
         self.grad.zero_()
 
     def step(self, step: int) -> None:
-        self.reduced = self.grad_shard.float()
+        self.reduced = self.grad_shard.to(torch.float32, copy=True)
         self.grad_shard.zero_()
         adamw_(self.master, self.reduced, self.exp_avg, self.exp_avg_sq, step, self.cfg)
         dtype = self.params[0].dtype

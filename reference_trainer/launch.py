@@ -97,18 +97,32 @@ def write_manifest(cfg: TrainConfig, out: Path, backend: str, pids: list[int]) -
 
 def launch(cfg: TrainConfig, out: str | Path) -> RunResult:
     """Validate ``cfg``, spawn its world, train, and return the manifest and rank 0's metrics."""
-    cfg = cfg.validate()
-    out = Path(out)
-    backend = resolve_backend(cfg)
-    cfg = cfg.replace(backend=backend)
+    return launch_many([(cfg, out)])[0]
+
+
+def launch_many(jobs: Sequence[tuple[TrainConfig, str | Path]]) -> list[RunResult]:
+    """Run several configs of the same world size one after another in ONE spawned world
+    (spawning and importing torch dominates small runs). Each job gets its own run directory."""
+    if not jobs:
+        return []
+    cfgs = [c.validate() for c, _ in jobs]
+    outs = [Path(o) for _, o in jobs]
+    world = cfgs[0].world_size
+    if any(c.world_size != world for c in cfgs):
+        raise LaunchError(f"launch_many needs one world size, got {[c.world_size for c in cfgs]}")
+    backend = resolve_backend(cfgs[0])
+    cfgs = [c.replace(backend=backend) for c in cfgs]
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    manifest: dict = {}
+    manifests: list[dict] = []
 
     def started(pids: list[int]) -> None:
-        manifest.update(write_manifest(cfg, out, backend, pids))
+        manifests.extend(write_manifest(c, o, backend, pids) for c, o in zip(cfgs, outs))
 
-    budget = cfg.timeout_s + 60.0 * cfg.steps
-    run_world(rank_main, cfg.world_size, (cfg.as_dict(), str(out), init_method), budget, started)
-    metrics_path = out / "metrics.json"
-    metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
-    return RunResult(out, manifest, metrics)
+    budget = sum(c.timeout_s + 60.0 * c.steps for c in cfgs)
+    run_world(rank_main, world, ([(c.as_dict(), str(o)) for c, o in zip(cfgs, outs)], init_method),
+              budget, started)
+    results = []
+    for o, m in zip(outs, manifests):
+        metrics_path = o / "metrics.json"
+        results.append(RunResult(o, m, json.loads(metrics_path.read_text()) if metrics_path.exists() else {}))
+    return results

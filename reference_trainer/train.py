@@ -128,17 +128,21 @@ def run_single_process(cfg: TrainConfig, out: Path | None = None) -> tuple[list[
     return run_training(cfg, Comm.single(cfg.reduce_order), out)
 
 
-def rank_main(rank: int, world_size: int, cfg_dict: dict, out: str, init_method: str) -> None:
-    """Entry point of one spawned rank."""
+def rank_main(rank: int, world_size: int, jobs: list[tuple[dict, str]], init_method: str) -> None:
+    """Entry point of one spawned rank: runs each (config, out dir) job in turn on one world
+    (every job needs the same world size; each builds its own process groups)."""
     torch.set_num_threads(1)
-    cfg = TrainConfig.from_dict(cfg_dict)
-    use_cuda = cfg.backend == "nccl"
+    cfgs = [TrainConfig.from_dict(c) for c, _ in jobs]
+    first = cfgs[0]
+    use_cuda = first.backend == "nccl"
     device = torch.device("cuda", rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    comm = Comm.init_world(cfg.backend, rank, world_size, init_method, cfg.timeout_s,
-                           cfg.reduce_order, device)
+    comm = Comm.init_world(first.backend, rank, world_size, init_method, first.timeout_s,
+                           first.reduce_order, device)
     try:
-        run_training(cfg, comm, Path(out))
+        for cfg, (_, out) in zip(cfgs, jobs):
+            comm.reduce_order = cfg.reduce_order
+            run_training(cfg, comm, Path(out))
     finally:
         comm.shutdown()
