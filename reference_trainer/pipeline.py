@@ -5,8 +5,10 @@ Micro-batches are taken in groups of N (Llama 3's tunable N); within a group a r
 for the N micro-batches, then chunk 1, ... (forward) and the chunks in reverse for backward. Any
 micro-batch count works, including fewer than pp and counts that are not a multiple of N.
 
-Each rank's action order comes from a tick simulation of the whole pipeline: a rank runs a forward
-when its warm-up budget allows (or nothing else is ready), else the next backward that is ready.
+Each rank's action order comes from a tick simulation of the whole pipeline: a rank runs its next
+backward when ready and its forwards in flight reached the warm-up budget (Megatron's interleaved
+warm-up, generalized to N), else its next forward within that budget; only if the whole pipeline
+would otherwise stall may a rank exceed its budget.
 Because every action is placed after the actions it depends on, the real run with blocking
 receives and asynchronous sends cannot deadlock.
 """
@@ -60,8 +62,9 @@ def build_schedule(pp: int, v: int, m: int, n: int, kind: str) -> list[list[Acti
     # warm-up budget of forwards in flight (Megatron's interleaved warm-up, generalized to N)
     limit = [(pp - r - 1) * 2 + (v - 1) * n + 1 if v > 1 else pp - r for r in range(pp)]
     total = 2 * v * m
+    relax = False  # set for one tick when the warm-up budget alone would stall the pipeline
     while any(len(o) < total for o in out):
-        tick: list[Action] = []
+        tick: list[tuple[int, Action, int]] = []
         for r in range(pp):
             fwd, bwd = orders[r]
             nf = fwd[ptr[r][0]] if ptr[r][0] < len(fwd) else None
@@ -73,16 +76,19 @@ def build_schedule(pp: int, v: int, m: int, n: int, kind: str) -> list[list[Acti
                 b_ok = b_ok and nf is None
             in_flight = ptr[r][0] - ptr[r][1]
             if b_ok and (in_flight >= limit[r] or not f_ok or kind == "afab"):
-                pick, ptr[r][1] = nb, ptr[r][1] + 1
-            elif f_ok:
-                pick, ptr[r][0] = nf, ptr[r][0] + 1
-            else:
-                continue
-            tick.append(pick)
-            out[r].append(pick)
+                tick.append((r, nb, 1))
+            elif f_ok and (in_flight < limit[r] or kind == "afab" or relax):
+                tick.append((r, nf, 0))
         if not tick:
-            raise ScheduleError(f"pipeline schedule stalled (pp={pp} v={v} m={m} n={n} {kind})")
-        done.update(tick)
+            if relax:
+                raise ScheduleError(f"pipeline schedule stalled (pp={pp} v={v} m={m} n={n} {kind})")
+            relax = True
+            continue
+        relax = False
+        for r, a, which in tick:
+            ptr[r][which] += 1
+            out[r].append(a)
+            done.add(a)
     return out
 
 
