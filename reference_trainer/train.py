@@ -121,7 +121,7 @@ def run_training(cfg: TrainConfig, comm: Comm, out: Path | None,
 
 
 def run_single_process(cfg: TrainConfig, out: Path | None = None) -> tuple[list[StepResult], list[dict]]:
-    """Train ``cfg`` in this process with every parallel size 1 (no torch.distributed)."""
+    """Train ``cfg`` in this process with every parallel size 1 (no process groups at all)."""
     if cfg.world_size != 1:
         raise ValueError(f"run_single_process needs a 1-rank config, got layout {cfg.layout}")
     torch.set_num_threads(1)
