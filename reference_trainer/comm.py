@@ -251,7 +251,8 @@ class Comm:
         if group.size == 1:
             return [obj]
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        sizes = self.all_gather(torch.tensor([payload.numel()], dtype=torch.int64), group)
+        sizes = self.all_gather(torch.tensor([payload.numel()], dtype=torch.int64, device=self.device),
+                                group).cpu()
         width = int(sizes.max())
         padded = torch.zeros(width, dtype=torch.uint8)
         padded[:payload.numel()] = payload

@@ -19,10 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch.autograd.profiler import record_function
-
-from tracekit.conventions import ComputeAnnotation
-
+from .compute import ComputeSpans
 from .model import MicroBatch, Stage
 from .parallel_state import ParallelContext
 
@@ -97,10 +94,11 @@ class PipelineRunner:
 
     def __init__(self, ctx: ParallelContext, stages: dict[int, Stage], schedule: list[Action],
                  act_shape: tuple[int, ...], dtype: torch.dtype, n_micro: int,
-                 on_backward: Callable[[int, int], None] | None = None):
+                 spans: ComputeSpans, on_backward: Callable[[int, int], None] | None = None):
         self.ctx, self.stages, self.schedule = ctx, stages, schedule
         self.act_shape, self.dtype, self.n_micro = act_shape, dtype, n_micro
         self.n_vstages = ctx.layout.pp * len(stages)
+        self.spans = spans
         self.on_backward = on_backward  # (vstage, mb) after each backward, e.g. ZeRO-2 reduction
 
     def _tag(self, direction: int, vstage: int, mb: int) -> int:
@@ -129,7 +127,7 @@ class PipelineRunner:
                         x = comm.recv(self.act_shape, self.dtype, self._peer(a.vstage - 1), pp,
                                       tag=self._tag(0, a.vstage, a.mb))
                     x.requires_grad_(True)
-                with record_function(ComputeAnnotation("fwd", a.vstage, a.mb).span_name()):
+                with self.spans.span("fwd", a.vstage, a.mb):
                     y = stage(x, micro_batches[a.mb])
                 inputs[key], outputs[key] = x, y
                 if stage.is_last:
@@ -147,7 +145,7 @@ class PipelineRunner:
                 else:
                     grad = comm.recv(self.act_shape, self.dtype, self._peer(a.vstage + 1), pp,
                                      tag=self._tag(1, a.vstage, a.mb))
-                with record_function(ComputeAnnotation("bwd", a.vstage, a.mb).span_name()):
+                with self.spans.span("bwd", a.vstage, a.mb):
                     torch.autograd.backward(y, grad)
                 if x is not None:
                     if self._peer(a.vstage - 1) == self.ctx.rank:

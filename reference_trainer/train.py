@@ -13,11 +13,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from torch.autograd.profiler import record_function
-
-from tracekit.conventions import ComputeAnnotation
-
 from .comm import Comm
+from .compute import ComputeSpans
 from .config import TrainConfig
 from .context_parallel import batch_shard_positions, document_causal_mask
 from .data import Corpus, document_ids
@@ -44,9 +41,10 @@ class Trainer:
                        for vs in (k * c.pp + pp_rank for k in range(c.vstages))}
         self.optimizer = ShardedOptimizer(self.stages, c, self.ctx)
         self.schedule = build_schedule(c.pp, c.vstages, c.micro_batches, c.n_consecutive, c.schedule)[pp_rank]
+        self.spans = ComputeSpans()  # add ComputeHooks here (timing, slow-rank injection)
         act_shape = (c.micro_batch_size, c.seq_len // (c.cp * c.tp), c.dim)
         self.runner = PipelineRunner(self.ctx, self.stages, self.schedule, act_shape, dtype,
-                                     c.micro_batches, on_backward=self.optimizer.after_backward)
+                                     c.micro_batches, self.spans, on_backward=self.optimizer.after_backward)
         self.corpus = Corpus(c)
         self.step_index = 0
 
@@ -67,7 +65,7 @@ class Trainer:
         tokens = self.corpus.micro_batches(self.step_index, self.ctx.coords.dp)
         mbs = [self.micro_batch(i, t) for i, t in enumerate(tokens)]
         local_loss = self.runner.run(mbs)
-        with record_function(ComputeAnnotation("opt").span_name()):
+        with self.spans.span("opt"):
             self.optimizer.step()
         comm = self.ctx.comm
         # the loss lives on the last stage: sum over DP x CP (token shares), then over PP (zeros)
@@ -96,10 +94,14 @@ class Trainer:
 
 
 def run_training(cfg: TrainConfig, comm: Comm, out: Path | None,
-                 on_step: Callable[[StepResult], None] | None = None) -> tuple[list[StepResult], list[dict]]:
+                 on_step: Callable[[StepResult], None] | None = None,
+                 setup: Callable[[Trainer], None] | None = None) -> tuple[list[StepResult], list[dict]]:
     """The loop shared by every rank and by the single-process reference. Writes
-    ``<out>/state/step<k>.pt`` when ``dump_state`` and ``<out>/metrics.json`` (rank 0)."""
+    ``<out>/state/step<k>.pt`` when ``dump_state`` and ``<out>/metrics.json`` (rank 0).
+    ``setup`` sees the Trainer before the first step (to add comm or compute hooks)."""
     trainer = Trainer(cfg, comm)
+    if setup is not None:
+        setup(trainer)
     results, states = [], []
     for _ in range(cfg.steps):
         r = trainer.train_step()

@@ -14,7 +14,9 @@ from tracekit import __version__
 
 # (module, attribute) of each subcommand, imported lazily so `tracekit --help` stays fast and a
 # broken optional dependency of one command does not take the others down.
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("reference_trainer.cli", "train_command"),
+}
 
 
 class LazyGroup(click.Group):
