@@ -148,12 +148,13 @@ class Comm:
         comm.world = Group("", "world", (0,), 0, None)
         return comm
 
-    def new_group(self, ranks: Sequence[int], dim: str) -> Group:
-        """Create a group. Every rank must call this for every group, in the same order."""
+    def new_group(self, ranks: Sequence[int], dim: str, desc: str | None = None) -> Group:
+        """Create a group (torch ``group_desc`` = ``desc`` or the dimension). Every rank must call
+        this for every group, in the same order."""
         ranks = tuple(ranks)
         if self.world_size == 1:
             return Group("", dim, ranks, self.rank, None)
-        pg = dist.new_group(list(ranks), group_desc=dim)
+        pg = dist.new_group(list(ranks), group_desc=desc or dim)
         if self.rank not in ranks:
             return Group("", dim, ranks, self.rank, None)
         group = Group(pg.group_name, dim, ranks, self.rank, pg)

@@ -24,6 +24,7 @@ class ParallelContext:
     pp: Group
     dp: Group
     dp_cp: Group  # ZeRO shards optimizer state and gradients over DP x CP
+    pp_bwd: Group  # backward p2p: the pp group itself on gloo, a second communicator on NCCL
 
     @property
     def is_first_pp(self) -> bool:
@@ -48,4 +49,14 @@ def build_context(layout: Layout, comm: Comm) -> ParallelContext:
             g = comm.new_group(ranks, dim)
             if rank in ranks:
                 mine[dim] = g
+    mine["pp_bwd"] = mine["pp"]
+    if comm.backend == "nccl":
+        # NCCL ignores tags and matches p2p messages per communicator in issue order. Forward and
+        # backward messages between two PP ranks are each issued in the same order on both sides,
+        # but not interleaved the same way (pp = 2 with virtual stages), so they get separate
+        # communicators. gloo matches by tag and keeps one PP group (cleaner traces).
+        for ranks in layout.groups("pp"):
+            g = comm.new_group(ranks, "pp", desc="pp_bwd")
+            if rank in ranks:
+                mine["pp_bwd"] = g
     return ParallelContext(layout=layout, rank=rank, coords=layout.coords(rank), comm=comm, **mine)

@@ -110,7 +110,7 @@ class PipelineRunner:
 
     def run(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         """Run the step's forwards and backwards; returns this rank's summed loss (0 off the last stage)."""
-        comm, pp = self.ctx.comm, self.ctx.pp
+        comm, pp, pp_bwd = self.ctx.comm, self.ctx.pp, self.ctx.pp_bwd
         inputs: dict[tuple[int, int], torch.Tensor | None] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         local_fwd: dict[tuple[int, int], torch.Tensor] = {}  # handoffs between stages on this rank
@@ -143,7 +143,7 @@ class PipelineRunner:
                 elif self._peer(a.vstage + 1) == self.ctx.rank:
                     grad = local_bwd.pop(key)
                 else:
-                    grad = comm.recv(self.act_shape, self.dtype, self._peer(a.vstage + 1), pp,
+                    grad = comm.recv(self.act_shape, self.dtype, self._peer(a.vstage + 1), pp_bwd,
                                      tag=self._tag(1, a.vstage, a.mb))
                 with self.spans.span("bwd", a.vstage, a.mb):
                     torch.autograd.backward(y, grad)
@@ -151,7 +151,8 @@ class PipelineRunner:
                     if self._peer(a.vstage - 1) == self.ctx.rank:
                         local_bwd[(a.vstage - 1, a.mb)] = x.grad
                     else:
-                        comm.send(x.grad, self._peer(a.vstage - 1), pp, tag=self._tag(1, a.vstage - 1, a.mb))
+                        comm.send(x.grad, self._peer(a.vstage - 1), pp_bwd,
+                                  tag=self._tag(1, a.vstage - 1, a.mb))
                 if self.on_backward is not None:
                     self.on_backward(a.vstage, a.mb)
         comm.wait_sends()

@@ -113,3 +113,33 @@ def test_interleaved_forward_order_follows_groups_of_n():
 def test_unknown_schedule_rejected():
     with pytest.raises(ScheduleError):
         build_schedule(2, 1, 2, 2, "gpipe")
+
+
+def _messages(sched: list[list[Action]], pp: int, v: int) -> tuple[dict, dict]:
+    """Per (src, dst, direction): the messages in the sender's issue order and the receiver's."""
+    last, sends, recvs = pp * v - 1, {}, {}
+    for r, acts in enumerate(sched):
+        for a in acts:
+            if a.kind == "F":
+                if a.vstage > 0 and (a.vstage - 1) % pp != r:
+                    recvs.setdefault(((a.vstage - 1) % pp, r, "F"), []).append((a.vstage, a.mb))
+                if a.vstage < last and (a.vstage + 1) % pp != r:
+                    sends.setdefault((r, (a.vstage + 1) % pp, "F"), []).append((a.vstage + 1, a.mb))
+            else:
+                if a.vstage < last and (a.vstage + 1) % pp != r:
+                    recvs.setdefault(((a.vstage + 1) % pp, r, "B"), []).append((a.vstage, a.mb))
+                if a.vstage > 0 and (a.vstage - 1) % pp != r:
+                    sends.setdefault((r, (a.vstage - 1) % pp, "B"), []).append((a.vstage - 1, a.mb))
+    return sends, recvs
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+@pytest.mark.parametrize("v", [1, 2, 3])
+@pytest.mark.parametrize("kind", ["1f1b", "afab"])
+def test_p2p_issue_order_matches_per_direction(pp, v, kind):
+    """What NCCL (which ignores tags) relies on: per (sender, receiver, direction), messages are
+    sent and received in the same order, so forward and backward p2p on separate communicators match."""
+    for m in (1, 3, 5, 8):
+        for n in (1, 2, pp, 2 * pp):
+            sends, recvs = _messages(build_schedule(pp, v, m, n, kind), pp, v)
+            assert sends == recvs, (pp, v, m, n, kind)
