@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 
 from .config import TrainConfig
 from .model import stage_layers
+from .pipeline import build_schedule
 from .train import rank_main
 
 
@@ -86,6 +87,9 @@ def write_manifest(cfg: TrainConfig, out: Path, backend: str, pids: list[int]) -
         "hosts": [socket.gethostname()] * cfg.world_size,
         "pids": pids,
         "stage_layers": [list(r) for r in stage_layers(cfg.n_layers, cfg.n_vstages_total)],
+        # per PP rank, the order of forward/backward actions: "F<vstage>.<micro-batch>"
+        "pipeline_schedule": [[f"{a.kind}{a.vstage}.{a.mb}" for a in acts] for acts in build_schedule(
+            cfg.pp, cfg.vstages, cfg.micro_batches, cfg.n_consecutive, cfg.schedule)],
         "faults": [],
         "created_unix": time.time(),
         "argv": sys.argv,

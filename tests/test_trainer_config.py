@@ -53,6 +53,13 @@ def test_cli_exits_2_on_impossible_config(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_tracekit_train_command_is_registered():
+    from tracekit.cli import main
+
+    res = CliRunner().invoke(main, ["train", "--help"])
+    assert res.exit_code == 0 and "--cp-sharding" in res.output and "--dump-state" in res.output
+
+
 def test_no_torch_distributed_outside_comm_layer():
     """The choke point: only comm.py may touch torch.distributed."""
     pattern = re.compile(r"torch\.distributed|import\s+torch\.distributed|\bdist\.|from torch import distributed")
@@ -98,3 +105,18 @@ def test_launch_reports_the_failing_rank():
     with pytest.raises(LaunchError, match=r"rank 1 failed(.|\n)*rank one exploded"):
         run_world(_failing_worker, 2, (), timeout_s=60)
     assert free_port() > 0
+
+
+def _sleeping_worker(rank: int, world: int) -> None:
+    import time
+
+    time.sleep(60)
+
+
+def test_launch_times_out_and_terminates_the_world():
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match="did not finish within 2 s"):
+        run_world(_sleeping_worker, 2, (), timeout_s=2)
+    assert time.monotonic() - t0 < 50  # the sleepers were terminated, not waited for

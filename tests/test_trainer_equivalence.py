@@ -84,6 +84,8 @@ def test_manifest_and_metrics(runs):
     assert len(m["pids"]) == 8 and len(set(m["pids"])) == 8 and m["faults"] == []
     assert TrainConfig.from_dict(m["config"]).tp == 2
     assert (r.out / "manifest.json").exists()
+    assert m["stage_layers"] == [[0, 1], [2, 3]]
+    assert [len(s) for s in m["pipeline_schedule"]] == [8, 8] and m["pipeline_schedule"][1][:2] == ["F1.0", "B1.0"]
     steps = r.metrics["steps"]
     assert [s["step"] for s in steps] == [0, 1] and all(s["seconds"] > 0 for s in steps)
     assert steps[0]["loss"] == pytest.approx(runs["states"]["tp2_cp2_pp2_dp1"][0]["loss"])

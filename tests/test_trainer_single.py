@@ -44,3 +44,15 @@ def test_document_sharding_needs_no_cp_and_fp32_runs_are_deterministic():
     cfg = SMALL.replace(compute_dtype="fp32", steps=2, cp_sharding="document")
     a, b = run_single_process(cfg)[1], run_single_process(cfg)[1]
     assert all(diff_states(x, y).bit_identical for x, y in zip(a, b))
+
+
+def test_diff_states_rejects_mismatched_names_and_shapes():
+    import pytest
+
+    from reference_trainer.compare import StateMismatch
+
+    a = {"loss": 1.0, "grads": {"w": torch.zeros(2)}, "params": {"w": torch.zeros(2)}}
+    with pytest.raises(StateMismatch, match="names differ"):
+        diff_states(a, {**a, "grads": {"v": torch.zeros(2)}})
+    with pytest.raises(StateMismatch, match=r"grads w: shape \(3,\) vs \(2,\)"):
+        diff_states({**a, "grads": {"w": torch.zeros(3)}}, a)
