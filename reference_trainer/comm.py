@@ -128,7 +128,8 @@ class Comm:
         self._coll_seq: dict[str, int] = {}
         self._p2p_seq: dict[tuple[str, int, str], int] = {}
         self._pending: list[PendingSend] = []
-        self.groups: list[Group] = []
+        self.groups: list[Group] = []  # the groups this rank belongs to, in creation order
+        self.world = Group("", "world", tuple(range(world_size)), rank, None)  # set by init_world
 
     # -- setup ---------------------------------------------------------------------------------
     @classmethod
@@ -144,9 +145,7 @@ class Comm:
     @classmethod
     def single(cls, reduce_order: str = "native", device: torch.device | None = None) -> "Comm":
         """A world of one process: no torch.distributed at all, every group has size 1."""
-        comm = cls(0, 1, reduce_order, device)
-        comm.world = Group("", "world", (0,), 0, None)
-        return comm
+        return cls(0, 1, reduce_order, device)
 
     def new_group(self, ranks: Sequence[int], dim: str, desc: str | None = None) -> Group:
         """Create a group (torch ``group_desc`` = ``desc`` or the dimension). Every rank must call
