@@ -14,17 +14,34 @@ _CHOICES = {"schedule": SCHEDULES, "compute_dtype": DTYPES, "grad_accum_dtype": 
             "reduce_dtype": DTYPES, "cp_sharding": CP_SHARDINGS, "reduce_order": REDUCE_ORDERS,
             "backend": BACKENDS}
 
+_HELP = {
+    "tp": "tensor-parallel size (with sequence parallel)", "cp": "context-parallel size",
+    "pp": "pipeline-parallel size", "dp": "data-parallel size (ZeRO over dp x cp)",
+    "vstages": "virtual pipeline stages per PP rank (interleaving)",
+    "consecutive": "N: consecutive micro-batches per virtual stage (0 = pp)",
+    "schedule": "interleaved 1F1B or all-forward-all-backward",
+    "zero_stage": "1: reduce-scatter grads once per step; 2: after every micro-batch",
+    "micro_batches": "micro-batches per DP replica per step",
+    "grad_accum_dtype": "dtype of the gradient accumulation buffer",
+    "reduce_dtype": "dtype of the DP x CP gradient reduce-scatter",
+    "reduce_order": "backend reductions, or all-gather + rank-ordered sum (emulatable)",
+    "cp_sharding": "chunks i and 2cp-1-i of the sequence, or of every document (WLB-LLM)",
+    "dump_state": "write unsharded loss, gradients and parameters per step to <out>/state/",
+    "timeout_s": "collective timeout per rank, seconds",
+}
+
 
 def _config_options(fn):
     for f in reversed(dataclasses.fields(TrainConfig)):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
             fn = click.option(flag + "/--no-" + f.name.replace("_", "-"), f.name, default=f.default,
-                              show_default=True)(fn)
+                              show_default=True, help=_HELP.get(f.name))(fn)
             continue
         kind = click.Choice(_CHOICES[f.name]) if f.name in _CHOICES else (
             {"int": int, "float": float, "str": str}.get(str(f.type), str))
-        fn = click.option(flag, f.name, type=kind, default=f.default, show_default=True)(fn)
+        fn = click.option(flag, f.name, type=kind, default=f.default, show_default=True,
+                          help=_HELP.get(f.name))(fn)
     return fn
 
 
