@@ -89,6 +89,31 @@ def build_schedule(pp: int, v: int, m: int, n: int, kind: str) -> list[list[Acti
     return out
 
 
+def bubble_fraction(pp: int, v: int, m: int, n: int, kind: str) -> float:
+    """Idle time / busy time of the schedule when every forward and backward of a virtual stage
+    costs 1/v and p2p is free (theory for interleaved 1F1B with N >= pp: (pp - 1) / (v * m))."""
+    sched, last = build_schedule(pp, v, m, n, kind), pp * v - 1
+    finish: dict[Action, float] = {}
+    clock, ptr = [0.0] * pp, [0] * pp
+    while any(p < len(s) for p, s in zip(ptr, sched)):
+        before = sum(ptr)
+        for r in range(pp):
+            if ptr[r] == len(sched[r]):
+                continue
+            a = sched[r][ptr[r]]
+            if a.kind == "F":
+                deps = [Action("F", a.vstage - 1, a.mb)] if a.vstage else []
+            else:
+                deps = [Action("F", a.vstage, a.mb)] + ([Action("B", a.vstage + 1, a.mb)] if a.vstage < last else [])
+            if all(d in finish for d in deps):
+                clock[r] = max([clock[r]] + [finish[d] for d in deps]) + 1.0 / v
+                finish[a] = clock[r]
+                ptr[r] += 1
+        if sum(ptr) == before:
+            raise ScheduleError(f"schedule deadlocks (pp={pp} v={v} m={m} n={n} {kind})")
+    return (max(clock) - 2 * m) / (2 * m)
+
+
 class PipelineRunner:
     """Runs one rank's schedule over its virtual stages; p2p goes through the comm layer."""
 

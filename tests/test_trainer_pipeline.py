@@ -143,3 +143,11 @@ def test_p2p_issue_order_matches_per_direction(pp, v, kind):
         for n in (1, 2, pp, 2 * pp):
             sends, recvs = _messages(build_schedule(pp, v, m, n, kind), pp, v)
             assert sends == recvs, (pp, v, m, n, kind)
+
+
+@pytest.mark.parametrize("pp,v,m", [(4, 1, 8), (4, 2, 8), (4, 2, 4), (2, 2, 4), (4, 3, 8), (3, 1, 5)])
+def test_bubble_matches_interleaved_1f1b_theory(pp, v, m):
+    """With N = pp the simulated bubble is the textbook (pp - 1) / (v * m): interleaving divides it by v."""
+    from reference_trainer.pipeline import bubble_fraction
+
+    assert bubble_fraction(pp, v, m, pp, "1f1b") == pytest.approx((pp - 1) / (v * m))
