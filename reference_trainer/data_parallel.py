@@ -44,7 +44,7 @@ class Bucket:
         for p in self.params:
             self.offsets.append(off)
             off += p.numel()
-        n_rep = sum(stage.specs[i].init_numel() for i in order if stage.specs[i].tp_dim is None)
+        n_rep = sum(p.numel() for p, i in zip(self.params, order) if stage.specs[i].tp_dim is None)
         self.replicated = slice(off - n_rep, off)
         shards = ctx.dp_cp.size
         self.padded = -(-off // shards) * shards
@@ -60,8 +60,8 @@ class Bucket:
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.accum_dtype = DTYPES[cfg.grad_accum_dtype]
         self.grad = torch.zeros(self.padded, dtype=self.accum_dtype, device=dev)
-        self.grad_shard = torch.zeros(self.shard_len, dtype=self.accum_dtype, device=dev)
-        self.reduced: torch.Tensor | None = None  # last step's reduced fp32 gradient shard
+        self.grad_shard = torch.zeros(self.shard_len, dtype=self.accum_dtype, device=dev)  # ZeRO-2
+        self.reduced: torch.Tensor | None = None  # this step's reduced gradient shard, as fp32
         for p, o in zip(self.params, self.offsets):
             p.register_post_accumulate_grad_hook(self._hook(o))
 
@@ -73,16 +73,21 @@ class Bucket:
         return accumulate
 
     def reduce(self) -> None:
-        """TP all-reduce of norm gradients, then reduce-scatter over DP x CP into grad_shard."""
+        """TP all-reduce of norm gradients, then reduce-scatter over DP x CP. ZeRO-1 keeps the
+        reduced shard as is; ZeRO-2 adds it into ``grad_shard`` (``grad_accum_dtype``)."""
         comm, ctx = self.ctx.comm, self.ctx
         if ctx.tp.size > 1 and self.replicated.stop > self.replicated.start:
             self.grad[self.replicated] = comm.all_reduce(self.grad[self.replicated], ctx.tp)
-        g = self.grad.to(DTYPES[self.cfg.reduce_dtype])
-        self.grad_shard.add_(comm.reduce_scatter(g, ctx.dp_cp))
+        shard = comm.reduce_scatter(self.grad.to(DTYPES[self.cfg.reduce_dtype]), ctx.dp_cp)
+        if self.cfg.zero_stage == 1:
+            self.reduced = shard.to(torch.float32, copy=True)
+        else:
+            self.grad_shard.add_(shard)
+            self.reduced = self.grad_shard.to(torch.float32, copy=True)
         self.grad.zero_()
 
     def step(self, step: int) -> None:
-        self.reduced = self.grad_shard.to(torch.float32, copy=True)
+        assert self.reduced is not None, "step() before reduce()"
         self.grad_shard.zero_()
         adamw_(self.master, self.reduced, self.exp_avg, self.exp_avg_sq, step, self.cfg)
         dtype = self.params[0].dtype

@@ -31,13 +31,6 @@ class ParamSpec:
     tp_dim: int | None  # dimension split over TP; None = replicated over TP (norm weights)
     init: str = "normal"  # normal(0, 0.02) or ones
 
-    def init_numel(self) -> int:
-        """Elements of a TP-replicated parameter (its full size)."""
-        n = 1
-        for d in self.full_shape:
-            n *= d
-        return n
-
     def init_full(self, seed: int) -> torch.Tensor:
         if self.init == "ones":
             return torch.ones(self.full_shape)
