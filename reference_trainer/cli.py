@@ -51,8 +51,9 @@ def _config_options(fn):
 def train_command(out: Path, **fields) -> None:
     """Train the reference model on a spawned world of ranks and write a run directory."""
     from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .launch import LaunchError, launch
+    from .launch import LaunchError, launch, read_progress
 
     console = Console(stderr=True)
     try:
@@ -62,8 +63,19 @@ def train_command(out: Path, **fields) -> None:
         sys.exit(2)
     console.print(f"training {cfg.layout} ({cfg.world_size} ranks) -> {out}")
     try:
-        with console.status("ranks running..."):
-            result = launch(cfg, out)
+        with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+                      TextColumn("{task.completed}/{task.total} steps"), TimeElapsedColumn(),
+                      console=console) as progress:
+            task = progress.add_task("spawning ranks", total=cfg.steps)
+
+            def poll() -> None:
+                done = read_progress(out)
+                if done:
+                    progress.update(task, completed=len(done),
+                                    description=f"training (loss {done[-1]['loss']:.4f})")
+
+            result = launch(cfg, out, poll=poll)
+            progress.update(task, completed=cfg.steps)
     except LaunchError as e:
         console.print(f"[red]run failed:[/red] {e}")
         sys.exit(1)

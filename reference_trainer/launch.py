@@ -50,11 +50,13 @@ def resolve_backend(cfg: TrainConfig) -> str:
 
 
 def run_world(fn: Callable[..., None], world_size: int, args: Sequence[Any], timeout_s: float,
-              on_start: Callable[[list[int]], None] | None = None) -> None:
+              on_start: Callable[[list[int]], None] | None = None,
+              poll: Callable[[], None] | None = None) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes and wait.
 
     If a rank raises, the others are terminated and LaunchError carries that rank's traceback;
     if the world does not finish within ``timeout_s`` seconds, all ranks are terminated.
+    ``poll`` is called about once a second while the world runs (e.g. to show progress).
     """
     ctx = mp.start_processes(fn, args=(world_size, *args), nprocs=world_size, join=False,
                              start_method="spawn")
@@ -63,6 +65,8 @@ def run_world(fn: Callable[..., None], world_size: int, args: Sequence[Any], tim
     deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=1.0):
+            if poll is not None:
+                poll()
             if time.monotonic() > deadline:
                 raise LaunchError(f"world of {world_size} ranks did not finish within {timeout_s:g} s")
     except mp.ProcessRaisedException as e:
@@ -99,12 +103,21 @@ def write_manifest(cfg: TrainConfig, out: Path, backend: str, pids: list[int]) -
     return manifest
 
 
-def launch(cfg: TrainConfig, out: str | Path) -> RunResult:
+def launch(cfg: TrainConfig, out: str | Path, poll: Callable[[], None] | None = None) -> RunResult:
     """Validate ``cfg``, spawn its world, train, and return the manifest and rank 0's metrics."""
-    return launch_many([(cfg, out)])[0]
+    return launch_many([(cfg, out)], poll)[0]
 
 
-def launch_many(jobs: Sequence[tuple[TrainConfig, str | Path]]) -> list[RunResult]:
+def read_progress(out: str | Path) -> list[dict]:
+    """Steps finished so far (rank 0's ``steps.jsonl``), readable while the run goes on."""
+    path = Path(out) / "steps.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def launch_many(jobs: Sequence[tuple[TrainConfig, str | Path]],
+                poll: Callable[[], None] | None = None) -> list[RunResult]:
     """Run several configs of the same world size one after another in ONE spawned world
     (spawning and importing torch dominates small runs). Each job gets its own run directory."""
     if not jobs:
@@ -118,13 +131,15 @@ def launch_many(jobs: Sequence[tuple[TrainConfig, str | Path]]) -> list[RunResul
     cfgs = [c.replace(backend=backend) for c in cfgs]
     init_method = f"tcp://127.0.0.1:{free_port()}"
     manifests: list[dict] = []
+    for o in outs:
+        (o / "steps.jsonl").unlink(missing_ok=True)  # a rerun into the same directory starts fresh
 
     def started(pids: list[int]) -> None:
         manifests.extend(write_manifest(c, o, backend, pids) for c, o in zip(cfgs, outs))
 
     budget = sum(c.timeout_s + 60.0 * c.steps for c in cfgs)
     run_world(rank_main, world, ([(c.as_dict(), str(o)) for c, o in zip(cfgs, outs)], init_method),
-              budget, started)
+              budget, started, poll)
     results = []
     for o, m in zip(outs, manifests):
         metrics_path = o / "metrics.json"

@@ -96,8 +96,9 @@ class Trainer:
 def run_training(cfg: TrainConfig, comm: Comm, out: Path | None,
                  on_step: Callable[[StepResult], None] | None = None,
                  setup: Callable[[Trainer], None] | None = None) -> tuple[list[StepResult], list[dict]]:
-    """The loop shared by every rank and by the single-process reference. Writes
-    ``<out>/state/step<k>.pt`` when ``dump_state`` and ``<out>/metrics.json`` (rank 0).
+    """The loop shared by every rank and by the single-process reference. Rank 0 appends each
+    step to ``<out>/steps.jsonl`` as it finishes (progress, partial runs) and writes
+    ``<out>/metrics.json`` at the end; ``<out>/state/step<k>.pt`` when ``dump_state``.
     ``setup`` sees the Trainer before the first step (to add comm or compute hooks)."""
     trainer = Trainer(cfg, comm)
     if setup is not None:
@@ -106,6 +107,10 @@ def run_training(cfg: TrainConfig, comm: Comm, out: Path | None,
     for _ in range(cfg.steps):
         r = trainer.train_step()
         results.append(r)
+        if comm.rank == 0 and out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            with open(out / "steps.jsonl", "a") as f:
+                f.write(json.dumps(asdict(r)) + "\n")
         if on_step is not None:
             on_step(r)
         if cfg.dump_state:

@@ -23,7 +23,7 @@ import torch
 
 from reference_trainer.compare import diff_states
 from reference_trainer.config import TrainConfig
-from reference_trainer.launch import launch_many
+from reference_trainer.launch import launch_many, read_progress
 from reference_trainer.train import run_single_process
 
 BASE = TrainConfig(compute_dtype="fp32", n_layers=4, dim=64, seq_len=128, micro_batches=4,
@@ -88,5 +88,6 @@ def test_manifest_and_metrics(runs):
     assert [len(s) for s in m["pipeline_schedule"]] == [8, 8] and m["pipeline_schedule"][1][:2] == ["F1.0", "B1.0"]
     steps = r.metrics["steps"]
     assert [s["step"] for s in steps] == [0, 1] and all(s["seconds"] > 0 for s in steps)
+    assert read_progress(r.out) == steps  # the per-step progress log agrees with the summary
     assert steps[0]["loss"] == pytest.approx(runs["states"]["tp2_cp2_pp2_dp1"][0]["loss"])
 
