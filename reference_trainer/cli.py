@@ -76,6 +76,9 @@ def train_command(out: Path, **fields) -> None:
 
             result = launch(cfg, out, poll=poll)
             progress.update(task, completed=cfg.steps)
+    except ConfigError as e:
+        console.print(f"[red]error:[/red] {e}")
+        sys.exit(2)
     except LaunchError as e:
         console.print(f"[red]run failed:[/red] {e}")
         sys.exit(1)

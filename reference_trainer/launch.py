@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.multiprocessing as mp
 
-from .config import TrainConfig
+from .config import ConfigError, TrainConfig
 from .model import stage_layers
 from .pipeline import build_schedule
 from .train import rank_main
@@ -44,7 +44,8 @@ def free_port() -> int:
 def resolve_backend(cfg: TrainConfig) -> str:
     if cfg.backend != "auto":
         if cfg.backend == "nccl" and torch.cuda.device_count() < cfg.world_size:
-            raise LaunchError(f"backend nccl needs {cfg.world_size} GPUs, found {torch.cuda.device_count()}")
+            raise ConfigError(f"backend nccl needs one GPU per rank: {cfg.world_size} ranks, "
+                              f"{torch.cuda.device_count()} GPUs")
         return cfg.backend
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= cfg.world_size else "gloo"
 
@@ -131,8 +132,9 @@ def launch_many(jobs: Sequence[tuple[TrainConfig, str | Path]],
     cfgs = [c.replace(backend=backend) for c in cfgs]
     init_method = f"tcp://127.0.0.1:{free_port()}"
     manifests: list[dict] = []
-    for o in outs:
-        (o / "steps.jsonl").unlink(missing_ok=True)  # a rerun into the same directory starts fresh
+    for o in outs:  # a rerun into the same directory must not leave the old run's results behind
+        for stale in [o / "steps.jsonl", o / "metrics.json", *(o / "state").glob("step*.pt")]:
+            stale.unlink(missing_ok=True)
 
     def started(pids: list[int]) -> None:
         manifests.extend(write_manifest(c, o, backend, pids) for c, o in zip(cfgs, outs))

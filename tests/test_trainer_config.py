@@ -51,6 +51,9 @@ def test_cli_exits_2_on_impossible_config(tmp_path):
     res = CliRunner().invoke(train_command, ["--tp", "3", "--out", str(tmp_path / "x")])
     assert res.exit_code == 2 and "n_heads 4 not divisible by tp 3" in res.output
     assert not (tmp_path / "x").exists()
+    if torch.cuda.device_count() < 2:
+        res = CliRunner().invoke(train_command, ["--tp", "2", "--backend", "nccl", "--out", str(tmp_path / "y")])
+        assert res.exit_code == 2 and "backend nccl needs one GPU per rank" in res.output
 
 
 def test_tracekit_train_command_is_registered():
