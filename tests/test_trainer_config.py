@@ -106,7 +106,7 @@ def _failing_worker(rank: int, world: int) -> None:
 
 def test_launch_reports_the_failing_rank():
     with pytest.raises(LaunchError, match=r"rank 1 failed(.|\n)*rank one exploded"):
-        run_world(_failing_worker, 2, (), timeout_s=60)
+        run_world(_failing_worker, 2, (), timeout_s=300)
     assert free_port() > 0
 
 

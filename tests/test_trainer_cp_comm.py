@@ -60,7 +60,7 @@ class _Recorder:
 
 def _worker(rank: int, world: int, out_dir: str, init_method: str) -> None:
     torch.set_num_threads(1)
-    comm = Comm.init_world("gloo", rank, world, init_method, 60, "native", torch.device("cpu"))
+    comm = Comm.init_world("gloo", rank, world, init_method, 300, "native", torch.device("cpu"))
     ctx = build_context(Layout(cp=CP), comm)
     rec = _Recorder()
     comm.add_hook(rec)
@@ -100,7 +100,7 @@ def _worker(rank: int, world: int, out_dir: str, init_method: str) -> None:
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     out = tmp_path_factory.mktemp("cp")
-    run_world(_worker, CP, (str(out), f"tcp://127.0.0.1:{free_port()}"), timeout_s=180)
+    run_world(_worker, CP, (str(out), f"tcp://127.0.0.1:{free_port()}"), timeout_s=600)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(CP)]
 
 

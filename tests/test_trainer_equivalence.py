@@ -27,7 +27,7 @@ from reference_trainer.launch import launch_many, read_progress
 from reference_trainer.train import run_single_process
 
 BASE = TrainConfig(compute_dtype="fp32", n_layers=4, dim=64, seq_len=128, micro_batches=4,
-                   steps=2, dump_state=True, timeout_s=120)
+                   steps=2, dump_state=True, timeout_s=300)
 
 CASES = {
     "tp2_cp2_pp2_dp1": BASE.replace(tp=2, cp=2, pp=2),

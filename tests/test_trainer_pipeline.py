@@ -15,7 +15,7 @@ from reference_trainer.pipeline import Action, ScheduleError, build_schedule
 from reference_trainer.train import run_single_process
 
 BASE = TrainConfig(compute_dtype="fp32", pp=4, vstages=2, n_layers=8, dim=64, seq_len=64,
-                   steps=1, dump_state=True, timeout_s=120)
+                   steps=1, dump_state=True, timeout_s=300)
 
 CASES = {
     "afab_m8": BASE.replace(schedule="afab", micro_batches=8),

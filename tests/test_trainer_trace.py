@@ -24,7 +24,7 @@ CFG = TrainConfig(tp=2, pp=2, n_layers=2, dim=32, n_heads=2, n_kv_heads=2, ffn_d
 
 def _worker(rank: int, world: int, out: str, init_method: str) -> None:
     torch.set_num_threads(1)
-    comm = Comm.init_world("gloo", rank, world, init_method, 60, "native", torch.device("cpu"))
+    comm = Comm.init_world("gloo", rank, world, init_method, 300, "native", torch.device("cpu"))
     trainer = Trainer(CFG, comm)
     trainer.train_step()  # warm-up outside the profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -36,7 +36,7 @@ def _worker(rank: int, world: int, out: str, init_method: str) -> None:
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
     out = tmp_path_factory.mktemp("trace")
-    run_world(_worker, 4, (str(out), f"tcp://127.0.0.1:{free_port()}"), timeout_s=180)
+    run_world(_worker, 4, (str(out), f"tcp://127.0.0.1:{free_port()}"), timeout_s=600)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
 
