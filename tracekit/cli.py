@@ -17,6 +17,8 @@ from tracekit import __version__
 COMMANDS: dict[str, tuple[str, str]] = {
     "estimate": ("tracekit.estimate_cli", "estimate_command"),
     "memory": ("tracekit.memory_cli", "memory_command"),
+    "numerics": ("numerics.cli", "main"),
+    "train": ("reference_trainer.cli", "train_command"),
 }
 
 
