@@ -23,7 +23,8 @@ Collectives get a synthesized group name per instance family:
   ``layernorm-grads-all-reduce``; analyses skip single-member groups.
 ``seq`` numbers a group's instances in time order on each rank, from 0. p2p ops pair with the
 neighbouring stage of the same replica (``wia:pp:dp<d>``): forward-send/backward-recv with s+1,
-forward-recv/backward-send with s-1; ``seq`` and ``microbatch`` are the table's ``seq_id``.
+forward-recv/backward-send with s-1; ``microbatch`` is the table's ``seq_id`` (which restarts every
+step), ``seq`` counts each (rank, peer, direction) stream over the run in time order, from 0.
 """
 
 from __future__ import annotations
@@ -188,7 +189,6 @@ def read_optable(parquet_path: str | Path, run_id: str = "wia") -> dict[str, pl.
         (pl.col("srank") + pl.col("optype").replace_strict({k: v[1] for k, v in P2P_OPS.items()},
                                                            return_dtype=pl.Int32)).alias("peer"),
         pl.format("wia:pp:dp{}", pl.col("dp_rank")).alias("pg_name"),
-        pl.col("seq_id").cast(pl.Int64).alias("seq"),
         pl.col("ts_ns").alias("start_ns"),
         pl.col("seq_id").alias("microbatch"),
         pl.lit("wia").alias("source"),
@@ -197,7 +197,10 @@ def read_optable(parquet_path: str | Path, run_id: str = "wia") -> dict[str, pl.
                             | (pl.col("stage") + (pl.col("peer") - pl.col("srank")) >= pp))
     if stray.height:
         raise OpTableError(f"{path}: {stray.height} p2p ops point past the first or last stage")
-    p2p_rows = p2p_rows.sort("rank", "start_ns")
+    # seq_id restarts every step; the store's seq counts a (rank, peer, direction) stream over the run.
+    p2p_rows = p2p_rows.sort("rank", "peer", "direction", "start_ns").with_columns(
+        pl.int_range(pl.len(), dtype=pl.Int64).over("rank", "peer", "direction").alias("seq")
+    ).sort("rank", "start_ns")
 
     coll = ops.filter(pl.col("optype").is_in(list(COLLECTIVE_OPS))).with_columns(
         pl.col("optype").replace_strict(COLLECTIVE_OPS).alias("op"),

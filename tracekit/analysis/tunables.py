@@ -1,0 +1,34 @@
+"""Every threshold the straggler analyses use, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Tunables:
+    # A member stands out at a level when its score beats the healthy peers' median by this many
+    # noise units (robust spread of the others, floored below) ...
+    margin_min: float = 4.0
+    # ... the noise unit is never taken below this fraction of the median step time ...
+    noise_floor_frac: float = 0.003
+    # ... and its lateness is at least this fraction of the step time (smaller costs nothing).
+    effect_min_frac: float = 0.01
+    # A culprit must win at least this share of the steps in which the level stands out.
+    persist_min: float = 0.6
+    # A stage across all replicas is only called out above this effect (pipelines are uneven).
+    stage_effect_min_frac: float = 0.05
+    # Cause thresholds: compute slower than same-position peers by this ratio is "slow compute".
+    slow_compute_ratio: float = 1.03
+    # CPU gaps (time neither computing nor communicating) above peers by this share of the step.
+    cpu_gap_frac: float = 0.03
+    # A transfer (end minus last arrival) this many times the same-kind median is a slow link.
+    slow_link_ratio: float = 1.5
+    # Per-micro-batch compute ratio spread (coefficient of variation) above which extra compute
+    # is uneven work (data) rather than a uniformly slow device.
+    data_cv_min: float = 0.10
+    # A stage whose compute exceeds the median stage's by this ratio is heavier work.
+    stage_compute_ratio: float = 1.15
+
+    def to_dict(self) -> dict:
+        return asdict(self)
