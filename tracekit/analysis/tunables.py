@@ -16,6 +16,8 @@ class Tunables:
     effect_min_frac: float = 0.01
     # A culprit must win at least this share of the steps in which the level stands out.
     persist_min: float = 0.6
+    # "Moving" straggler: a standout in at least this share of steps, but not the same member.
+    moving_min_share: float = 0.5
     # A stage across all replicas is only called out above this effect (pipelines are uneven).
     stage_effect_min_frac: float = 0.05
     # Cause thresholds: compute slower than same-position peers by this ratio is "slow compute".

@@ -1,0 +1,297 @@
+"""Top-down slow-rank localization: DP -> PP -> CP -> TP (ALGORITHMS.md, Llama 3 sec. 6.1).
+
+Scores, per step and rank, say how much the rank's peers waited on it:
+- collective levels (dp, cp, tp): in every instance of a group of that dimension, a member's score
+  is the group's median duration minus its own. Everyone waits for the last arrival, so the late
+  member has the shortest collective; durations are within-rank, so no clock alignment is needed.
+- the pipeline level (pp) is producer/consumer: a receive's duration is the consumer waiting on its
+  producer (forward: stage s-1, backward: s+1). The producer's own wait on *its* producer for the
+  same micro-batch and direction is inherited, not caused, so only the excess is blamed on it.
+At each level the member with the highest score within the range found so far is kept if it stands
+out beyond noise and persists across steps; otherwise the level stays open. The same descent runs
+on each step alone, so transient and moving stragglers show in ``per_step``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import polars as pl
+
+from tracekit.analysis.collectives import match_collectives
+from tracekit.analysis.tables import RunTables
+from tracekit.analysis.tunables import Tunables
+from tracekit.topology import OUTER_TO_INNER
+
+COLLECTIVE_LEVELS = ("dp", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class LevelFinding:
+    level: str  # dp | pp | cp | tp
+    candidates: tuple[int, ...]  # coordinate values searched (within the range found so far)
+    scores_ns: dict[int, float]  # per candidate, mean per step of how long peers waited on it
+    chosen: int | None
+    effect_ns: float  # top candidate's mean score minus the others' median
+    noise_ns: float  # spread of healthy peers (floored)
+    margin: float  # effect / noise
+    steps_total: int
+    steps_standout: int  # steps in which one member stood out at this level
+    steps_agree: int  # steps whose top member is the chosen one
+    verdict: str  # culprit | none | moving | skipped (size 1 or no data)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["scores_ns"] = {str(k): v for k, v in self.scores_ns.items()}
+        return d
+
+
+@dataclass(frozen=True)
+class Localization:
+    # straggler (one rank) | group (several ranks) | stage (one stage in every replica) |
+    # transient (one rank, some steps only) | moving (slowest member changes per step) | no_straggler
+    verdict: str
+    culprit_rank: int | None
+    culprit_ranks: tuple[int, ...]
+    coords: dict[str, int]  # the coordinates narrowed down (open dimensions are absent)
+    confidence: float
+    step_time_ns: float
+    levels: list[LevelFinding] = field(default_factory=list)
+    per_step: pl.DataFrame = field(default_factory=pl.DataFrame)  # step, dp, pp, cp, tp, culprit_rank, effect_ns
+
+    def to_dict(self) -> dict:
+        return {"verdict": self.verdict, "culprit_rank": self.culprit_rank,
+                "culprit_ranks": list(self.culprit_ranks), "coords": self.coords,
+                "confidence": self.confidence, "step_time_ns": self.step_time_ns,
+                "levels": [lv.to_dict() for lv in self.levels], "per_step": self.per_step.to_dicts()}
+
+
+def step_time_ns(tables: RunTables) -> float:
+    """Median step duration over ranks and steps (from the steps table, else the events' span)."""
+    if tables.steps.height:
+        d = tables.steps.select((pl.col("end_ns") - pl.col("start_ns")).median()).item()
+    else:
+        d = tables.events.group_by("rank", "step").agg(
+            ((pl.col("ts_ns") + pl.col("dur_ns")).max() - pl.col("ts_ns").min()).alias("d"))["d"].median()
+    return float(d or 0.0)
+
+
+def collective_scores(tables: RunTables, level: str, matched: pl.DataFrame | None = None) -> pl.DataFrame:
+    """(step, rank, score) at a collective level: median member duration minus the rank's own."""
+    m = match_collectives(tables) if matched is None else matched
+    exact = m.filter(pl.col("dim") == level)
+    if not exact.height:  # e.g. ZeRO over dp x cp: use combined groups that include the level
+        exact = m.filter(pl.col("dim").str.split("_").list.contains(level) & (pl.col("dim") != "other"))
+    return exact.with_columns(
+        (pl.col("duration_ns").median().over("pg_name", "seq") - pl.col("duration_ns")).alias("score")
+    ).group_by("step", "rank").agg(pl.col("score").sum().cast(pl.Float64))
+
+
+def pipeline_scores(tables: RunTables) -> pl.DataFrame:
+    """(step, rank, score): receive waits blamed on the producing rank, minus inherited waits."""
+    lay = tables.layout
+    co = tables.coords().select("rank", "pp")
+    recv = tables.p2p.filter(pl.col("direction") == "recv").select(
+        pl.col("rank").cast(pl.Int32), pl.col("peer").cast(pl.Int32), "step",
+        pl.coalesce("microbatch", "seq").alias("mb"), (pl.col("end_ns") - pl.col("start_ns")).alias("wait"))
+    if not recv.height or lay.pp == 1:
+        return pl.DataFrame(schema={"step": pl.Int64, "rank": pl.Int32, "score": pl.Float64})
+    recv = recv.join(co, on="rank").join(co.rename({"rank": "peer", "pp": "peer_pp"}), on="peer")
+    recv = recv.with_columns((pl.col("peer_pp") - pl.col("pp")).sign().alias("dir"))
+    upstream = recv.select(pl.col("rank").alias("peer"), "step", "mb", "dir", pl.col("wait").alias("inherited"))
+    upstream = upstream.group_by("peer", "step", "mb", "dir").agg(pl.col("inherited").max())
+    blamed = recv.join(upstream, on=["peer", "step", "mb", "dir"], how="left").with_columns(
+        (pl.col("wait") - pl.col("inherited").fill_null(0)).clip(lower_bound=0).alias("excess"))
+    return blamed.group_by("step", pl.col("peer").alias("rank")).agg(pl.col("excess").sum().cast(pl.Float64).alias("score"))
+
+
+def _matrix(scores: pl.DataFrame, coords: pl.DataFrame, rng: dict[str, int], level: str, size: int):
+    """Steps x candidates matrix: per step, the mean score of the ranks within the range that have
+    each coordinate value (a rank without a score row counts 0)."""
+    within = coords
+    for dim, v in rng.items():
+        within = within.filter(pl.col(dim) == v)
+    counts = dict(within.group_by(level).len().iter_rows())
+    s = scores.join(within.select("rank", level), on="rank").group_by("step", level).agg(pl.col("score").sum())
+    if not s.height:
+        return [], np.zeros((0, size))
+    steps = sorted(s["step"].unique().to_list())
+    pos = {t: i for i, t in enumerate(steps)}
+    mat = np.zeros((len(steps), size))
+    for t, c, v in s.iter_rows():
+        mat[pos[t], c] = v / counts[c]
+    return steps, mat
+
+
+def _level_matrix(scores: pl.DataFrame, coords: pl.DataFrame, rng: dict[str, int], level: str, lay):
+    """Like ``_matrix``; at the pipeline level within one replica, each stage's blame is taken
+    relative to the same stage in the other replicas (the median), which removes the bubbles and
+    the first/last-stage asymmetry that every replica shares."""
+    size = getattr(lay, level)
+    if level != "pp" or "dp" not in rng or lay.dp == 1:
+        return _matrix(scores, coords, rng, level, size)
+    within = coords
+    for dim, v in rng.items():
+        if dim != "dp":
+            within = within.filter(pl.col(dim) == v)
+    counts = within.group_by("dp", "pp").len()
+    s = (scores.join(within.select("rank", "dp", "pp"), on="rank").group_by("step", "dp", "pp")
+         .agg(pl.col("score").sum()).join(counts, on=["dp", "pp"]))
+    if not s.filter(pl.col("dp") == rng["dp"]).height:
+        return [], np.zeros((0, size))
+    steps = sorted(s["step"].unique().to_list())
+    pos = {t: i for i, t in enumerate(steps)}
+    cube = np.zeros((len(steps), lay.dp, size))
+    for t, d, c, v, n in s.iter_rows():
+        cube[pos[t], d, c] = v / n
+    others = np.delete(cube, rng["dp"], axis=1)
+    return steps, cube[:, rng["dp"], :] - np.median(others, axis=1)
+
+
+def _spread(values: np.ndarray) -> float:
+    if values.size < 2:
+        return 0.0
+    return float(1.4826 * np.median(np.abs(values - np.median(values))))
+
+
+def _evaluate(level: str, mat: np.ndarray, step_ns: float, tun: Tunables, effect_min_frac: float):
+    """Aggregate and per-step decisions for one level; returns (LevelFinding parts, per-step tops)."""
+    T, n = mat.shape
+    floor = tun.noise_floor_frac * step_ns
+    tops, standout = [], []
+    for row in mat:
+        top = int(np.argmax(row))
+        others = np.delete(row, top)
+        eff = row[top] - np.median(others)
+        noise = max(_spread(others), floor)
+        ok = eff >= tun.margin_min * noise and eff >= effect_min_frac * step_ns
+        tops.append(top)
+        standout.append(bool(ok))
+    mean = mat.mean(axis=0)
+    top = int(np.argmax(mean))
+    others = np.delete(mean, top)
+    diffs = mat[:, top] - np.median(np.delete(mat, top, axis=1), axis=1)
+    effect = float(mean[top] - np.median(others))
+    sem = float(np.std(diffs) / math.sqrt(T)) if T > 1 else 0.0
+    noise = max(_spread(others), floor, sem)
+    margin = effect / noise if noise > 0 else math.inf
+    agree = sum(1 for t in tops if t == top)
+    n_out = sum(standout)
+    agree_out = sum(1 for t, s in zip(tops, standout) if s and t == top)
+    passes = margin >= tun.margin_min and effect >= effect_min_frac * step_ns
+    persistent = agree / T >= tun.persist_min or (n_out > 0 and agree_out / n_out >= tun.persist_min)
+    winners = {t for t, s in zip(tops, standout) if s}
+    if passes and persistent:
+        verdict = "culprit"
+    elif n_out >= max(2, math.ceil(tun.moving_min_share * T)) and len(winners) >= 2:
+        verdict = "moving"
+    else:
+        verdict = "none"
+    finding = dict(level=level, candidates=tuple(range(n)), scores_ns={i: float(v) for i, v in enumerate(mean)},
+                   chosen=top if verdict == "culprit" else None, effect_ns=effect, noise_ns=noise,
+                   margin=float(margin), steps_total=T, steps_standout=n_out, steps_agree=agree, verdict=verdict)
+    return finding, tops, standout, mat
+
+
+def localize(tables: RunTables, tunables: Tunables = Tunables()) -> Localization:
+    """Top-down DP -> PP -> CP -> TP search for the rank that holds the job back."""
+    lay = tables.layout
+    coords = tables.coords()
+    step_ns = step_time_ns(tables)
+    matched = match_collectives(tables)
+    scores = {lv: collective_scores(tables, lv, matched) for lv in COLLECTIVE_LEVELS}
+    scores["pp"] = pipeline_scores(tables)
+    rng: dict[str, int] = {}
+    levels: list[LevelFinding] = []
+    per_level_steps: dict[str, tuple[list, list, list]] = {}
+    for level in OUTER_TO_INNER:
+        size = getattr(lay, level)
+        steps, mat = _level_matrix(scores[level], coords, rng, level, lay) if size > 1 else ([], np.zeros((0, 1)))
+        if size == 1 or not steps:
+            levels.append(LevelFinding(level, tuple(range(size)), {}, 0 if size == 1 else None, 0.0, 0.0, 0.0,
+                                       0, 0, 0, "skipped"))
+            if size == 1:
+                rng[level] = 0
+            continue
+        # A stage is only blamed across every replica if the effect is large (pipelines are uneven).
+        across_replicas = level == "pp" and "dp" not in rng
+        eff_min = tunables.stage_effect_min_frac if across_replicas else tunables.effect_min_frac
+        parts, tops, standout, _ = _evaluate(level, mat, step_ns, tunables, eff_min)
+        finding = LevelFinding(**parts)
+        levels.append(finding)
+        per_level_steps[level] = (steps, tops, standout)
+        if finding.verdict == "culprit" and not any(lv.verdict == "moving" for lv in levels[:-1]):
+            rng[level] = finding.chosen
+    per_step = _per_step(scores, coords, lay, step_ns, tunables)
+    return _conclude(lay, rng, levels, step_ns, per_step)
+
+
+def _per_step(scores, coords, lay, step_ns: float, tun: Tunables) -> pl.DataFrame:
+    """The same descent on each step alone (a level stays open when nothing stands out)."""
+    all_steps = sorted(set().union(*[set(s["step"].unique().to_list()) for s in scores.values()]))
+    rows = []
+    for t in all_steps:
+        rng: dict[str, int] = {}
+        first_effect = None
+        for level in OUTER_TO_INNER:
+            size = getattr(lay, level)
+            if size == 1:
+                rng[level] = 0
+                continue
+            s = scores[level].filter(pl.col("step") == t)
+            _, mat = _level_matrix(s, coords, rng, level, lay)
+            if not mat.shape[0]:
+                continue
+            row = mat[0]
+            top = int(np.argmax(row))
+            others = np.delete(row, top)
+            eff = float(row[top] - np.median(others))
+            noise = max(_spread(others), tun.noise_floor_frac * step_ns)
+            eff_min = tun.stage_effect_min_frac if level == "pp" and "dp" not in rng else tun.effect_min_frac
+            if eff >= tun.margin_min * noise and eff >= eff_min * step_ns:
+                rng[level] = top
+                first_effect = eff if first_effect is None else first_effect
+        narrowed = any(getattr(lay, d) > 1 and d in rng for d in OUTER_TO_INNER)
+        full = all(d in rng for d in OUTER_TO_INNER) and narrowed
+        rows.append({"step": t, **{d: rng.get(d) if getattr(lay, d) > 1 or narrowed else None for d in OUTER_TO_INNER},
+                     "culprit_rank": lay.rank_of(**rng) if full else None, "effect_ns": first_effect})
+    schema = {"step": pl.Int64, "dp": pl.Int64, "pp": pl.Int64, "cp": pl.Int64, "tp": pl.Int64,
+              "culprit_rank": pl.Int64, "effect_ns": pl.Float64}
+    return pl.DataFrame(rows, schema=schema)
+
+
+def _conclude(lay, rng: dict[str, int], levels: list[LevelFinding], step_ns: float,
+              per_step: pl.DataFrame) -> Localization:
+    """Turn the level findings into one verdict. An outer level whose slowest member moves from
+    step to step (data imbalance) outranks anything found below it."""
+    active = [lv for lv in levels if lv.verdict != "skipped"]
+    first = next((lv for lv in active if lv.verdict in ("culprit", "moving")), None)
+    if first is not None and first.verdict == "moving":
+        share = first.steps_standout / max(first.steps_total, 1)
+        return Localization("moving", None, (), {}, float(share), step_ns, levels, per_step)
+    found = [lv for lv in levels if lv.verdict == "culprit"]
+    if found:
+        dims = list(OUTER_TO_INNER)
+        open_dims = [d for d in dims if d not in rng]
+        ranks = tuple(r for r in range(lay.world_size)
+                      if all(getattr(lay.coords(r), d) == rng[d] for d in dims if d in rng))
+        conf = min(lv.steps_agree / max(lv.steps_total, 1) * (1 - math.exp(-lv.margin / 4.0)) for lv in found)
+        coords = {d: v for d, v in rng.items() if getattr(lay, d) > 1 or not open_dims}
+        if not open_dims:
+            return Localization("straggler", lay.rank_of(**rng), ranks, coords, float(conf), step_ns, levels, per_step)
+        verdict = "stage" if [lv.level for lv in found] == ["pp"] and "dp" in open_dims else "group"
+        return Localization(verdict, None, ranks, coords, float(conf), step_ns, levels, per_step)
+    # Nothing persistent: a rank that stands out in a few steps and only there is transient.
+    hits = per_step.filter(pl.col("culprit_rank").is_not_null())
+    if hits.height >= 2:
+        top = hits.group_by("culprit_rank").len().sort("len", descending=True).row(0)
+        if top[1] >= 2 and top[1] / hits.height >= 0.8:
+            rank = int(top[0])
+            c = lay.coords(rank).as_dict()
+            return Localization("transient", rank, (rank,), c, float(top[1] / max(per_step.height, 1)),
+                                step_ns, levels, per_step)
+    margins = [lv.margin for lv in active]
+    conf = 1 - math.exp(-max(0.0, 4.0 - max(margins, default=0.0)))  # how far below the bar
+    return Localization("no_straggler", None, (), {}, float(conf), step_ns, levels, per_step)
