@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
-from tracekit import schema
+from tracekit.analysis.tables import conform
 from tracekit.topology import Layout
 
 MS = 1_000_000
@@ -163,8 +163,4 @@ def make_job(layout: Layout = Layout(tp=2, cp=2, pp=2, dp=2), steps: int = 8, mi
                                           "step", "microbatch"], orient="row"),
         "steps": pl.DataFrame(step_rows, schema=["rank", "step", "start_ns", "end_ns"], orient="row"),
     }
-    return {t: _conform(df.with_columns(pl.lit(run_id).alias("run_id")), t) for t, df in out.items()}
-
-
-def _conform(df: pl.DataFrame, table: str) -> pl.DataFrame:
-    return df.select([pl.col(c) if c in df.columns else pl.lit(None).alias(c) for c in schema.columns(table)])
+    return {t: conform(df.with_columns(pl.lit(run_id).alias("run_id")), t) for t, df in out.items()}

@@ -20,7 +20,7 @@ import numpy as np
 import polars as pl
 
 from tracekit.analysis.collectives import match_collectives
-from tracekit.analysis.localize import Localization
+from tracekit.analysis.localize import Localization, localize
 from tracekit.analysis.tables import RunTables, compute_events
 from tracekit.analysis.tunables import Tunables
 
@@ -286,7 +286,5 @@ class Diagnosis:
 
 def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFrame | None = None) -> Diagnosis:
     """Which rank made this job slow, and why."""
-    from tracekit.analysis.localize import localize
-
     loc = localize(tables, tunables)
     return Diagnosis(loc, explain(tables, loc, tunables, work))

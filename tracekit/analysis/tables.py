@@ -16,6 +16,17 @@ from tracekit import schema
 from tracekit.topology import Layout
 
 TABLE_NAMES = ("runs", "ranks", "groups", "events", "collectives", "p2p", "steps")
+POLARS_TYPES = {"INTEGER": pl.Int32, "BIGINT": pl.Int64, "VARCHAR": pl.Utf8, "BOOLEAN": pl.Boolean,
+                "DOUBLE": pl.Float64, "JSON": pl.Utf8, "TIMESTAMP": pl.Datetime("us"),
+                "INTEGER[]": pl.List(pl.Int32)}
+
+
+def conform(df: pl.DataFrame, table: str) -> pl.DataFrame:
+    """The schema's columns of ``table`` in order and with their polars types; columns the
+    frame lacks (a source that cannot fill them) become NULL."""
+    types = dict(schema.TABLES[table])
+    return df.select([(pl.col(c) if c in df.columns else pl.lit(None)).cast(POLARS_TYPES[types[c]]).alias(c)
+                      for c in schema.columns(table)])
 
 
 class TablesError(ValueError):

@@ -11,9 +11,9 @@ class Tunables:
     # noise units (robust spread of the others, floored below) ...
     margin_min: float = 4.0
     # ... the noise unit is never taken below this fraction of the median step time ...
-    noise_floor_frac: float = 0.003
+    noise_floor_frac: float = 0.001
     # ... and its lateness is at least this fraction of the step time (smaller costs nothing).
-    effect_min_frac: float = 0.01
+    effect_min_frac: float = 0.005
     # A culprit must win at least this share of the steps in which the level stands out.
     persist_min: float = 0.6
     # "Moving" straggler: a standout in at least this share of steps, but not the same member.

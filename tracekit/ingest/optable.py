@@ -35,7 +35,7 @@ from pathlib import Path
 import polars as pl
 import yaml
 
-from tracekit import schema
+from tracekit.analysis.tables import conform
 from tracekit.topology import Layout
 
 REQUIRED_COLUMNS = ("dp_rank", "stage", "rank", "step", "optype", "start_ts", "duration", "seq_id",
@@ -88,19 +88,6 @@ def _read_meta(path: Path) -> dict:
         if not isinstance(meta.get(key), int) or meta[key] < 1:
             raise OpTableError(f"{path}: missing or invalid {key!r}")
     return meta
-
-
-def _frame(rows: pl.DataFrame, table: str) -> pl.DataFrame:
-    """Put columns in schema order, NULL-filling the ones this source cannot provide."""
-    types = dict(schema.TABLES[table])
-    cast = {"INTEGER": pl.Int32, "BIGINT": pl.Int64, "VARCHAR": pl.Utf8, "BOOLEAN": pl.Boolean,
-            "DOUBLE": pl.Float64, "JSON": pl.Utf8, "TIMESTAMP": pl.Datetime("us")}
-    out = []
-    for name in schema.columns(table):
-        expr = pl.col(name) if name in rows.columns else pl.lit(None)
-        typ = types[name]
-        out.append((expr.cast(cast[typ]) if typ in cast else expr).alias(name))
-    return rows.select(out)
 
 
 def read_optable(parquet_path: str | Path, run_id: str = "wia") -> dict[str, pl.DataFrame]:
@@ -219,13 +206,13 @@ def read_optable(parquet_path: str | Path, run_id: str = "wia") -> dict[str, pl.
                                              pl.col("end_ns").max().alias("end_ns"))
     steps = steps.with_columns(pl.lit(run_id).alias("run_id")).sort("rank", "step")
     return {
-        "runs": _frame(runs, "runs"),
-        "ranks": _frame(ranks, "ranks"),
+        "runs": conform(runs, "runs"),
+        "ranks": conform(ranks, "ranks"),
         "groups": groups,
-        "events": _frame(events, "events"),
-        "collectives": _frame(coll.with_columns(pl.lit(run_id).alias("run_id")), "collectives"),
-        "p2p": _frame(p2p_rows, "p2p"),
-        "steps": _frame(steps, "steps"),
+        "events": conform(events, "events"),
+        "collectives": conform(coll.with_columns(pl.lit(run_id).alias("run_id")), "collectives"),
+        "p2p": conform(p2p_rows, "p2p"),
+        "steps": conform(steps, "steps"),
     }
 
 
@@ -246,9 +233,9 @@ def _groups(layout: Layout, coll: pl.DataFrame, run_id: str) -> pl.DataFrame:
         rows.append((f"wia:tp:w{r}", "tensor-parallel group folded into the worker", "tp", [r]))
     used = set(coll["pg_name"].unique().to_list()) | {n for n, *_ in rows if n.startswith("wia:pp:")}
     rows = [r for r in rows if r[0] in used]
-    return pl.DataFrame(
+    return conform(pl.DataFrame(
         {"run_id": [run_id] * len(rows), "pg_name": [r[0] for r in rows], "pg_desc": [r[1] for r in rows],
          "dim": [r[2] for r in rows], "ranks": [r[3] for r in rows], "size": [len(r[3]) for r in rows]},
         schema={"run_id": pl.Utf8, "pg_name": pl.Utf8, "pg_desc": pl.Utf8, "dim": pl.Utf8,
                 "ranks": pl.List(pl.Int32), "size": pl.Int32},
-    )
+    ), "groups")
