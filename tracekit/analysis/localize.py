@@ -90,7 +90,8 @@ def collective_scores(tables: RunTables, level: str, matched: pl.DataFrame | Non
 
 
 def pipeline_scores(tables: RunTables) -> pl.DataFrame:
-    """(step, rank, score): receive waits blamed on the producing rank, minus inherited waits."""
+    """(step, rank, score): receive waits blamed on the producing rank, minus inherited waits,
+    per direction in which the rank's stage can hold others up."""
     lay = tables.layout
     co = tables.coords().select("rank", "pp")
     recv = tables.p2p.filter(pl.col("direction") == "recv").select(
@@ -104,7 +105,11 @@ def pipeline_scores(tables: RunTables) -> pl.DataFrame:
     upstream = upstream.group_by("peer", "step", "mb", "dir").agg(pl.col("inherited").max())
     blamed = recv.join(upstream, on=["peer", "step", "mb", "dir"], how="left").with_columns(
         (pl.col("wait") - pl.col("inherited").fill_null(0)).clip(lower_bound=0).alias("excess"))
-    return blamed.group_by("step", pl.col("peer").alias("rank")).agg(pl.col("excess").sum().cast(pl.Float64).alias("score"))
+    # A middle stage can hold up both neighbours (forward and backward), an end stage only one:
+    # per direction, so that a balanced pipeline scores its stages alike.
+    n_dirs = (pl.col("peer_pp") > 0).cast(pl.Float64) + (pl.col("peer_pp") < lay.pp - 1).cast(pl.Float64)
+    return blamed.group_by("step", pl.col("peer").alias("rank")).agg(
+        (pl.col("excess").sum() / n_dirs.first()).cast(pl.Float64).alias("score"))
 
 
 def _matrix(scores: pl.DataFrame, coords: pl.DataFrame, rng: dict[str, int], level: str, size: int):
@@ -148,6 +153,12 @@ def _level_matrix(scores: pl.DataFrame, coords: pl.DataFrame, rng: dict[str, int
         cube[pos[t], d, c] = v / n
     others = np.delete(cube, rng["dp"], axis=1)
     return steps, cube[:, rng["dp"], :] - np.median(others, axis=1)
+
+
+def _stage_wide(level: str, rng: dict[str, int], lay) -> bool:
+    """Pipeline blame with no other replica to compare against (dp open, or dp = 1) includes the
+    schedule's own bubbles and first/last-stage asymmetry, so it needs a larger effect."""
+    return level == "pp" and (lay.dp == 1 or "dp" not in rng)
 
 
 def _spread(values: np.ndarray) -> float:
@@ -216,8 +227,7 @@ def localize(tables: RunTables, tunables: Tunables = Tunables()) -> Localization
                 rng[level] = 0
             continue
         # A stage is only blamed across every replica if the effect is large (pipelines are uneven).
-        across_replicas = level == "pp" and "dp" not in rng
-        eff_min = tunables.stage_effect_min_frac if across_replicas else tunables.effect_min_frac
+        eff_min = tunables.stage_effect_min_frac if _stage_wide(level, rng, lay) else tunables.effect_min_frac
         parts, tops, standout, _ = _evaluate(level, mat, step_ns, tunables, eff_min)
         finding = LevelFinding(**parts)
         levels.append(finding)
@@ -249,7 +259,7 @@ def _per_step(scores, coords, lay, step_ns: float, tun: Tunables) -> pl.DataFram
             others = np.delete(row, top)
             eff = float(row[top] - np.median(others))
             noise = max(_spread(others), tun.noise_floor_frac * step_ns)
-            eff_min = tun.stage_effect_min_frac if level == "pp" and "dp" not in rng else tun.effect_min_frac
+            eff_min = tun.stage_effect_min_frac if _stage_wide(level, rng, lay) else tun.effect_min_frac
             if eff >= tun.margin_min * noise and eff >= eff_min * step_ns:
                 rng[level] = top
                 first_effect = eff if first_effect is None else first_effect
@@ -281,7 +291,8 @@ def _conclude(lay, rng: dict[str, int], levels: list[LevelFinding], step_ns: flo
         coords = {d: v for d, v in rng.items() if getattr(lay, d) > 1 or not open_dims}
         if not open_dims:
             return Localization("straggler", lay.rank_of(**rng), ranks, coords, float(conf), step_ns, levels, per_step)
-        verdict = "stage" if [lv.level for lv in found] == ["pp"] and "dp" in open_dims else "group"
+        only_pp = [lv.level for lv in found] == ["pp"]
+        verdict = "stage" if only_pp and ("dp" in open_dims or lay.dp == 1) else "group"
         return Localization(verdict, None, ranks, coords, float(conf), step_ns, levels, per_step)
     # Nothing persistent: a rank that stands out in a few steps and only there is transient.
     hits = per_step.filter(pl.col("culprit_rank").is_not_null())
