@@ -116,3 +116,12 @@ def test_thresholds_live_in_tunables_and_results_serialize():
     assert {lv["level"] for lv in blob["localization"]["levels"]} == {"dp", "pp", "cp", "tp"}
     strict = replace(Tunables(), margin_min=1e6)
     assert localize(tables, strict).verdict == "no_straggler"
+
+
+def test_no_cross_rank_records_is_no_data():
+    job = make_job(LAYOUT, steps=2, microbatches=1)
+    job["collectives"] = job["collectives"].head(0)
+    job["p2p"] = job["p2p"].head(0)
+    d = diagnose(RunTables.from_mapping(job))
+    assert d.localization.verdict == "no_data"
+    assert d.cause.kind == "insufficient_data"

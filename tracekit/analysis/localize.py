@@ -7,9 +7,13 @@ Scores, per step and rank, say how much the rank's peers waited on it:
 - the pipeline level (pp) is producer/consumer: a receive's duration is the consumer waiting on its
   producer (forward: stage s-1, backward: s+1). The producer's own wait on *its* producer for the
   same micro-batch and direction is inherited, not caused, so only the excess is blamed on it.
-At each level the member with the highest score within the range found so far is kept if it stands
-out beyond noise and persists across steps; otherwise the level stays open. The same descent runs
-on each step alone, so transient and moving stragglers show in ``per_step``.
+A candidate's score is the mean over its ranks within the range found so far. Within one replica,
+a stage's pipeline blame is taken relative to the same stage in the other replicas, removing the
+bubbles every replica shares; with no replica to compare against it must clear a larger bar.
+At each level the member with the highest score is kept if it stands out beyond noise and persists
+across steps; otherwise the level stays open. An outer level whose top member changes from step to
+step (data imbalance) ends the search with "moving". The same descent runs on each step alone, so
+transient and moving stragglers show in ``per_step``.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ class LevelFinding:
 @dataclass(frozen=True)
 class Localization:
     # straggler (one rank) | group (several ranks) | stage (one stage in every replica) |
-    # transient (one rank, some steps only) | moving (slowest member changes per step) | no_straggler
+    # transient (one rank, some steps only) | moving (slowest member changes per step) |
+    # no_straggler | no_data (no level had cross-rank records to compare)
     verdict: str
     culprit_rank: int | None
     culprit_ranks: tuple[int, ...]
@@ -86,7 +91,7 @@ def collective_scores(tables: RunTables, level: str, matched: pl.DataFrame | Non
         exact = m.filter(pl.col("dim").str.split("_").list.contains(level) & (pl.col("dim") != "other"))
     return exact.with_columns(
         (pl.col("duration_ns").median().over("pg_name", "seq") - pl.col("duration_ns")).alias("score")
-    ).group_by("step", "rank").agg(pl.col("score").sum().cast(pl.Float64))
+    ).group_by(pl.col("step").fill_null(-1), "rank").agg(pl.col("score").sum().cast(pl.Float64))
 
 
 def pipeline_scores(tables: RunTables) -> pl.DataFrame:
@@ -108,7 +113,7 @@ def pipeline_scores(tables: RunTables) -> pl.DataFrame:
     # A middle stage can hold up both neighbours (forward and backward), an end stage only one:
     # per direction, so that a balanced pipeline scores its stages alike.
     n_dirs = (pl.col("peer_pp") > 0).cast(pl.Float64) + (pl.col("peer_pp") < lay.pp - 1).cast(pl.Float64)
-    return blamed.group_by("step", pl.col("peer").alias("rank")).agg(
+    return blamed.group_by(pl.col("step").fill_null(-1), pl.col("peer").alias("rank")).agg(
         (pl.col("excess").sum() / n_dirs.first()).cast(pl.Float64).alias("score"))
 
 
@@ -167,19 +172,23 @@ def _spread(values: np.ndarray) -> float:
     return float(1.4826 * np.median(np.abs(values - np.median(values))))
 
 
-def _evaluate(level: str, mat: np.ndarray, step_ns: float, tun: Tunables, effect_min_frac: float):
-    """Aggregate and per-step decisions for one level; returns (LevelFinding parts, per-step tops)."""
+def _standout(row: np.ndarray, step_ns: float, tun: Tunables, effect_min_frac: float) -> tuple[int, float, bool]:
+    """One step's top member, its effect over the others' median, and whether it stands out
+    (beyond ``margin_min`` noise units of the others' spread, and a minimum share of the step)."""
+    top = int(np.argmax(row))
+    others = np.delete(row, top)
+    eff = float(row[top] - np.median(others))
+    noise = max(_spread(others), tun.noise_floor_frac * step_ns)
+    return top, eff, eff >= tun.margin_min * noise and eff >= effect_min_frac * step_ns
+
+
+def _evaluate(level: str, mat: np.ndarray, step_ns: float, tun: Tunables, effect_min_frac: float) -> LevelFinding:
+    """Aggregate decision for one level over all steps (steps x candidates score matrix)."""
     T, n = mat.shape
     floor = tun.noise_floor_frac * step_ns
-    tops, standout = [], []
-    for row in mat:
-        top = int(np.argmax(row))
-        others = np.delete(row, top)
-        eff = row[top] - np.median(others)
-        noise = max(_spread(others), floor)
-        ok = eff >= tun.margin_min * noise and eff >= effect_min_frac * step_ns
-        tops.append(top)
-        standout.append(bool(ok))
+    per_step = [_standout(row, step_ns, tun, effect_min_frac) for row in mat]
+    tops = [p[0] for p in per_step]
+    standout = [p[2] for p in per_step]
     mean = mat.mean(axis=0)
     top = int(np.argmax(mean))
     others = np.delete(mean, top)
@@ -200,10 +209,9 @@ def _evaluate(level: str, mat: np.ndarray, step_ns: float, tun: Tunables, effect
         verdict = "moving"
     else:
         verdict = "none"
-    finding = dict(level=level, candidates=tuple(range(n)), scores_ns={i: float(v) for i, v in enumerate(mean)},
-                   chosen=top if verdict == "culprit" else None, effect_ns=effect, noise_ns=noise,
-                   margin=float(margin), steps_total=T, steps_standout=n_out, steps_agree=agree, verdict=verdict)
-    return finding, tops, standout, mat
+    return LevelFinding(level=level, candidates=tuple(range(n)), scores_ns={i: float(v) for i, v in enumerate(mean)},
+                        chosen=top if verdict == "culprit" else None, effect_ns=effect, noise_ns=noise,
+                        margin=float(margin), steps_total=T, steps_standout=n_out, steps_agree=agree, verdict=verdict)
 
 
 def localize(tables: RunTables, tunables: Tunables = Tunables()) -> Localization:
@@ -216,7 +224,6 @@ def localize(tables: RunTables, tunables: Tunables = Tunables()) -> Localization
     scores["pp"] = pipeline_scores(tables)
     rng: dict[str, int] = {}
     levels: list[LevelFinding] = []
-    per_level_steps: dict[str, tuple[list, list, list]] = {}
     for level in OUTER_TO_INNER:
         size = getattr(lay, level)
         steps, mat = _level_matrix(scores[level], coords, rng, level, lay) if size > 1 else ([], np.zeros((0, 1)))
@@ -228,10 +235,8 @@ def localize(tables: RunTables, tunables: Tunables = Tunables()) -> Localization
             continue
         # A stage is only blamed across every replica if the effect is large (pipelines are uneven).
         eff_min = tunables.stage_effect_min_frac if _stage_wide(level, rng, lay) else tunables.effect_min_frac
-        parts, tops, standout, _ = _evaluate(level, mat, step_ns, tunables, eff_min)
-        finding = LevelFinding(**parts)
+        finding = _evaluate(level, mat, step_ns, tunables, eff_min)
         levels.append(finding)
-        per_level_steps[level] = (steps, tops, standout)
         if finding.verdict == "culprit" and not any(lv.verdict == "moving" for lv in levels[:-1]):
             rng[level] = finding.chosen
     per_step = _per_step(scores, coords, lay, step_ns, tunables)
@@ -254,13 +259,9 @@ def _per_step(scores, coords, lay, step_ns: float, tun: Tunables) -> pl.DataFram
             _, mat = _level_matrix(s, coords, rng, level, lay)
             if not mat.shape[0]:
                 continue
-            row = mat[0]
-            top = int(np.argmax(row))
-            others = np.delete(row, top)
-            eff = float(row[top] - np.median(others))
-            noise = max(_spread(others), tun.noise_floor_frac * step_ns)
             eff_min = tun.stage_effect_min_frac if _stage_wide(level, rng, lay) else tun.effect_min_frac
-            if eff >= tun.margin_min * noise and eff >= eff_min * step_ns:
+            top, eff, ok = _standout(mat[0], step_ns, tun, eff_min)
+            if ok:
                 rng[level] = top
                 first_effect = eff if first_effect is None else first_effect
         narrowed = any(getattr(lay, d) > 1 and d in rng for d in OUTER_TO_INNER)
@@ -277,6 +278,8 @@ def _conclude(lay, rng: dict[str, int], levels: list[LevelFinding], step_ns: flo
     """Turn the level findings into one verdict. An outer level whose slowest member moves from
     step to step (data imbalance) outranks anything found below it."""
     active = [lv for lv in levels if lv.verdict != "skipped"]
+    if not active:  # no level had anything to compare (no multi-rank collectives, no p2p)
+        return Localization("no_data", None, (), {}, 0.0, step_ns, levels, per_step)
     first = next((lv for lv in active if lv.verdict in ("culprit", "moving")), None)
     if first is not None and first.verdict == "moving":
         share = first.steps_standout / max(first.steps_total, 1)

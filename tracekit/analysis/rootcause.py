@@ -25,12 +25,14 @@ from tracekit.analysis.tables import RunTables, compute_events
 from tracekit.analysis.tunables import Tunables
 
 CATEGORY = {"slow_compute": "worker", "cpu_bound": "worker", "slow_link": "link", "data_imbalance": "data",
-            "stage_imbalance": "pipeline", "unexplained": "unknown", "none": "none"}
+            "stage_imbalance": "pipeline", "unexplained": "unknown", "none": "none", "insufficient_data": "none"}
 
 
 @dataclass(frozen=True)
 class Cause:
-    kind: str  # slow_compute | cpu_bound | slow_link | data_imbalance | stage_imbalance | unexplained | none
+    # slow_compute | cpu_bound | slow_link | data_imbalance | stage_imbalance | unexplained | none |
+    # insufficient_data
+    kind: str
     ranks: tuple[int, ...]  # the rank(s) or link end points the cause is about
     summary: str
     evidence: dict[str, float | int | str | None] = field(default_factory=dict)
@@ -189,6 +191,8 @@ def explain(tables: RunTables, loc: Localization, tunables: Tunables = Tunables(
         return Cause("unexplained", loc.culprit_ranks, "these ranks are late together; no link or compute explains it", {})
     if loc.verdict == "moving":
         return _explain_moving(tables, loc, metrics, tun, work)
+    if loc.verdict == "no_data":
+        return Cause("insufficient_data", (), "no collectives across ranks and no p2p records: nothing to compare", {})
     link = links.sort("ratio", descending=True).row(0, named=True) if links.height else None
     if link and link["ratio"] >= tun.slow_link_ratio:
         return Cause("slow_link", tuple(link["ranks"]), f"no rank is late, but link {link['name']} is slow "
