@@ -6,7 +6,7 @@ import polars as pl
 import pytest
 from synthetic_job import MS, Faults, make_job
 
-from tracekit.analysis.collectives import align_clocks, instance_summary, match_collectives
+from tracekit.analysis.collectives import align_clocks, instance_summary, match_collectives, with_clock_offsets
 from tracekit.analysis.tables import RunTables, TablesError
 from tracekit.topology import Layout
 
@@ -63,6 +63,11 @@ def test_clock_offsets_recovered_from_skewed_hosts():
     m = match_collectives(RunTables.from_mapping(job), align.offsets)
     dp = m.filter((pl.col("pg_name") == "dp:6") & (pl.col("op") == "reduce_scatter"))
     assert dp.filter(pl.col("is_last"))["rank"].to_list().count(6) == dp["seq"].n_unique()
+    # stored offsets (ranks.clock_offset_ns) are used when none are passed
+    stored = dict(job, ranks=with_clock_offsets(RunTables.from_mapping(job), align))
+    assert stored["ranks"]["clock_offset_ns"].to_list() == align.offsets["offset_ns"].to_list()
+    again = match_collectives(RunTables.from_mapping(stored))
+    assert again.select("start_ns", "end_ns").equals(m.select("start_ns", "end_ns"))
 
 
 def test_unlinked_hosts_are_separate_clock_domains():

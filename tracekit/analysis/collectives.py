@@ -101,15 +101,25 @@ def align_clocks(tables: RunTables) -> ClockAlignment:
                           clock_domains=len(set(roots)))
 
 
+def with_clock_offsets(tables: RunTables, alignment: ClockAlignment) -> pl.DataFrame:
+    """The run's ``ranks`` table with ``clock_offset_ns`` set from an alignment (for the store)."""
+    off = alignment.offsets.select(pl.col("rank").cast(pl.Int32), pl.col("offset_ns").alias("_off"))
+    ranks = tables.ranks.with_columns(pl.col("rank").cast(pl.Int32)).join(off, on="rank", how="left")
+    return ranks.with_columns(pl.coalesce("_off", "clock_offset_ns").alias("clock_offset_ns")).drop("_off")
+
+
 def match_collectives(tables: RunTables, offsets: pl.DataFrame | None = None) -> pl.DataFrame:
     """One row per (pg_name, seq, rank) with arrival, completion, wait and transfer.
 
     Columns: pg_name, seq, op, step, rank, start_ns, end_ns (aligned with ``offsets`` if given,
-    else as recorded), duration_ns, group_size, n_members, complete, last_arrival_ns, wait_ns,
+    else with the stored ``ranks.clock_offset_ns`` where set, else as recorded), duration_ns, group_size, n_members, complete, last_arrival_ns, wait_ns,
     transfer_ns, is_last (the member everyone waited on), dim (the group's dimension).
     Single-member groups are dropped: nobody waits in them.
     """
     coll = tables.collectives.with_columns(pl.col("rank").cast(pl.Int32))
+    if offsets is None and tables.ranks["clock_offset_ns"].drop_nulls().len():
+        offsets = tables.ranks.select(pl.col("rank").cast(pl.Int32), "clock_offset_ns").rename(
+            {"clock_offset_ns": "offset_ns"})
     if offsets is not None:
         coll = coll.join(offsets.select("rank", "offset_ns"), on="rank", how="left").with_columns(
             pl.col("offset_ns").fill_null(0))

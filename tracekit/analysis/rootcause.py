@@ -42,7 +42,8 @@ class Cause:
         return CATEGORY[self.kind]
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "category": self.category}
+        evidence = {k: None if isinstance(v, float) and v != v else v for k, v in self.evidence.items()}  # NaN -> null
+        return {**asdict(self), "evidence": evidence, "category": self.category}
 
 
 def attention_work(doc_lengths: list[int]) -> int:
