@@ -133,7 +133,19 @@ def test_bad_inputs_raise_naming_the_file(tmp_path):
     with pytest.raises(OpTableError, match="not valid yaml"):
         read_optable(trace)
     (trace.parent / "meta-ST.yaml").write_text("dp_size: 2\npp_size: 4\n")
-    pl.read_parquet(trace).drop("optype").write_parquet(trace)
+    good = pl.read_parquet(trace)
+    first_recv = (pl.col("optype").cast(pl.Utf8) == "forward-recv") & (pl.int_range(pl.len()) == good.with_row_index()
+                  .filter(pl.col("optype").cast(pl.Utf8) == "forward-recv")["index"][0])
+    good.with_columns(pl.when(first_recv).then(0).otherwise(pl.col("stage")).cast(pl.Int8).alias("stage"),
+                      pl.when(first_recv).then(0).otherwise(pl.col("rank")).cast(pl.Int16).alias("rank")
+                      ).write_parquet(trace)
+    with pytest.raises(OpTableError, match="1 p2p ops point past the first or last stage"):
+        read_optable(trace)
+    good.with_columns(pl.when(pl.col("rank") == 7).then(99).otherwise(pl.col("rank")).alias("rank")).head(
+        good.height // 2).vstack(good.tail(good.height - good.height // 2)).write_parquet(trace)
+    with pytest.raises(OpTableError, match="several trace ranks"):
+        read_optable(trace)
+    good.drop("optype").write_parquet(trace)
     with pytest.raises(OpTableError, match=r"missing columns \['optype'\]"):
         read_optable(trace)
     trace.write_bytes(b"not parquet")

@@ -23,7 +23,7 @@ Collectives get a synthesized group name per instance family:
   ``layernorm-grads-all-reduce``; analyses skip single-member groups.
 ``seq`` numbers a group's instances in time order on each rank, from 0. p2p ops pair with the
 neighbouring stage of the same replica (``wia:pp:dp<d>``): forward-send/backward-recv with s+1,
-forward-recv/backward-send with s-1; ``microbatch`` is the table's ``seq_id`` (which restarts every
+forward-recv/backward-send with s-1 (modulo pp when vpp > 1); ``microbatch`` is the table's ``seq_id`` (which restarts every
 step), ``seq`` counts each (rank, peer, direction) stream over the run in time order, from 0.
 """
 
@@ -173,17 +173,21 @@ def read_optable(parquet_path: str | Path, run_id: str = "wia") -> dict[str, pl.
 
     p2p_rows = ops.filter(pl.col("optype").is_in(list(P2P_OPS))).with_columns(
         pl.col("optype").replace_strict({k: v[0] for k, v in P2P_OPS.items()}).alias("direction"),
-        (pl.col("srank") + pl.col("optype").replace_strict({k: v[1] for k, v in P2P_OPS.items()},
-                                                           return_dtype=pl.Int32)).alias("peer"),
+        pl.col("optype").replace_strict({k: v[1] for k, v in P2P_OPS.items()}, return_dtype=pl.Int32).alias("_off"),
         pl.format("wia:pp:dp{}", pl.col("dp_rank")).alias("pg_name"),
         pl.col("ts_ns").alias("start_ns"),
         pl.col("seq_id").alias("microbatch"),
         pl.lit("wia").alias("source"),
     )
-    stray = p2p_rows.filter((pl.col("stage") + (pl.col("peer") - pl.col("srank")) < 0)
-                            | (pl.col("stage") + (pl.col("peer") - pl.col("srank")) >= pp))
-    if stray.height:
-        raise OpTableError(f"{path}: {stray.height} p2p ops point past the first or last stage")
+    vpp = int(meta.get("vpp_size", 1) or 1)
+    peer_stage = pl.col("stage") + pl.col("_off")
+    if vpp > 1:  # interleaved: the last stage feeds the first stage's next model chunk
+        peer_stage = peer_stage % pp
+    else:
+        stray = p2p_rows.filter((peer_stage < 0) | (peer_stage >= pp))
+        if stray.height:
+            raise OpTableError(f"{path}: {stray.height} p2p ops point past the first or last stage")
+    p2p_rows = p2p_rows.with_columns((peer_stage + pp * pl.col("dp_rank")).alias("peer")).drop("_off")
     # seq_id restarts every step; the store's seq counts a (rank, peer, direction) stream over the run.
     p2p_rows = p2p_rows.sort("rank", "peer", "direction", "start_ns").with_columns(
         pl.int_range(pl.len(), dtype=pl.Int64).over("rank", "peer", "direction").alias("seq")
