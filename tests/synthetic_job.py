@@ -31,6 +31,8 @@ class Faults:
     cpu_bound_rank: int | None = None
     cpu_gap_ns: int = 2 * MS  # idle before each compute op on the CPU-bound rank
     data_imbalance: float = 0.0  # sigma of a per (step, replica, micro-batch) work multiplier
+    uneven_rank: int | None = None  # a rank whose first micro-batch carries more work every step
+    uneven_factor: float = 1.6
     heavy_stage: int | None = None  # a stage with more layers in every replica
     heavy_factor: float = 1.6
     host_skew_ns: dict[int, int] = field(default_factory=dict)
@@ -71,8 +73,10 @@ def make_job(layout: Layout = Layout(tp=2, cp=2, pp=2, dp=2), steps: int = 8, mi
             colls.append((r, pg, s, op, arrive[r] + skew[r], end[r] + skew[r], step))
         return end
 
-    def work(r, step, base, mult):
+    def work(r, step, base, mult, mb):
         f = mult
+        if r == faults.uneven_rank and mb == 0:
+            f *= faults.uneven_factor
         if r == faults.slow_rank and (faults.slow_steps is None or step in faults.slow_steps):
             f *= faults.slow_factor
         if faults.heavy_stage is not None and coords[r].pp == faults.heavy_stage:
@@ -82,14 +86,14 @@ def make_job(layout: Layout = Layout(tp=2, cp=2, pp=2, dp=2), steps: int = 8, mi
     def block(d, s, phase, mb, step, start, mult):
         ranks = [layout.rank_of(dp=d, pp=s, cp=c, tp=t) for c in range(layout.cp) for t in range(layout.tp)]
         base = 6 * MS if phase == "fwd" else 12 * MS
-        a = {r: comp(r, start[r], work(r, step, base * 0.6, mult), phase, step, mb) for r in ranks}
+        a = {r: comp(r, start[r], work(r, step, base * 0.6, mult, mb), phase, step, mb) for r in ranks}
         if layout.cp > 1:
             e = {}
             for t in range(layout.tp):
                 e.update(collective("cp", layout.group(layout.rank_of(dp=d, pp=s, tp=t), "cp"), a,
                                     "all_gather", step, MS // 2))
             a = e
-        a = {r: comp(r, a[r], work(r, step, base * 0.4, mult), phase, step, mb) for r in ranks}
+        a = {r: comp(r, a[r], work(r, step, base * 0.4, mult, mb), phase, step, mb) for r in ranks}
         if layout.tp > 1:
             e = {}
             for c in range(layout.cp):

@@ -89,6 +89,13 @@ def test_data_imbalance_moves_and_has_no_single_culprit():
     assert d.cause.evidence["imbalance_degree"] > 1.03
 
 
+def test_extra_work_on_some_microbatches_is_data_imbalance_not_a_slow_device():
+    _, d = run(Faults(uneven_rank=10, uneven_factor=1.6))
+    assert d.localization.verdict == "straggler" and d.localization.culprit_rank == 10
+    assert d.cause.kind == "data_imbalance" and d.cause.ranks == (10,)
+    assert d.cause.evidence["microbatch_cv"] > d.cause.evidence["peers_microbatch_cv"] + 0.1
+
+
 def test_transient_straggler_is_visible_per_step():
     _, d = run(Faults(slow_rank=5, slow_steps=(2, 3, 4)))
     loc = d.localization

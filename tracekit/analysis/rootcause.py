@@ -65,8 +65,11 @@ def rank_step_metrics(tables: RunTables) -> pl.DataFrame:
     busy = spans.with_columns(
         (pl.col("e") - pl.max_horizontal("s", pl.col("prev").fill_null(pl.col("s")))).clip(lower_bound=0).alias("c")
     ).group_by("rank", "step").agg(pl.col("c").sum().alias("busy_ns"))
-    steps = tables.steps.select(pl.col("rank").cast(pl.Int32), pl.col("step").cast(pl.Int64),
-                                (pl.col("end_ns") - pl.col("start_ns")).alias("step_ns"))
+    if tables.steps.height:
+        steps = tables.steps.select(pl.col("rank").cast(pl.Int32), pl.col("step").cast(pl.Int64),
+                                    (pl.col("end_ns") - pl.col("start_ns")).alias("step_ns"))
+    else:  # no step spans recorded: a step lasts from its rank's first to last recorded activity
+        steps = spans.group_by("rank", "step").agg((pl.col("e").max() - pl.col("s").min()).alias("step_ns"))
     out = steps.join(busy, on=["rank", "step"], how="left").join(
         compute.with_columns(pl.col("rank").cast(pl.Int32), pl.col("step").cast(pl.Int64)), on=["rank", "step"], how="left")
     return out.with_columns(pl.col("compute_ns").fill_null(0), pl.col("busy_ns").fill_null(0)).with_columns(
@@ -122,21 +125,20 @@ def _ratio_to_peers(metrics: pl.DataFrame, rank: int, peers: list[int], col: str
     return float((j["own"] / j["ref"]).median()) if j.height else float("nan")
 
 
-def _microbatch_cv(tables: RunTables, rank: int, peers: list[int], steps=None) -> float:
-    """Spread of the culprit's per-micro-batch compute ratio to its peers: a slow device is
-    uniformly slow (low spread), more work lands on some micro-batches only."""
+def _microbatch_cv(tables: RunTables, rank: int, peers: list[int], steps=None) -> tuple[float, float]:
+    """How uneven the rank's micro-batches are: the coefficient of variation of its per-micro-batch
+    compute within a step and phase (median over those), and the same for its peers. A slow device
+    slows every micro-batch alike; more work (longer documents) lands on some micro-batches only."""
     comp = compute_events(tables.events).filter(pl.col("microbatch").is_not_null())
     if steps is not None:
         comp = comp.filter(pl.col("step").is_in(steps))
-    per = comp.group_by("rank", "step", "microbatch", "phase").agg(pl.col("dur_ns").sum())
-    own = per.filter(pl.col("rank") == rank).rename({"dur_ns": "own"}).drop("rank")
-    ref = per.filter(pl.col("rank").is_in(peers)).group_by("step", "microbatch", "phase").agg(
-        pl.col("dur_ns").median().alias("ref"))
-    r = own.join(ref, on=["step", "microbatch", "phase"]).filter(pl.col("ref") > 0).select(pl.col("own") / pl.col("ref"))
-    if r.height < 4:
-        return float("nan")
-    v = r.to_series().to_numpy()
-    return float(np.std(v) / np.mean(v))
+    per = (comp.filter(pl.col("rank").is_in([rank, *peers]))
+           .group_by("rank", "step", "phase", "microbatch").agg(pl.col("dur_ns").sum()))
+    cv = (per.group_by("rank", "step", "phase").agg((pl.col("dur_ns").std() / pl.col("dur_ns").mean()).alias("cv"))
+          .drop_nulls("cv").group_by("rank").agg(pl.col("cv").median()))
+    own = cv.filter(pl.col("rank") == rank)["cv"]
+    noise = cv.filter(pl.col("rank") != rank)["cv"].median()
+    return (float(own[0]) if own.len() else float("nan")), (float(noise) if noise is not None else float("nan"))
 
 
 def _stage_ratio(metrics: pl.DataFrame, tables: RunTables, stage: int) -> float:
@@ -212,11 +214,12 @@ def _explain_rank(tables, loc, metrics, links, tun: Tunables, step_ns: float, wo
     own_gap = m.filter(pl.col("rank") == r)["gap_ns"].median() or 0.0
     peer_gap = m.filter(pl.col("rank").is_in(peers))["gap_ns"].median() or 0.0
     gap_excess = (own_gap - peer_gap) / step_ns
-    cv = _microbatch_cv(tables, r, peers, steps)
+    cv, cv_peers = _microbatch_cv(tables, r, peers, steps)
     stage = tables.layout.coords(r).pp
     stage_ratio = _stage_ratio(metrics, tables, stage)
     link = _worst_link(links, {r}, both=False)
-    ev = {"compute_ratio": compute_ratio, "microbatch_cv": cv, "gap_excess_frac": gap_excess,
+    ev = {"compute_ratio": compute_ratio, "microbatch_cv": cv, "peers_microbatch_cv": cv_peers,
+          "gap_excess_frac": gap_excess,
           "stage_compute_ratio": stage_ratio, "peers": len(peers),
           "worst_link": link["name"] if link else None, "worst_link_ratio": link["ratio"] if link else None}
     work_ratio = _work_ratio(work, r, peers, steps) if work is not None else None
@@ -229,7 +232,7 @@ def _explain_rank(tables, loc, metrics, links, tun: Tunables, step_ns: float, wo
         if work_ratio is not None and work_ratio >= 1 + (compute_ratio - 1) / 2:
             return Cause("data_imbalance", (r,), f"rank {r} had {work_ratio:.2f}x the attention work of its peers "
                          f"(compute {compute_ratio:.2f}x)", ev)
-        if cv == cv and cv >= tun.data_cv_min:
+        if cv == cv and cv - (cv_peers if cv_peers == cv_peers else 0.0) >= tun.data_cv_min:
             return Cause("data_imbalance", (r,), f"rank {r} computes {compute_ratio:.2f}x its peers, unevenly "
                          f"across micro-batches (cv {cv:.2f}): more work, not a slower device", ev)
         return Cause("slow_compute", (r,), f"rank {r} computes {compute_ratio:.2f}x its {len(peers)} peers at the "

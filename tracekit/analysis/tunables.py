@@ -26,8 +26,8 @@ class Tunables:
     cpu_gap_frac: float = 0.03
     # A transfer (end minus last arrival) this many times the same-kind median is a slow link.
     slow_link_ratio: float = 1.5
-    # Per-micro-batch compute ratio spread (coefficient of variation) above which extra compute
-    # is uneven work (data) rather than a uniformly slow device.
+    # Per-micro-batch compute ratio spread (coefficient of variation) above the peers' own spread
+    # by this much: the extra compute is uneven work (data) rather than a uniformly slow device.
     data_cv_min: float = 0.10
     # A stage whose compute exceeds the median stage's by this ratio is heavier work.
     stage_compute_ratio: float = 1.15
