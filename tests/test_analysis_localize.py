@@ -132,3 +132,14 @@ def test_no_cross_rank_records_is_no_data():
     d = diagnose(RunTables.from_mapping(job))
     assert d.localization.verdict == "no_data"
     assert d.cause.kind == "insufficient_data"
+
+
+def test_localizes_without_groups_table_steps_or_microbatches():
+    # sparse ingest: no groups table, no step spans, no micro-batch on p2p records, steps unknown
+    job = make_job(LAYOUT, faults=Faults(slow_rank=6, slow_factor=1.2), seed=6)
+    job["groups"] = job["groups"].head(0)
+    job["steps"] = job["steps"].head(0)
+    job["p2p"] = job["p2p"].with_columns(pl.lit(None, dtype=pl.Int32).alias("microbatch"))
+    d = diagnose(RunTables.from_mapping(job))
+    assert d.localization.verdict == "straggler" and d.localization.culprit_rank == 6
+    assert d.cause.kind == "slow_compute"

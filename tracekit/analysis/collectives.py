@@ -114,7 +114,8 @@ def match_collectives(tables: RunTables, offsets: pl.DataFrame | None = None) ->
     Columns: pg_name, seq, op, step, rank, start_ns, end_ns (aligned with ``offsets`` if given,
     else with the stored ``ranks.clock_offset_ns`` where set, else as recorded), duration_ns, group_size, n_members, complete, last_arrival_ns, wait_ns,
     transfer_ns, is_last (the member everyone waited on), dim (the group's dimension).
-    Single-member groups are dropped: nobody waits in them.
+    Single-member groups are dropped: nobody waits in them. A group missing from the ``groups``
+    table gets its membership from the ranks that recorded it and its dimension from the layout.
     """
     coll = tables.collectives.with_columns(pl.col("rank").cast(pl.Int32))
     if offsets is None and tables.ranks["clock_offset_ns"].drop_nulls().len():
@@ -125,6 +126,14 @@ def match_collectives(tables: RunTables, offsets: pl.DataFrame | None = None) ->
             pl.col("offset_ns").fill_null(0))
         coll = coll.with_columns(pl.col("start_ns") - pl.col("offset_ns"), pl.col("end_ns") - pl.col("offset_ns"))
     groups = tables.groups.select("pg_name", pl.col("size").alias("group_size"), "dim").unique("pg_name")
+    unknown = coll.filter(~pl.col("pg_name").is_in(groups["pg_name"].implode())).group_by("pg_name").agg(
+        pl.col("rank").unique().sort())
+    if unknown.height:  # groups the groups table lacks: membership and dimension from the records
+        lay = tables.layout
+        inferred = pl.DataFrame(
+            [(g, len(r), lay.dim_of(r) or "other") for g, r in unknown.iter_rows()],
+            schema={"pg_name": pl.Utf8, "group_size": pl.Int32, "dim": pl.Utf8}, orient="row")
+        groups = pl.concat([groups.with_columns(pl.col("group_size").cast(pl.Int32)), inferred])
     m = coll.select("pg_name", "seq", "op", "step", "rank", "start_ns", "end_ns").join(
         groups, on="pg_name", how="left")
     key = ["pg_name", "seq"]

@@ -100,7 +100,7 @@ def pipeline_scores(tables: RunTables) -> pl.DataFrame:
     lay = tables.layout
     co = tables.coords().select("rank", "pp")
     recv = tables.p2p.filter(pl.col("direction") == "recv").select(
-        pl.col("rank").cast(pl.Int32), pl.col("peer").cast(pl.Int32), "step",
+        pl.col("rank").cast(pl.Int32), pl.col("peer").cast(pl.Int32), pl.col("step").fill_null(-1),
         pl.coalesce("microbatch", "seq").alias("mb"), (pl.col("end_ns") - pl.col("start_ns")).alias("wait"))
     if not recv.height or lay.pp == 1:
         return pl.DataFrame(schema={"step": pl.Int64, "rank": pl.Int32, "score": pl.Float64})
@@ -113,7 +113,7 @@ def pipeline_scores(tables: RunTables) -> pl.DataFrame:
     # A middle stage can hold up both neighbours (forward and backward), an end stage only one:
     # per direction, so that a balanced pipeline scores its stages alike.
     n_dirs = (pl.col("peer_pp") > 0).cast(pl.Float64) + (pl.col("peer_pp") < lay.pp - 1).cast(pl.Float64)
-    return blamed.group_by(pl.col("step").fill_null(-1), pl.col("peer").alias("rank")).agg(
+    return blamed.group_by("step", pl.col("peer").alias("rank")).agg(
         (pl.col("excess").sum() / n_dirs.first()).cast(pl.Float64).alias("score"))
 
 
