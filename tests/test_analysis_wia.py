@@ -75,3 +75,26 @@ def test_op_table_clocks_are_already_shared():
     # the op tables share one clock per step: estimated offsets stay far below a step (2.2 s)
     assert a.clock_domains == 1
     assert a.offsets["offset_ns"].abs().max() < 1_000_000
+
+
+def test_same_answer_from_a_duckdb_store(tmp_path):
+    import duckdb
+
+    from tracekit import schema
+    from tracekit.analysis.tables import TablesError
+
+    frames = read_optable(WIA / "ST" / "trace-ST.parquet", run_id="st")
+    con = duckdb.connect(str(tmp_path / "store.duckdb"))
+    for name, df in frames.items():
+        con.execute(schema.create_sql(name))
+        con.register("frame", df.to_arrow())
+        con.execute(f"INSERT INTO {name} SELECT * FROM frame")
+        con.unregister("frame")
+    con.close()
+    con = duckdb.connect(str(tmp_path / "store.duckdb"), read_only=True)
+    tables = RunTables.from_duckdb(con, "st")
+    assert tables.events.height == 6784 and tables.groups["ranks"][0].to_list() == [0, 4]
+    d = diagnose(tables)
+    assert (d.localization.verdict, d.localization.coords, d.cause.kind) == ("stage", {"pp": 3}, "stage_imbalance")
+    with pytest.raises(TablesError, match="not found"):
+        RunTables.from_duckdb(con, "other-run")

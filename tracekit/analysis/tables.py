@@ -64,6 +64,18 @@ class RunTables:
             raise TablesError(f"run {run_id!r} not found in 'runs'")
         return cls(run_id=run_id, **frames)
 
+    @classmethod
+    def from_duckdb(cls, con, run_id: str) -> "RunTables":
+        """Load one run from an open DuckDB connection holding the store's tables."""
+        frames = {}
+        for t in TABLE_NAMES:
+            try:
+                rel = con.sql(f"SELECT * FROM {t} WHERE run_id = $run_id", params={"run_id": run_id})
+                frames[t] = pl.from_arrow(rel.to_arrow_table())
+            except Exception as e:  # noqa: BLE001 - duckdb raises CatalogException and friends
+                raise TablesError(f"cannot read table {t!r} from the store: {e}") from None
+        return cls.from_mapping(frames, run_id)
+
     @property
     def layout(self) -> Layout:
         row = self.runs.row(0, named=True)
