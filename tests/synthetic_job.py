@@ -28,6 +28,8 @@ class Faults:
     slow_steps: tuple[int, ...] | None = None  # None: every step
     slow_link: tuple[int, int] | None = None  # p2p pair whose transfers are slow
     link_factor: float = 20.0
+    slow_group: str | None = None  # a collective group (pg_name) whose transfers are slow
+    group_factor: float = 10.0
     cpu_bound_rank: int | None = None
     cpu_gap_ns: int = 2 * MS  # idle before each compute op on the CPU-bound rank
     data_imbalance: float = 0.0  # sigma of a per (step, replica, micro-batch) work multiplier
@@ -67,6 +69,8 @@ def make_job(layout: Layout = Layout(tp=2, cp=2, pp=2, dp=2), steps: int = 8, mi
         s = seq[pg]
         seq[pg] += 1
         last = max(arrive[r] for r in members)
+        if pg == faults.slow_group:
+            xfer = int(xfer * faults.group_factor)
         end = {}
         for r in members:
             end[r] = last + xfer + int(rng.integers(0, 20_000))

@@ -61,6 +61,15 @@ def test_slow_p2p_link_names_the_pair():
     assert d.cause.evidence["compute_ratio"] == pytest.approx(1.0, abs=0.02)
 
 
+@pytest.mark.parametrize("group,members", [("tp:4", {4, 5}), ("cp:8", {8, 10}), ("dp:3", {3, 11})])
+def test_slow_collective_link_names_the_group(group, members):
+    _, d = run(Faults(slow_group=group))
+    loc = d.localization
+    assert loc.verdict == "group" and set(loc.culprit_ranks) == members  # its members are late together
+    assert d.cause.kind == "slow_link" and set(d.cause.ranks) == members
+    assert d.cause.evidence["link"] == group and d.cause.evidence["ratio"] > 5
+
+
 def test_cpu_launch_gaps_are_cpu_bound():
     _, d = run(Faults(cpu_bound_rank=3))
     assert d.localization.culprit_rank == 3
