@@ -240,7 +240,7 @@ def localize(tables: RunTables, tunables: Tunables = Tunables()) -> Localization
         if finding.verdict == "culprit" and not any(lv.verdict == "moving" for lv in levels[:-1]):
             rng[level] = finding.chosen
     per_step = _per_step(scores, coords, lay, step_ns, tunables)
-    return _conclude(lay, rng, levels, step_ns, per_step)
+    return _conclude(lay, rng, levels, step_ns, per_step, tunables)
 
 
 def _per_step(scores, coords, lay, step_ns: float, tun: Tunables) -> pl.DataFrame:
@@ -274,7 +274,7 @@ def _per_step(scores, coords, lay, step_ns: float, tun: Tunables) -> pl.DataFram
 
 
 def _conclude(lay, rng: dict[str, int], levels: list[LevelFinding], step_ns: float,
-              per_step: pl.DataFrame) -> Localization:
+              per_step: pl.DataFrame, tun: Tunables) -> Localization:
     """Turn the level findings into one verdict. An outer level whose slowest member moves from
     step to step (data imbalance) outranks anything found below it."""
     active = [lv for lv in levels if lv.verdict != "skipped"]
@@ -290,7 +290,8 @@ def _conclude(lay, rng: dict[str, int], levels: list[LevelFinding], step_ns: flo
         open_dims = [d for d in dims if d not in rng]
         ranks = tuple(r for r in range(lay.world_size)
                       if all(getattr(lay.coords(r), d) == rng[d] for d in dims if d in rng))
-        conf = min(lv.steps_agree / max(lv.steps_total, 1) * (1 - math.exp(-lv.margin / 4.0)) for lv in found)
+        conf = min(lv.steps_agree / max(lv.steps_total, 1) * (1 - math.exp(-lv.margin / tun.margin_min))
+                   for lv in found)
         coords = {d: v for d, v in rng.items() if getattr(lay, d) > 1 or not open_dims}
         if not open_dims:
             return Localization("straggler", lay.rank_of(**rng), ranks, coords, float(conf), step_ns, levels, per_step)
@@ -301,11 +302,11 @@ def _conclude(lay, rng: dict[str, int], levels: list[LevelFinding], step_ns: flo
     hits = per_step.filter(pl.col("culprit_rank").is_not_null())
     if hits.height >= 2:
         top = hits.group_by("culprit_rank").len().sort("len", descending=True).row(0)
-        if top[1] >= 2 and top[1] / hits.height >= 0.8:
+        if top[1] >= 2 and top[1] / hits.height >= tun.transient_share_min:
             rank = int(top[0])
             c = lay.coords(rank).as_dict()
             return Localization("transient", rank, (rank,), c, float(top[1] / max(per_step.height, 1)),
                                 step_ns, levels, per_step)
     margins = [lv.margin for lv in active]
-    conf = 1 - math.exp(-max(0.0, 4.0 - max(margins, default=0.0)))  # how far below the bar
+    conf = 1 - math.exp(-max(0.0, tun.margin_min - max(margins, default=0.0)))  # how far below the bar
     return Localization("no_straggler", None, (), {}, float(conf), step_ns, levels, per_step)

@@ -187,8 +187,9 @@ def explain(tables: RunTables, loc: Localization, tunables: Tunables = Tunables(
                          f"slow link {link['name']}: transfers {link['ratio']:.1f}x the same kind elsewhere",
                          {"link": link["name"], "transfer_ns": link["transfer_ns"], "ratio": link["ratio"]})
         ratios = {r: _ratio_to_peers(metrics, r, _peers(tables, r), "compute_ns") for r in loc.culprit_ranks}
-        worst = max(ratios, key=lambda r: ratios[r])
-        if ratios[worst] >= tun.slow_compute_ratio:
+        ratios = {r: v for r, v in ratios.items() if v == v}  # drop NaN (no peers)
+        worst = max(ratios, key=lambda r: ratios[r]) if ratios else None
+        if worst is not None and ratios[worst] >= tun.slow_compute_ratio:
             return Cause("slow_compute", (worst,), f"rank {worst} computes {ratios[worst]:.2f}x its peers",
                          {"compute_ratio": ratios[worst]})
         return Cause("unexplained", loc.culprit_ranks, "these ranks are late together; no link or compute explains it", {})
@@ -229,7 +230,7 @@ def _explain_rank(tables, loc, metrics, links, tun: Tunables, step_ns: float, wo
         return Cause("slow_link", tuple(link["ranks"]), f"rank {r} arrives on time but its link {link['name']} "
                      f"transfers {link['ratio']:.1f}x slower than the same kind elsewhere", ev)
     if slow:
-        if work_ratio is not None and work_ratio >= 1 + (compute_ratio - 1) / 2:
+        if work_ratio is not None and work_ratio - 1 >= tun.work_explains_share * (compute_ratio - 1):
             return Cause("data_imbalance", (r,), f"rank {r} had {work_ratio:.2f}x the attention work of its peers "
                          f"(compute {compute_ratio:.2f}x)", ev)
         if cv == cv and cv - (cv_peers if cv_peers == cv_peers else 0.0) >= tun.data_cv_min:
@@ -257,27 +258,29 @@ def _work_ratio(work: pl.DataFrame, rank: int, peers: list[int], steps) -> float
 
 def _explain_moving(tables, loc, metrics, tun: Tunables, work) -> Cause:
     """The slowest member changes from step to step: is the late member the one with more work?"""
+    level = next(lv.level for lv in loc.levels if lv.verdict == "moving")
     co = tables.coords()
-    pos = ["pp", "cp", "tp"]
+    pos = [d for d in ("dp", "pp", "cp", "tp") if d != level]
     m = metrics.join(co, on="rank").with_columns(
         (pl.col("compute_ns") / pl.col("compute_ns").mean().over("step", *pos)).alias("rel"))
     degree = float(m.group_by("step", *pos).agg(pl.col("rel").max())["rel"].median())
-    hits = loc.per_step.filter(pl.col("dp").is_not_null()) if "dp" in loc.per_step.columns else loc.per_step.head(0)
+    hits = loc.per_step.filter(pl.col(level).is_not_null())
     explained = 0
-    for step, d in hits.select("step", "dp").iter_rows():
-        rel = m.filter((pl.col("step") == step) & (pl.col("dp") == d))["rel"].mean()
+    for step, member in hits.select("step", level).iter_rows():
+        rel = m.filter((pl.col("step") == step) & (pl.col(level) == member))["rel"].mean()
         explained += int(rel is not None and rel >= tun.slow_compute_ratio)
-    distinct = hits["dp"].n_unique() if hits.height else 0
-    ev = {"imbalance_degree": degree, "steps_with_standout": hits.height, "explained_by_compute": explained,
-          "distinct_slowest": distinct}
+    distinct = hits[level].n_unique() if hits.height else 0
+    ev = {"level": level, "imbalance_degree": degree, "steps_with_standout": hits.height,
+          "explained_by_compute": explained, "distinct_slowest": distinct}
     if work is not None:
         j = work.group_by("rank", "step").agg(pl.col("work").sum()).join(metrics, on=["rank", "step"])
         ev["work_compute_corr"] = float(np.corrcoef(j["work"], j["compute_ns"])[0, 1]) if j.height > 2 else None
-    if hits.height and explained / hits.height >= 0.5:
-        return Cause("data_imbalance", (), f"the slowest replica changes from step to step ({distinct} different) "
+    what = {"dp": "replica", "pp": "stage", "cp": "CP rank", "tp": "TP rank"}[level]
+    if hits.height and explained / hits.height >= tun.moving_explained_min:
+        return Cause("data_imbalance", (), f"the slowest {what} changes from step to step ({distinct} different) "
                      f"and is the one with more compute in {explained}/{hits.height} steps; "
                      f"imbalance degree (max/mean compute) {degree:.2f}: data imbalance, no single culprit", ev)
-    return Cause("unexplained", (), f"the slowest member moves from step to step ({distinct} different) "
+    return Cause("unexplained", (), f"the slowest {what} moves from step to step ({distinct} different) "
                  "without more compute", ev)
 
 

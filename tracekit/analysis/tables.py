@@ -92,13 +92,10 @@ class RunTables:
     def coords(self) -> pl.DataFrame:
         """rank, dp, pp, cp, tp (from the layout) and host (each rank its own host if unknown)."""
         lay = self.layout
-        ranks = pl.DataFrame({"rank": list(range(lay.world_size))}, schema={"rank": pl.Int32})
-        ranks = ranks.with_columns(
-            (pl.col("rank") % lay.tp).alias("tp"),
-            ((pl.col("rank") // lay.tp) % lay.cp).alias("cp"),
-            ((pl.col("rank") // (lay.tp * lay.cp)) % lay.pp).alias("pp"),
-            (pl.col("rank") // (lay.tp * lay.cp * lay.pp)).alias("dp"),
-        )
+        coords = [lay.coords(r) for r in range(lay.world_size)]
+        ranks = pl.DataFrame({"rank": list(range(lay.world_size)), **{d: [getattr(c, d) for c in coords]
+                                                                       for d in ("tp", "cp", "pp", "dp")}},
+                             schema={"rank": pl.Int32, "tp": pl.Int64, "cp": pl.Int64, "pp": pl.Int64, "dp": pl.Int64})
         hosts = self.ranks.select(pl.col("rank").cast(pl.Int32), "host")
         ranks = ranks.join(hosts, on="rank", how="left")
         return ranks.with_columns(pl.coalesce("host", pl.format("rank{}", "rank")).alias("host"))

@@ -16,8 +16,13 @@ class Tunables:
     effect_min_frac: float = 0.005
     # A culprit must win at least this share of the steps in which the level stands out.
     persist_min: float = 0.6
-    # "Moving" straggler: a standout in at least this share of steps, but not the same member.
+    # "Moving" straggler: a standout in at least this share of steps, but not the same member;
+    # it is data imbalance when the late member had more compute in this share of those steps.
     moving_min_share: float = 0.5
+    moving_explained_min: float = 0.5
+    # "Transient": nothing persists, but at least two steps name one rank, and it is this share of
+    # all the steps that name a rank.
+    transient_share_min: float = 0.8
     # A stage across all replicas is only called out above this effect (pipelines are uneven).
     stage_effect_min_frac: float = 0.05
     # Cause thresholds: compute slower than same-position peers by this ratio is "slow compute".
@@ -31,6 +36,9 @@ class Tunables:
     data_cv_min: float = 0.10
     # A stage whose compute exceeds the median stage's by this ratio is heavier work.
     stage_compute_ratio: float = 1.15
+    # Known attention work explains extra compute when the work excess is at least this share of
+    # the compute excess (work ratio - 1 >= share * (compute ratio - 1)).
+    work_explains_share: float = 0.5
 
     def to_dict(self) -> dict:
         return asdict(self)

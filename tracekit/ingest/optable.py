@@ -117,15 +117,17 @@ def read_optable(parquet_path: str | Path, run_id: str = "wia") -> dict[str, pl.
     if optypes - known:
         raise OpTableError(f"{path}: unknown optypes {sorted(optypes - known)}")
 
+    # store rank of each (dp_rank, stage) worker, from the one rank-layout helper
+    workers = pl.DataFrame([(d, s, layout.rank_of(dp=d, pp=s)) for d in range(dp) for s in range(pp)],
+                           schema={"dp_rank": pl.Int32, "stage": pl.Int32, "srank": pl.Int32}, orient="row")
     ops = raw.with_columns(
         pl.col("optype").cast(pl.Utf8),
-        (pl.col("stage").cast(pl.Int32) + pp * pl.col("dp_rank").cast(pl.Int32)).alias("srank"),
         pl.col("dp_rank").cast(pl.Int32),
         pl.col("stage").cast(pl.Int32),
         pl.col("step").cast(pl.Int32),
         pl.col("start_ts").cast(pl.Float64),
         pl.col("duration").cast(pl.Float64),
-    )
+    ).join(workers, on=["dp_rank", "stage"])
     # Lay sampled steps end to end (see module docstring).
     spans = (ops.group_by("step").agg((pl.col("start_ts") + pl.col("duration")).max().alias("span"))
              .sort("step")
@@ -135,13 +137,10 @@ def read_optable(parquet_path: str | Path, run_id: str = "wia") -> dict[str, pl.
         (pl.col("base_ns") + (pl.col("start_ts") * 1e9).round().cast(pl.Int64)).alias("ts_ns"),
         (pl.col("duration") * 1e9).round().cast(pl.Int64).alias("dur_ns"),
     ).with_columns((pl.col("ts_ns") + pl.col("dur_ns")).alias("end_ns"))
-    ops = ops.with_columns(pl.lit(run_id).alias("run_id"), pl.col("srank").alias("rank"))
-
-    rank_map = (raw.select((pl.col("stage").cast(pl.Int32) + pp * pl.col("dp_rank").cast(pl.Int32))
-                           .alias("srank"), pl.col("rank").cast(pl.Int32).alias("trace_rank"))
-                .unique().sort("srank"))
+    rank_map = ops.select("srank", pl.col("rank").cast(pl.Int32).alias("trace_rank")).unique().sort("srank")
     if rank_map["srank"].n_unique() != rank_map.height:
         raise OpTableError(f"{path}: one (dp_rank, stage) worker carries several trace ranks")
+    ops = ops.with_columns(pl.lit(run_id).alias("run_id"), pl.col("srank").alias("rank"))
 
     manifest = {"wia_meta": meta, "folded": {"tp": int(meta.get("tp_size", 1)),
                                              "cp": int(meta.get("dsp_size", 1))},
@@ -153,10 +152,9 @@ def read_optable(parquet_path: str | Path, run_id: str = "wia") -> dict[str, pl.
         "layout_source": ["wia-meta"], "backend": [None], "manifest": [json.dumps(manifest)],
         "ingested_at": [None],
     })
-    ranks = pl.DataFrame({"rank": list(range(layout.world_size))}).with_columns(
-        pl.lit(run_id).alias("run_id"),
-        (pl.col("rank") // pp).alias("dp"), (pl.col("rank") % pp).alias("pp"),
-        pl.lit(0).alias("cp"), pl.lit(0).alias("tp"), pl.lit(0).alias("clock_offset_ns"))
+    ranks = workers.select(pl.col("srank").alias("rank"), pl.col("dp_rank").alias("dp"), pl.col("stage").alias("pp"),
+                           pl.lit(0).alias("cp"), pl.lit(0).alias("tp"), pl.lit(run_id).alias("run_id"),
+                           pl.lit(0).alias("clock_offset_ns")).sort("rank")
 
     # events: every op, compute and communication alike, so a rank's timeline is complete.
     events = ops.with_columns(
@@ -187,7 +185,9 @@ def read_optable(parquet_path: str | Path, run_id: str = "wia") -> dict[str, pl.
         stray = p2p_rows.filter((peer_stage < 0) | (peer_stage >= pp))
         if stray.height:
             raise OpTableError(f"{path}: {stray.height} p2p ops point past the first or last stage")
-    p2p_rows = p2p_rows.with_columns((peer_stage + pp * pl.col("dp_rank")).alias("peer")).drop("_off")
+    p2p_rows = p2p_rows.with_columns(peer_stage.alias("peer_stage")).join(
+        workers.rename({"stage": "peer_stage", "srank": "peer"}), on=["dp_rank", "peer_stage"], how="left"
+    ).drop("_off", "peer_stage")
     # seq_id restarts every step; the store's seq counts a (rank, peer, direction) stream over the run.
     p2p_rows = p2p_rows.sort("rank", "peer", "direction", "start_ns").with_columns(
         pl.int_range(pl.len(), dtype=pl.Int64).over("rank", "peer", "direction").alias("seq")
