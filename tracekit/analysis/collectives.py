@@ -21,7 +21,7 @@ from tracekit.analysis.tables import RunTables
 @dataclass(frozen=True)
 class ClockAlignment:
     offsets: pl.DataFrame  # rank, host, offset_ns: subtract from the rank's times
-    instances_used: int  # collective instances spanning more than one host
+    instances_used: int  # matched instances (collectives, p2p transfers) spanning more than one host
     residual_ns: float  # median |completion - instance median| after alignment
     clock_domains: int = 1  # sets of hosts that no matched operation links (offsets relative within each)
 

@@ -14,7 +14,8 @@ class Tunables:
     noise_floor_frac: float = 0.001
     # ... and its lateness is at least this fraction of the step time (smaller costs nothing).
     effect_min_frac: float = 0.005
-    # A culprit must win at least this share of the steps in which the level stands out.
+    # A culprit must be the top member in at least this share of all steps, or of the steps in
+    # which the level stands out.
     persist_min: float = 0.6
     # "Moving" straggler: a standout in at least this share of steps, but not the same member;
     # it is data imbalance when the late member had more compute in this share of those steps.
@@ -31,8 +32,8 @@ class Tunables:
     cpu_gap_frac: float = 0.03
     # A transfer (end minus last arrival) this many times the same-kind median is a slow link.
     slow_link_ratio: float = 1.5
-    # Per-micro-batch compute ratio spread (coefficient of variation) above the peers' own spread
-    # by this much: the extra compute is uneven work (data) rather than a uniformly slow device.
+    # Spread (coefficient of variation) of a rank's per-micro-batch compute within a step, above
+    # its peers' spread by this much: the extra compute is uneven work (data), not a slow device.
     data_cv_min: float = 0.10
     # A stage whose compute exceeds the median stage's by this ratio is heavier work.
     stage_compute_ratio: float = 1.15
