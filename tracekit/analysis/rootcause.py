@@ -291,8 +291,25 @@ class Diagnosis:
     localization: Localization
     cause: Cause
 
+    @property
+    def headline(self) -> str:
+        """One line for humans: who, how sure, and why."""
+        loc = self.localization
+        where = ", ".join(f"{d} {v}" for d, v in loc.coords.items())
+        who = {
+            "straggler": f"rank {loc.culprit_rank} ({where}) is the straggler",
+            "transient": f"rank {loc.culprit_rank} ({where}) is a transient straggler "
+                         f"({loc.per_step['culprit_rank'].to_list().count(loc.culprit_rank)} steps)",
+            "group": f"ranks {list(loc.culprit_ranks)} ({where}) are late together",
+            "stage": f"pipeline stage {loc.coords.get('pp')} holds every replica back",
+            "moving": "the slowest member moves from step to step",
+            "no_straggler": "no straggler",
+            "no_data": "not enough cross-rank records to localize",
+        }[loc.verdict]
+        return f"{who} (confidence {loc.confidence:.2f}); cause: {self.cause.kind}: {self.cause.summary}"
+
     def to_dict(self) -> dict:
-        return {"localization": self.localization.to_dict(), "cause": self.cause.to_dict()}
+        return {"headline": self.headline, "localization": self.localization.to_dict(), "cause": self.cause.to_dict()}
 
 
 def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFrame | None = None) -> Diagnosis:
