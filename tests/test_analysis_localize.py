@@ -152,3 +152,10 @@ def test_localizes_without_groups_table_steps_or_microbatches():
     d = diagnose(RunTables.from_mapping(job))
     assert d.localization.verdict == "straggler" and d.localization.culprit_rank == 6
     assert d.cause.kind == "slow_compute"
+
+
+def test_host_clock_skew_does_not_move_the_culprit():
+    skew = {0: 0, 1: 4_000_000, 2: -7_000_000, 3: 2_500_000}  # milliseconds between hosts
+    _, d = run(Faults(slow_rank=10, slow_factor=1.1, host_skew_ns=skew), seed=10)
+    assert d.localization.verdict == "straggler" and d.localization.culprit_rank == 10
+    assert d.cause.kind == "slow_compute"
