@@ -112,7 +112,8 @@ def match_collectives(tables: RunTables, offsets: pl.DataFrame | None = None) ->
     """One row per (pg_name, seq, rank) with arrival, completion, wait and transfer.
 
     Columns: pg_name, seq, op, step, rank, start_ns, end_ns (aligned with ``offsets`` if given,
-    else with the stored ``ranks.clock_offset_ns`` where set, else as recorded), duration_ns, group_size, n_members, complete, last_arrival_ns, wait_ns,
+    else with the stored ``ranks.clock_offset_ns`` where set, else as recorded), duration_ns,
+    group_size, n_members, complete, last_arrival_ns, wait_ns,
     transfer_ns, is_last (the member everyone waited on), dim (the group's dimension).
     Single-member groups are dropped: nobody waits in them. A group missing from the ``groups``
     table gets its membership from the ranks that recorded it and its dimension from the layout.

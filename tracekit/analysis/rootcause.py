@@ -71,7 +71,8 @@ def rank_step_metrics(tables: RunTables) -> pl.DataFrame:
     else:  # no step spans recorded: a step lasts from its rank's first to last recorded activity
         steps = spans.group_by("rank", "step").agg((pl.col("e").max() - pl.col("s").min()).alias("step_ns"))
     out = steps.join(busy, on=["rank", "step"], how="left").join(
-        compute.with_columns(pl.col("rank").cast(pl.Int32), pl.col("step").cast(pl.Int64)), on=["rank", "step"], how="left")
+        compute.with_columns(pl.col("rank").cast(pl.Int32), pl.col("step").cast(pl.Int64)),
+        on=["rank", "step"], how="left")
     return out.with_columns(pl.col("compute_ns").fill_null(0), pl.col("busy_ns").fill_null(0)).with_columns(
         (pl.col("step_ns") - pl.col("busy_ns")).clip(lower_bound=0).alias("gap_ns"))
 
@@ -99,7 +100,8 @@ def link_transfers(tables: RunTables) -> pl.DataFrame:
     m = match_collectives(tables)
     if m.height:
         g = m.group_by("pg_name").agg(pl.col("transfer_ns").median().cast(pl.Float64), pl.col("dim").first(),
-                                      pl.col("op").mode().first(), pl.col("rank").unique().sort().cast(pl.Int32).alias("ranks"))
+                                      pl.col("op").mode().first(),
+                                      pl.col("rank").unique().sort().cast(pl.Int32).alias("ranks"))
         parts.append(g.select(pl.lit("group").alias("link"), pl.col("pg_name").alias("name"), "ranks",
                               pl.format("{}:{}", "dim", "op").alias("kind"), "transfer_ns"))
     if not parts:
@@ -192,7 +194,8 @@ def explain(tables: RunTables, loc: Localization, tunables: Tunables = Tunables(
         if worst is not None and ratios[worst] >= tun.slow_compute_ratio:
             return Cause("slow_compute", (worst,), f"rank {worst} computes {ratios[worst]:.2f}x its peers",
                          {"compute_ratio": ratios[worst]})
-        return Cause("unexplained", loc.culprit_ranks, "these ranks are late together; no link or compute explains it", {})
+        return Cause("unexplained", loc.culprit_ranks,
+                     "these ranks are late together; no link or compute explains it", {})
     if loc.verdict == "moving":
         return _explain_moving(tables, loc, metrics, tun, work)
     if loc.verdict == "no_data":
@@ -242,7 +245,8 @@ def _explain_rank(tables, loc, metrics, links, tun: Tunables, step_ns: float, wo
         return Cause("cpu_bound", (r,), f"rank {r} idles {gap_excess:.1%} of the step between ops more than its "
                      "peers (CPU launch gaps)", ev)
     if stage_ratio >= tun.stage_compute_ratio:
-        return Cause("stage_imbalance", (r,), f"rank {r}'s stage {stage} computes {stage_ratio:.2f}x the median stage", ev)
+        return Cause("stage_imbalance", (r,),
+                     f"rank {r}'s stage {stage} computes {stage_ratio:.2f}x the median stage", ev)
     return Cause("unexplained", (r,), f"rank {r} is late but its compute, gaps and links look normal", ev)
 
 

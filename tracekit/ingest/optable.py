@@ -23,8 +23,9 @@ Collectives get a synthesized group name per instance family:
   ``layernorm-grads-all-reduce``; analyses skip single-member groups.
 ``seq`` numbers a group's instances in time order on each rank, from 0. p2p ops pair with the
 neighbouring stage of the same replica (``wia:pp:dp<d>``): forward-send/backward-recv with s+1,
-forward-recv/backward-send with s-1 (modulo pp when vpp > 1); ``microbatch`` is the table's ``seq_id`` (which restarts every
-step), ``seq`` counts each (rank, peer, direction) stream over the run in time order, from 0.
+forward-recv/backward-send with s-1 (modulo pp when vpp > 1); ``microbatch`` is the table's
+``seq_id`` (which restarts every step), ``seq`` counts each (rank, peer, direction) stream over the
+run in time order, from 0.
 """
 
 from __future__ import annotations
