@@ -122,7 +122,10 @@ def _copy_trial(tmp_path: Path, trial: str = "ST") -> Path:
 def test_bad_inputs_raise_naming_the_file(tmp_path):
     with pytest.raises(OpTableError, match="no such file"):
         read_optable(tmp_path / "nope.parquet")
+    with pytest.raises(OpTableError, match=r"expected one \*\.parquet op table in the folder, found 0"):
+        read_optable(tmp_path)
     trace = _copy_trial(tmp_path)
+    assert read_optable(trace.parent)["events"].height == 6784  # a trial folder works too
     (trace.parent / "meta-ST.yaml").unlink()
     with pytest.raises(OpTableError, match=r"trace-ST\.parquet.*meta"):
         read_optable(trace)

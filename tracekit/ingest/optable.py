@@ -93,8 +93,14 @@ def _read_meta(path: Path) -> dict:
 
 def read_optable(parquet_path: str | Path, run_id: str = "wia") -> dict[str, pl.DataFrame]:
     """Read one op-table trace; returns ``{table: DataFrame}`` for runs, ranks, groups, events,
-    collectives, p2p and steps, columns exactly as in ``tracekit.schema``."""
+    collectives, p2p and steps, columns exactly as in ``tracekit.schema``. ``parquet_path`` may also
+    be the trial's folder holding exactly one ``*.parquet`` op table."""
     path = Path(parquet_path)
+    if path.is_dir():
+        found = sorted(path.glob("*.parquet"))
+        if len(found) != 1:
+            raise OpTableError(f"{path}: expected one *.parquet op table in the folder, found {len(found)}")
+        path = found[0]
     if not path.is_file():
         raise OpTableError(f"{path}: no such file")
     meta_path = _find_meta(path)
