@@ -34,6 +34,19 @@ def test_no_fault_is_no_straggler(seed):
     assert all(lv.verdict in ("none", "skipped") for lv in d.localization.levels)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_timing_noise_alone_is_not_a_straggler_or_imbalance(seed):
+    # 10% jitter on every compute op: per-step "slowest" members come and go, but by little
+    _, d = run(seed=seed, noise=0.10)
+    assert d.localization.verdict == "no_straggler"
+    assert d.cause.kind == "none"
+
+
+def test_a_10pct_straggler_stands_out_of_5pct_noise():
+    _, d = run(Faults(slow_rank=5, slow_factor=1.1), seed=42, noise=0.05)
+    assert d.localization.verdict == "straggler" and d.localization.culprit_rank == 5
+
+
 @pytest.mark.parametrize("rank,factor", [(0, 1.1), (6, 1.1), (9, 1.05), (15, 1.05), (13, 1.3)])
 def test_slow_rank_is_found_with_cause(rank, factor):
     tables, d = run(Faults(slow_rank=rank, slow_factor=factor), seed=rank)

@@ -188,6 +188,7 @@ def _evaluate(level: str, mat: np.ndarray, step_ns: float, tun: Tunables, effect
     floor = tun.noise_floor_frac * step_ns
     per_step = [_standout(row, step_ns, tun, effect_min_frac) for row in mat]
     tops = [p[0] for p in per_step]
+    effects = [p[1] for p in per_step]
     standout = [p[2] for p in per_step]
     mean = mat.mean(axis=0)
     top = int(np.argmax(mean))
@@ -205,7 +206,8 @@ def _evaluate(level: str, mat: np.ndarray, step_ns: float, tun: Tunables, effect
     winners = {t for t, s in zip(tops, standout) if s}
     if passes and persistent:
         verdict = "culprit"
-    elif n_out >= max(2, math.ceil(tun.moving_min_share * T)) and len(winners) >= 2:
+    elif (n_out >= max(2, math.ceil(tun.moving_min_share * T)) and len(winners) >= 2
+          and float(np.median(effects)) >= tun.episode_effect_min_frac * step_ns):
         verdict = "moving"
     else:
         verdict = "none"
@@ -302,7 +304,9 @@ def _conclude(lay, rng: dict[str, int], levels: list[LevelFinding], step_ns: flo
     hits = per_step.filter(pl.col("culprit_rank").is_not_null())
     if hits.height >= 2:
         top = hits.group_by("culprit_rank").len().sort("len", descending=True).row(0)
-        if top[1] >= 2 and top[1] / hits.height >= tun.transient_share_min:
+        burst = hits.filter(pl.col("culprit_rank") == top[0])["effect_ns"].median() or 0.0
+        if (top[1] >= 2 and top[1] / hits.height >= tun.transient_share_min
+                and burst >= tun.episode_effect_min_frac * step_ns):
             rank = int(top[0])
             c = lay.coords(rank).as_dict()
             return Localization("transient", rank, (rank,), c, float(top[1] / max(per_step.height, 1)),

@@ -24,6 +24,9 @@ class Tunables:
     # "Transient": nothing persists, but at least two steps name one rank, and it is this share of
     # all the steps that name a rank.
     transient_share_min: float = 0.8
+    # Moving and transient stragglers are only reported when their per-step effect (median over
+    # the steps concerned) is at least this share of the step: below it, it is timing noise.
+    episode_effect_min_frac: float = 0.02
     # A stage across all replicas is only called out above this effect (pipelines are uneven).
     stage_effect_min_frac: float = 0.05
     # Cause thresholds: compute slower than same-position peers by this ratio is "slow compute".
