@@ -18,6 +18,7 @@ transient and moving stragglers show in ``per_step``.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -45,6 +46,7 @@ class LevelFinding:
     steps_standout: int  # steps in which one member stood out at this level
     steps_agree: int  # steps whose top member is the chosen one
     verdict: str  # culprit | none | moving | skipped (size 1 or no data)
+    within: dict[str, int] = field(default_factory=dict)  # the coordinates fixed when this level searched
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -182,8 +184,10 @@ def _standout(row: np.ndarray, step_ns: float, tun: Tunables, effect_min_frac: f
     return top, eff, eff >= tun.margin_min * noise and eff >= effect_min_frac * step_ns
 
 
-def _evaluate(level: str, mat: np.ndarray, step_ns: float, tun: Tunables, effect_min_frac: float) -> LevelFinding:
+def _evaluate(level: str, mat: np.ndarray, step_ns: float, tun: Tunables, effect_min_frac: float,
+              within: dict[str, int], margin_min: float | None = None) -> LevelFinding:
     """Aggregate decision for one level over all steps (steps x candidates score matrix)."""
+    margin_min = tun.margin_min if margin_min is None else margin_min
     T, n = mat.shape
     floor = tun.noise_floor_frac * step_ns
     per_step = [_standout(row, step_ns, tun, effect_min_frac) for row in mat]
@@ -201,7 +205,7 @@ def _evaluate(level: str, mat: np.ndarray, step_ns: float, tun: Tunables, effect
     agree = sum(1 for t in tops if t == top)
     n_out = sum(standout)
     agree_out = sum(1 for t, s in zip(tops, standout) if s and t == top)
-    passes = margin >= tun.margin_min and effect >= effect_min_frac * step_ns
+    passes = margin >= margin_min and effect >= effect_min_frac * step_ns
     persistent = agree / T >= tun.persist_min or (n_out > 0 and agree_out / n_out >= tun.persist_min)
     winners = {t for t, s in zip(tops, standout) if s}
     if passes and persistent:
@@ -213,7 +217,8 @@ def _evaluate(level: str, mat: np.ndarray, step_ns: float, tun: Tunables, effect
         verdict = "none"
     return LevelFinding(level=level, candidates=tuple(range(n)), scores_ns={i: float(v) for i, v in enumerate(mean)},
                         chosen=top if verdict == "culprit" else None, effect_ns=effect, noise_ns=noise,
-                        margin=float(margin), steps_total=T, steps_standout=n_out, steps_agree=agree, verdict=verdict)
+                        margin=float(margin), steps_total=T, steps_standout=n_out, steps_agree=agree, verdict=verdict,
+                        within=dict(within))
 
 
 def localize(tables: RunTables, tunables: Tunables = Tunables()) -> Localization:
@@ -231,18 +236,46 @@ def localize(tables: RunTables, tunables: Tunables = Tunables()) -> Localization
         steps, mat = _level_matrix(scores[level], coords, rng, level, lay) if size > 1 else ([], np.zeros((0, 1)))
         if size == 1 or not steps:
             levels.append(LevelFinding(level, tuple(range(size)), {}, 0 if size == 1 else None, 0.0, 0.0, 0.0,
-                                       0, 0, 0, "skipped"))
+                                       0, 0, 0, "skipped", dict(rng)))
             if size == 1:
                 rng[level] = 0
             continue
         # A stage is only blamed across every replica if the effect is large (pipelines are uneven).
         eff_min = tunables.stage_effect_min_frac if _stage_wide(level, rng, lay) else tunables.effect_min_frac
-        finding = _evaluate(level, mat, step_ns, tunables, eff_min)
+        finding = _evaluate(level, mat, step_ns, tunables, eff_min, rng)
+        if finding.verdict == "none":
+            finding = _search_open(level, scores[level], coords, rng, lay, step_ns, tunables) or finding
         levels.append(finding)
         if finding.verdict == "culprit" and not any(lv.verdict == "moving" for lv in levels[:-1]):
+            rng.update(finding.within)
             rng[level] = finding.chosen
     per_step = _per_step(scores, coords, lay, step_ns, tunables)
     return _conclude(lay, rng, levels, step_ns, per_step, tunables)
+
+
+def _search_open(level: str, scores: pl.DataFrame, coords: pl.DataFrame, rng: dict[str, int], lay,
+                 step_ns: float, tun: Tunables) -> LevelFinding | None:
+    """When a level shows nothing over the whole range because outer levels stayed open, look in
+    each combination of the open outer coordinates separately (one group at a time, where a
+    straggler is not diluted by healthy groups) and keep the clearest culprit. Searching many
+    groups raises the bar: margin_min + subrange_margin_per_log * ln(number of groups)."""
+    idx = OUTER_TO_INNER.index(level)
+    open_outer = [d for d in OUTER_TO_INNER[:idx] if d not in rng and getattr(lay, d) > 1]
+    if not open_outer:
+        return None
+    combos = list(itertools.product(*[range(getattr(lay, d)) for d in open_outer]))
+    bar = tun.margin_min + tun.subrange_margin_per_log * math.log(len(combos))
+    best = None
+    for combo in combos:
+        within = {**rng, **dict(zip(open_outer, combo))}
+        steps, mat = _level_matrix(scores, coords, within, level, lay)
+        if not steps:
+            continue
+        eff_min = tun.stage_effect_min_frac if _stage_wide(level, within, lay) else tun.effect_min_frac
+        f = _evaluate(level, mat, step_ns, tun, eff_min, within, margin_min=bar)
+        if f.verdict == "culprit" and (best is None or f.margin > best.margin):
+            best = f
+    return best
 
 
 def _per_step(scores, coords, lay, step_ns: float, tun: Tunables) -> pl.DataFrame:

@@ -14,6 +14,9 @@ class Tunables:
     noise_floor_frac: float = 0.001
     # ... and its lateness is at least this fraction of the step time (smaller costs nothing).
     effect_min_frac: float = 0.005
+    # A level that shows nothing over the whole range is searched group by group (each
+    # combination of the open outer coordinates); the margin bar rises by this much per ln(groups).
+    subrange_margin_per_log: float = 1.0
     # A culprit must be the top member in at least this share of all steps, or of the steps in
     # which the level stands out.
     persist_min: float = 0.6
