@@ -10,8 +10,10 @@ Scores, per step and rank, say how much the rank's peers waited on it:
 A candidate's score is the mean over its ranks within the range found so far. Within one replica,
 a stage's pipeline blame is taken relative to the same stage in the other replicas, removing the
 bubbles every replica shares; with no replica to compare against it must clear a larger bar.
-At each level the member with the highest score is kept if it stands out beyond noise and persists
-across steps; otherwise the level stays open. An outer level whose top member changes from step to
+At each level the member with the highest score is kept if it stands out beyond noise (a bar that
+rises with the number of members competing) and persists across steps; if nothing stands out over
+the whole range, the level is searched one group (combination of open outer coordinates) at a time,
+and a clear culprit there fixes those coordinates too; otherwise the level stays open. An outer level whose top member changes from step to
 step (data imbalance) ends the search with "moving". The same descent runs on each step alone, so
 transient and moving stragglers show in ``per_step``.
 """
@@ -184,11 +186,18 @@ def _standout(row: np.ndarray, step_ns: float, tun: Tunables, effect_min_frac: f
     return top, eff, eff >= tun.margin_min * noise and eff >= effect_min_frac * step_ns
 
 
+def _bar(tun: Tunables, searched: int) -> float:
+    """The margin a top member must reach when ``searched`` members compete for the top (the
+    largest of many noisy scores is large by chance): margin_min for a pair, higher beyond."""
+    return tun.margin_min + tun.margin_per_log * math.log(max(1.0, searched / 2))
+
+
 def _evaluate(level: str, mat: np.ndarray, step_ns: float, tun: Tunables, effect_min_frac: float,
-              within: dict[str, int], margin_min: float | None = None) -> LevelFinding:
-    """Aggregate decision for one level over all steps (steps x candidates score matrix)."""
-    margin_min = tun.margin_min if margin_min is None else margin_min
+              within: dict[str, int], groups: int = 1) -> LevelFinding:
+    """Aggregate decision for one level over all steps (steps x candidates score matrix), when
+    ``groups`` such matrices are searched for the clearest culprit."""
     T, n = mat.shape
+    margin_min = _bar(tun, n * groups)
     floor = tun.noise_floor_frac * step_ns
     per_step = [_standout(row, step_ns, tun, effect_min_frac) for row in mat]
     tops = [p[0] for p in per_step]
@@ -257,14 +266,13 @@ def _search_open(level: str, scores: pl.DataFrame, coords: pl.DataFrame, rng: di
                  step_ns: float, tun: Tunables) -> LevelFinding | None:
     """When a level shows nothing over the whole range because outer levels stayed open, look in
     each combination of the open outer coordinates separately (one group at a time, where a
-    straggler is not diluted by healthy groups) and keep the clearest culprit. Searching many
-    groups raises the bar: margin_min + subrange_margin_per_log * ln(number of groups)."""
+    straggler is not diluted by healthy groups) and keep the clearest culprit; searching more
+    groups raises the bar (``_bar``)."""
     idx = OUTER_TO_INNER.index(level)
     open_outer = [d for d in OUTER_TO_INNER[:idx] if d not in rng and getattr(lay, d) > 1]
     if not open_outer:
         return None
     combos = list(itertools.product(*[range(getattr(lay, d)) for d in open_outer]))
-    bar = tun.margin_min + tun.subrange_margin_per_log * math.log(len(combos))
     best = None
     for combo in combos:
         within = {**rng, **dict(zip(open_outer, combo))}
@@ -272,7 +280,7 @@ def _search_open(level: str, scores: pl.DataFrame, coords: pl.DataFrame, rng: di
         if not steps:
             continue
         eff_min = tun.stage_effect_min_frac if _stage_wide(level, within, lay) else tun.effect_min_frac
-        f = _evaluate(level, mat, step_ns, tun, eff_min, within, margin_min=bar)
+        f = _evaluate(level, mat, step_ns, tun, eff_min, within, groups=len(combos))
         if f.verdict == "culprit" and (best is None or f.margin > best.margin):
             best = f
     return best

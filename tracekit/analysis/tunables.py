@@ -14,9 +14,11 @@ class Tunables:
     noise_floor_frac: float = 0.001
     # ... and its lateness is at least this fraction of the step time (smaller costs nothing).
     effect_min_frac: float = 0.005
-    # A level that shows nothing over the whole range is searched group by group (each
-    # combination of the open outer coordinates); the margin bar rises by this much per ln(groups).
-    subrange_margin_per_log: float = 1.0
+    # The largest of many noisy scores is large by chance: with n members competing for the top
+    # (all candidates of all groups searched), the bar is margin_min + this * ln(n / 2). A level
+    # that shows nothing over its whole range is also searched group by group (each combination
+    # of the open outer coordinates), which counts every group's members.
+    margin_per_log: float = 1.5
     # A culprit must be the top member in at least this share of all steps, or of the steps in
     # which the level stands out.
     persist_min: float = 0.6
