@@ -172,3 +172,14 @@ def test_host_clock_skew_does_not_move_the_culprit():
     _, d = run(Faults(slow_rank=10, slow_factor=1.1, host_skew_ns=skew), seed=10)
     assert d.localization.verdict == "straggler" and d.localization.culprit_rank == 10
     assert d.cause.kind == "slow_compute"
+
+
+def test_weak_outer_signal_is_recovered_group_by_group():
+    # 5% slower in 5% jitter: the replica and stage levels show nothing over the whole job, but
+    # the suspect's own CP group does once the TP level has narrowed the range
+    _, d = run(Faults(slow_rank=9, slow_factor=1.05), seed=105, noise=0.05)
+    loc = d.localization
+    assert loc.verdict == "straggler" and loc.culprit_rank == 9
+    by_level = {lv.level: lv for lv in loc.levels}
+    assert by_level["dp"].verdict == "none" and by_level["pp"].verdict == "none"
+    assert by_level["cp"].verdict == "culprit" and by_level["cp"].within == {"dp": 1, "pp": 0, "tp": 1}

@@ -258,24 +258,48 @@ def localize(tables: RunTables, tunables: Tunables = Tunables()) -> Localization
         if finding.verdict == "culprit" and not any(lv.verdict == "moving" for lv in levels[:-1]):
             rng.update(finding.within)
             rng[level] = finding.chosen
+    _revisit_open(levels, scores, coords, rng, lay, step_ns, tunables)
     per_step = _per_step(scores, coords, lay, step_ns, tunables)
     return _conclude(lay, rng, levels, step_ns, per_step, tunables)
+
+
+def _revisit_open(levels: list[LevelFinding], scores, coords, rng: dict[str, int], lay, step_ns: float,
+                  tun: Tunables) -> None:
+    """Once inner levels have narrowed the range, a level that stayed open is evaluated again
+    within it: its groups now hold only the suspect's peers, not healthy groups that dilute it."""
+    if any(lv.verdict == "moving" for lv in levels) or not any(lv.verdict == "culprit" for lv in levels):
+        return
+    for i, lv in enumerate(levels):
+        level = lv.level
+        if lv.verdict != "none" or level in rng:
+            continue
+        within = {d: v for d, v in rng.items() if d != level}
+        open_dims = [d for d in OUTER_TO_INNER if d != level and d not in within and getattr(lay, d) > 1]
+        again = _search_groups(level, scores[level], coords, within, open_dims, lay, step_ns, tun)
+        if again is not None:
+            levels[i] = again
+            rng.update(again.within)
+            rng[level] = again.chosen
 
 
 def _search_open(level: str, scores: pl.DataFrame, coords: pl.DataFrame, rng: dict[str, int], lay,
                  step_ns: float, tun: Tunables) -> LevelFinding | None:
     """When a level shows nothing over the whole range because outer levels stayed open, look in
     each combination of the open outer coordinates separately (one group at a time, where a
-    straggler is not diluted by healthy groups) and keep the clearest culprit; searching more
-    groups raises the bar (``_bar``)."""
+    straggler is not diluted by healthy groups) and keep the clearest culprit."""
     idx = OUTER_TO_INNER.index(level)
     open_outer = [d for d in OUTER_TO_INNER[:idx] if d not in rng and getattr(lay, d) > 1]
-    if not open_outer:
-        return None
-    combos = list(itertools.product(*[range(getattr(lay, d)) for d in open_outer]))
+    return _search_groups(level, scores, coords, rng, open_outer, lay, step_ns, tun) if open_outer else None
+
+
+def _search_groups(level: str, scores: pl.DataFrame, coords: pl.DataFrame, rng: dict[str, int],
+                   split: list[str], lay, step_ns: float, tun: Tunables) -> LevelFinding | None:
+    """Evaluate the level within each combination of the ``split`` coordinates and return the
+    clearest culprit; searching more groups raises the bar (``_bar``)."""
+    combos = list(itertools.product(*[range(getattr(lay, d)) for d in split]))
     best = None
     for combo in combos:
-        within = {**rng, **dict(zip(open_outer, combo))}
+        within = {**rng, **dict(zip(split, combo))}
         steps, mat = _level_matrix(scores, coords, within, level, lay)
         if not steps:
             continue
