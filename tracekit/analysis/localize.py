@@ -13,7 +13,8 @@ bubbles every replica shares; with no replica to compare against it must clear a
 At each level the member with the highest score is kept if it stands out beyond noise (a bar that
 rises with the number of members competing) and persists across steps; if nothing stands out over
 the whole range, the level is searched one group (combination of open outer coordinates) at a time,
-and a clear culprit there fixes those coordinates too; otherwise the level stays open. An outer level whose top member changes from step to
+and a clear culprit there fixes those coordinates too; otherwise the level stays open (and is
+revisited, group by group, once inner levels have narrowed the range). An outer level whose top member changes from step to
 step (data imbalance) ends the search with "moving". The same descent runs on each step alone, so
 transient and moving stragglers show in ``per_step``.
 """
