@@ -183,3 +183,13 @@ def test_weak_outer_signal_is_recovered_group_by_group():
     by_level = {lv.level: lv for lv in loc.levels}
     assert by_level["dp"].verdict == "none" and by_level["pp"].verdict == "none"
     assert by_level["cp"].verdict == "culprit" and by_level["cp"].within == {"dp": 1, "pp": 0, "tp": 1}
+
+
+def test_last_open_coordinate_resolved_by_lateness_in_own_groups():
+    # the pipeline level cannot tell the stage of a 5% straggler in 5% jitter; among the two
+    # remaining ranks (one per stage) the one late in its own TP/CP groups is the culprit
+    _, d = run(Faults(slow_rank=0, slow_factor=1.05), seed=300, noise=0.05, steps=16)
+    loc = d.localization
+    assert loc.verdict == "straggler" and loc.culprit_rank == 0
+    pp = next(lv for lv in loc.levels if lv.level == "pp")
+    assert pp.basis == "own-groups" and pp.chosen == 0 and pp.within == {"dp": 0, "cp": 0, "tp": 0}

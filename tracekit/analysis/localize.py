@@ -9,7 +9,8 @@ At each level the member with the highest score is kept if it stands out beyond 
 rises with the number of members competing) and persists across steps; if nothing stands out over
 the whole range, the level is searched one group (combination of open outer coordinates) at a time,
 and a clear culprit there fixes those coordinates too; otherwise the level stays open (and is
-revisited, group by group, once inner levels have narrowed the range). An outer level whose top
+revisited, group by group, once inner levels have narrowed the range; a last open coordinate is
+resolved by each remaining rank's lateness in its own inner groups). An outer level whose top
 member changes from step to step (data imbalance) ends the search with "moving". The same descent runs on each step alone, so
 transient and moving stragglers show in ``per_step``.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import polars as pl
@@ -46,6 +47,9 @@ class LevelFinding:
     steps_agree: int  # steps whose top member is the chosen one
     verdict: str  # culprit | none | moving | skipped (size 1 or no data)
     within: dict[str, int] = field(default_factory=dict)  # the coordinates fixed when this level searched
+    # what the scores are: waits in this level's groups (collectives / p2p), or, for the last open
+    # coordinate, each candidate rank's lateness in its own inner groups ("own-groups")
+    basis: str = "groups"
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -179,6 +183,7 @@ def localize(tables: RunTables, tunables: Tunables = Tunables()) -> Localization
             rng.update(finding.within)
             rng[level] = finding.chosen
     _revisit_open(levels, scores, coords, rng, lay, step_ns, tunables)
+    _resolve_last_open(levels, scores, rng, lay, step_ns, tunables)
     per_step = _per_step(scores, coords, lay, step_ns, tunables)
     return _conclude(lay, rng, levels, step_ns, per_step, tunables)
 
@@ -200,6 +205,34 @@ def _revisit_open(levels: list[LevelFinding], scores, coords, rng: dict[str, int
             levels[i] = again
             rng.update(again.within)
             rng[level] = again.chosen
+
+
+def _resolve_last_open(levels: list[LevelFinding], scores: dict[str, pl.DataFrame], rng: dict[str, int], lay,
+                       step_ns: float, tun: Tunables) -> None:
+    """When every coordinate but one is narrowed, the few remaining ranks (e.g. one per stage) sit
+    in different groups at the inner levels; the one that is late in its *own* groups (its summed
+    collective scores) is the culprit, if it stands out."""
+    open_dims = [d for d in OUTER_TO_INNER if d not in rng]
+    if len(open_dims) != 1 or any(lv.verdict == "moving" for lv in levels):
+        return
+    dim = open_dims[0]
+    ranks = [lay.rank_of(**{**rng, dim: v}) for v in range(getattr(lay, dim))]
+    inner = [scores[lv].select("step", "rank", "score") for lv in COLLECTIVE_LEVELS if lv != dim and getattr(lay, lv) > 1]
+    if not inner:
+        return
+    own = pl.concat(inner).filter(pl.col("rank").is_in(ranks)).group_by("step", "rank").agg(pl.col("score").sum())
+    if not own.height:
+        return
+    steps = sorted(own["step"].unique().to_list())
+    pos, col = {t: i for i, t in enumerate(steps)}, {r: v for v, r in enumerate(ranks)}
+    mat = np.zeros((len(steps), len(ranks)))
+    for t, r, v in own.iter_rows():
+        mat[pos[t], col[r]] = v
+    found = _evaluate(dim, mat, step_ns, tun, tun.effect_min_frac, {d: v for d, v in rng.items()})
+    if found.verdict == "culprit":
+        i = next(i for i, lv in enumerate(levels) if lv.level == dim)
+        levels[i] = replace(found, basis="own-groups")
+        rng[dim] = found.chosen
 
 
 def _search_open(level: str, scores: pl.DataFrame, coords: pl.DataFrame, rng: dict[str, int], lay,
