@@ -11,8 +11,9 @@ the whole range, the level is searched one group (combination of open outer coor
 and a clear culprit there fixes those coordinates too; otherwise the level stays open (and is
 revisited, group by group, once inner levels have narrowed the range; a last open coordinate is
 resolved by each remaining rank's lateness in its own inner groups). An outer level whose top
-member changes from step to step (data imbalance) ends the search with "moving". The same descent runs on each step alone, so
-transient and moving stragglers show in ``per_step``.
+member changes from step to step (data imbalance) ends the search with "moving". A plain descent
+(no group search) also runs on each step alone, so transient and moving stragglers show in
+``per_step``.
 """
 
 from __future__ import annotations
@@ -264,7 +265,7 @@ def _search_groups(level: str, scores: pl.DataFrame, coords: pl.DataFrame, rng: 
 
 
 def _per_step(scores, coords, lay, step_ns: float, tun: Tunables) -> pl.DataFrame:
-    """The same descent on each step alone (a level stays open when nothing stands out)."""
+    """A plain descent on each step alone (a level stays open when nothing stands out)."""
     all_steps = sorted(set().union(*[set(s["step"].unique().to_list()) for s in scores.values()]))
     rows = []
     for t in all_steps:
