@@ -156,6 +156,13 @@ def test_no_cross_rank_records_is_no_data():
     assert d.cause.kind == "insufficient_data"
 
 
+def test_group_dimension_named_from_members_when_not_recorded():
+    job = make_job(LAYOUT, faults=Faults(slow_rank=11, slow_factor=1.2), seed=11)
+    job["groups"] = job["groups"].with_columns(pl.lit(None, dtype=pl.Utf8).alias("dim"))
+    d = diagnose(RunTables.from_mapping(job))
+    assert d.localization.verdict == "straggler" and d.localization.culprit_rank == 11
+
+
 def test_localizes_without_groups_table_steps_or_microbatches():
     # sparse ingest: no groups table, no step spans, no micro-batch on p2p records, steps unknown
     job = make_job(LAYOUT, faults=Faults(slow_rank=6, slow_factor=1.2), seed=6)

@@ -116,7 +116,8 @@ def match_collectives(tables: RunTables, offsets: pl.DataFrame | None = None) ->
     group_size, n_members, complete, last_arrival_ns, wait_ns,
     transfer_ns, is_last (the member everyone waited on), dim (the group's dimension).
     Single-member groups are dropped: nobody waits in them. A group missing from the ``groups``
-    table gets its membership from the ranks that recorded it and its dimension from the layout.
+    table gets its membership from the ranks that recorded it, and a group without a recorded
+    ``dim`` its dimension from its members and the layout.
     """
     coll = tables.collectives.with_columns(pl.col("rank").cast(pl.Int32))
     if offsets is None and tables.ranks["clock_offset_ns"].drop_nulls().len():
@@ -126,7 +127,13 @@ def match_collectives(tables: RunTables, offsets: pl.DataFrame | None = None) ->
         coll = coll.join(offsets.select("rank", "offset_ns"), on="rank", how="left").with_columns(
             pl.col("offset_ns").fill_null(0))
         coll = coll.with_columns(pl.col("start_ns") - pl.col("offset_ns"), pl.col("end_ns") - pl.col("offset_ns"))
-    groups = tables.groups.select("pg_name", pl.col("size").alias("group_size"), "dim").unique("pg_name")
+    groups = tables.groups.select("pg_name", pl.col("size").alias("group_size"), "dim", "ranks").unique("pg_name")
+    if groups["dim"].null_count():  # dimension not recorded: name it from the members and the layout
+        lay = tables.layout
+        groups = groups.with_columns(pl.when(pl.col("dim").is_null()).then(
+            pl.col("ranks").map_elements(lambda r: lay.dim_of(list(r)) or "other", return_dtype=pl.Utf8))
+            .otherwise(pl.col("dim")).alias("dim"))
+    groups = groups.with_columns(pl.coalesce("group_size", pl.col("ranks").list.len()).cast(pl.Int32)).drop("ranks")
     unknown = coll.filter(~pl.col("pg_name").is_in(groups["pg_name"].implode())).group_by("pg_name").agg(
         pl.col("rank").unique().sort())
     if unknown.height:  # groups the groups table lacks: membership and dimension from the records
@@ -134,7 +141,7 @@ def match_collectives(tables: RunTables, offsets: pl.DataFrame | None = None) ->
         inferred = pl.DataFrame(
             [(g, len(r), lay.dim_of(r) or "other") for g, r in unknown.iter_rows()],
             schema={"pg_name": pl.Utf8, "group_size": pl.Int32, "dim": pl.Utf8}, orient="row")
-        groups = pl.concat([groups.with_columns(pl.col("group_size").cast(pl.Int32)), inferred])
+        groups = pl.concat([groups, inferred])
     m = coll.select("pg_name", "seq", "op", "step", "rank", "start_ns", "end_ns").join(
         groups, on="pg_name", how="left")
     key = ["pg_name", "seq"]
