@@ -1,0 +1,101 @@
+"""The analyses on ByteDance's real what-if-analysis traces, checked against their published results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tracekit.analysis.collectives import align_clocks
+from tracekit.analysis.rootcause import diagnose
+from tracekit.analysis.tables import RunTables
+from tracekit.ingest.optable import read_optable
+
+WIA = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "real" / "wia"
+pytestmark = pytest.mark.skipif(not (WIA / "AR").is_dir(), reason=f"real WIA traces not found at {WIA}")
+
+
+def load(trial: str):
+    tables = RunTables.from_mapping(read_optable(WIA / trial / f"trace-{trial}.parquet", run_id=trial))
+    published = json.loads((WIA / trial / f"result-{trial}.json").read_text())
+    return tables, diagnose(tables), published
+
+
+def _argmax(d: dict) -> str:
+    return max(d, key=d.get)
+
+
+def test_ar_names_the_slowed_worker_as_a_worker_issue():
+    tables, d, pub = load("AR")
+    loc = d.localization
+    assert loc.verdict == "straggler"
+    assert loc.coords == {"dp": 0, "pp": 0, "cp": 0, "tp": 0}
+    assert tables.manifest["trace_rank"][str(loc.culprit_rank)] == 0  # the trace's own rank 0
+    # the published what-if analysis blames the same dp rank and stage
+    assert _argmax(pub["blocking_decompose_by_dp_rank"]) == "0"
+    assert _argmax(pub["blocking_decompose_by_stage"]) == "0"
+    # every step names it on its own, with a wide margin
+    assert loc.per_step["culprit_rank"].to_list() == [0] * loc.per_step.height == [0] * 44
+    assert loc.confidence > 0.9
+    assert d.cause.kind == "slow_compute" and d.cause.category == "worker"
+    assert d.cause.evidence["compute_ratio"] == pytest.approx(2.36, abs=0.05)
+    assert d.headline.startswith("rank 0 (dp 0, pp 0, cp 0, tp 0) is the straggler (confidence 1.00); cause: slow_compute")
+
+
+def test_st_names_the_last_stage_as_stage_imbalance():
+    tables, d, pub = load("ST")
+    loc = d.localization
+    assert loc.verdict == "stage" and loc.culprit_rank is None
+    assert loc.coords == {"pp": 3}  # the last stage, in every replica
+    assert _argmax(pub["blocking_decompose_by_stage"]) == "3"
+    assert next(lv for lv in loc.levels if lv.level == "dp").verdict == "none"
+    assert d.cause.kind == "stage_imbalance" and d.cause.category == "pipeline"
+    assert d.cause.evidence["stage_compute_ratio"] > 1.5
+
+
+def test_se_reports_data_imbalance_without_a_single_culprit():
+    tables, d, pub = load("SE")
+    loc = d.localization
+    assert loc.verdict == "moving" and loc.culprit_rank is None and loc.culprit_ranks == ()
+    dp = next(lv for lv in loc.levels if lv.level == "dp")
+    assert dp.verdict == "moving" and dp.steps_agree < dp.steps_total / 4
+    # the slowest replica moves: many different ones over the steps
+    assert loc.per_step["dp"].drop_nulls().n_unique() >= 10
+    # published: removing any single worker's slowness barely helps (Mw ~ 0.03)
+    assert json.loads((WIA / "SE" / "mw-SE.json").read_text())["Mw"] < 0.05
+    assert d.cause.kind == "data_imbalance" and d.cause.ranks == ()
+    assert d.cause.evidence["imbalance_degree"] > 1.1
+    blob = json.loads(json.dumps(d.to_dict()))
+    assert blob["cause"]["category"] == "data"
+
+
+def test_op_table_clocks_are_already_shared():
+    tables, _, _ = load("ST")
+    a = align_clocks(tables)
+    # the op tables share one clock per step: estimated offsets stay far below a step (2.2 s)
+    assert a.clock_domains == 1
+    assert a.offsets["offset_ns"].abs().max() < 1_000_000
+
+
+def test_same_answer_from_a_duckdb_store(tmp_path):
+    import duckdb
+
+    from tracekit import schema
+    from tracekit.analysis.tables import TablesError
+
+    frames = read_optable(WIA / "ST" / "trace-ST.parquet", run_id="st")
+    con = duckdb.connect(str(tmp_path / "store.duckdb"))
+    for name, df in frames.items():
+        con.execute(schema.create_sql(name))
+        con.register("frame", df.to_arrow())
+        con.execute(f"INSERT INTO {name} SELECT * FROM frame")
+        con.unregister("frame")
+    con.close()
+    con = duckdb.connect(str(tmp_path / "store.duckdb"), read_only=True)
+    tables = RunTables.from_duckdb(con, "st")
+    assert tables.events.height == 6784 and tables.groups["ranks"][0].to_list() == [0, 4]
+    d = diagnose(tables)
+    assert (d.localization.verdict, d.localization.coords, d.cause.kind) == ("stage", {"pp": 3}, "stage_imbalance")
+    with pytest.raises(TablesError, match="not found"):
+        RunTables.from_duckdb(con, "other-run")

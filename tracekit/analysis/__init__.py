@@ -1,0 +1,1 @@
+"""Analyses over one run's store tables: each takes a ``RunTables`` and returns data."""

@@ -1,0 +1,322 @@
+"""Why is the culprit slow? Open its own timeline and compare it with its peers (ALGORITHMS.md).
+
+Causes, checked in this order on the culprit found by ``localize``:
+- slow_link: transfers (time from both sides being ready to completion) in a p2p pair or a group
+  that take far longer than the same kind elsewhere, while the compute is normal;
+- slow_compute (a worker issue): forward/backward compute slower than the peers at the same
+  position (same pp/cp/tp in other replicas) by a uniform factor;
+- data_imbalance: the extra compute is uneven across micro-batches, follows the attention work
+  (sum of len^2 over documents) where it is known, or the slowest member moves from step to step;
+- cpu_bound: time neither computing nor communicating (launch gaps) well above the peers';
+- stage_imbalance: a pipeline stage does more compute than the others, in every replica.
+All thresholds live in ``Tunables``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import polars as pl
+
+from tracekit.analysis.collectives import match_collectives
+from tracekit.analysis.localize import Localization, localize
+from tracekit.analysis.tables import RunTables, compute_events
+from tracekit.analysis.tunables import Tunables
+
+CATEGORY = {"slow_compute": "worker", "cpu_bound": "worker", "slow_link": "link", "data_imbalance": "data",
+            "stage_imbalance": "pipeline", "unexplained": "unknown", "none": "none", "insufficient_data": "none"}
+
+
+@dataclass(frozen=True)
+class Cause:
+    # slow_compute | cpu_bound | slow_link | data_imbalance | stage_imbalance | unexplained | none |
+    # insufficient_data
+    kind: str
+    ranks: tuple[int, ...]  # the rank(s) or link end points the cause is about
+    summary: str
+    evidence: dict[str, float | int | str | None] = field(default_factory=dict)
+
+    @property
+    def category(self) -> str:  # worker | link | data | pipeline | unknown | none
+        return CATEGORY[self.kind]
+
+    def to_dict(self) -> dict:
+        evidence = {k: None if isinstance(v, float) and v != v else v for k, v in self.evidence.items()}  # NaN -> null
+        return {**asdict(self), "evidence": evidence, "category": self.category}
+
+
+def attention_work(doc_lengths: list[int]) -> int:
+    """Causal attention work of a packed sequence: sum over documents of len^2 (WLB-LLM)."""
+    return int(sum(n * n for n in doc_lengths))
+
+
+def rank_step_metrics(tables: RunTables) -> pl.DataFrame:
+    """Per (rank, step): compute_ns, busy_ns (union of compute and communication), step_ns, gap_ns."""
+    comp = compute_events(tables.events)
+    compute = comp.group_by("rank", "step").agg(pl.col("dur_ns").sum().alias("compute_ns"))
+    spans = pl.concat([
+        comp.select("rank", "step", pl.col("ts_ns").alias("s"), (pl.col("ts_ns") + pl.col("dur_ns")).alias("e")),
+        tables.collectives.select("rank", "step", pl.col("start_ns").alias("s"), pl.col("end_ns").alias("e")),
+        tables.p2p.select("rank", "step", pl.col("start_ns").alias("s"), pl.col("end_ns").alias("e")),
+    ], how="vertical_relaxed").with_columns(pl.col("rank").cast(pl.Int32), pl.col("step").cast(pl.Int64))
+    spans = spans.sort("rank", "step", "s").with_columns(
+        pl.col("e").cum_max().shift(1).over("rank", "step").alias("prev"))
+    busy = spans.with_columns(
+        (pl.col("e") - pl.max_horizontal("s", pl.col("prev").fill_null(pl.col("s")))).clip(lower_bound=0).alias("c")
+    ).group_by("rank", "step").agg(pl.col("c").sum().alias("busy_ns"))
+    if tables.steps.height:
+        steps = tables.steps.select(pl.col("rank").cast(pl.Int32), pl.col("step").cast(pl.Int64),
+                                    (pl.col("end_ns") - pl.col("start_ns")).alias("step_ns"))
+    else:  # no step spans recorded: a step lasts from its rank's first to last recorded activity
+        steps = spans.group_by("rank", "step").agg((pl.col("e").max() - pl.col("s").min()).alias("step_ns"))
+    out = steps.join(busy, on=["rank", "step"], how="left").join(
+        compute.with_columns(pl.col("rank").cast(pl.Int32), pl.col("step").cast(pl.Int64)),
+        on=["rank", "step"], how="left")
+    return out.with_columns(pl.col("compute_ns").fill_null(0), pl.col("busy_ns").fill_null(0)).with_columns(
+        (pl.col("step_ns") - pl.col("busy_ns")).clip(lower_bound=0).alias("gap_ns"))
+
+
+def link_transfers(tables: RunTables) -> pl.DataFrame:
+    """Median transfer time per link: p2p pairs (src, dst) and collective groups.
+
+    Columns: link ("p2p" | "group"), name, ranks (list), kind (what it is compared with),
+    transfer_ns (median), ratio (to the median of its kind).
+    """
+    p2p = tables.p2p
+    parts = []
+    if p2p.height:
+        send = p2p.filter(pl.col("direction") == "send").select(
+            pl.col("rank").alias("src"), pl.col("peer").alias("dst"), "pg_name", "seq", pl.col("start_ns").alias("s0"))
+        recv = p2p.filter(pl.col("direction") == "recv").select(
+            pl.col("peer").alias("src"), pl.col("rank").alias("dst"), "pg_name", "seq",
+            pl.col("start_ns").alias("r0"), pl.col("end_ns").alias("r1"))
+        pairs = send.join(recv, on=["src", "dst", "pg_name", "seq"]).with_columns(
+            (pl.col("r1") - pl.max_horizontal("s0", "r0")).clip(lower_bound=0).alias("t"))
+        parts.append(pairs.group_by("src", "dst").agg(pl.col("t").median().alias("transfer_ns")).select(
+            pl.lit("p2p").alias("link"), pl.format("{}->{}", "src", "dst").alias("name"),
+            pl.concat_list("src", "dst").cast(pl.List(pl.Int32)).alias("ranks"), pl.lit("p2p").alias("kind"),
+            pl.col("transfer_ns").cast(pl.Float64)))
+    m = match_collectives(tables)
+    if m.height:
+        g = m.group_by("pg_name").agg(pl.col("transfer_ns").median().cast(pl.Float64), pl.col("dim").first(),
+                                      pl.col("op").mode().first(),
+                                      pl.col("rank").unique().sort().cast(pl.Int32).alias("ranks"))
+        parts.append(g.select(pl.lit("group").alias("link"), pl.col("pg_name").alias("name"), "ranks",
+                              pl.format("{}:{}", "dim", "op").alias("kind"), "transfer_ns"))
+    if not parts:
+        return pl.DataFrame(schema={"link": pl.Utf8, "name": pl.Utf8, "ranks": pl.List(pl.Int32), "kind": pl.Utf8,
+                                    "transfer_ns": pl.Float64, "ratio": pl.Float64})
+    out = pl.concat(parts)
+    return out.with_columns((pl.col("transfer_ns") / pl.col("transfer_ns").median().over("kind")).alias("ratio"))
+
+
+def _peers(tables: RunTables, rank: int) -> list[int]:
+    """Ranks at the same position: same pp/cp/tp in other replicas (or, with dp = 1, the other
+    TP/CP ranks of the same stage)."""
+    lay = tables.layout
+    dims = "dp" if lay.dp > 1 else ("cp", "tp")
+    return [r for r in lay.group(rank, dims) if r != rank]
+
+
+def _ratio_to_peers(metrics: pl.DataFrame, rank: int, peers: list[int], col: str, steps=None) -> float:
+    m = metrics if steps is None else metrics.filter(pl.col("step").is_in(steps))
+    own = m.filter(pl.col("rank") == rank).select("step", pl.col(col).alias("own"))
+    ref = m.filter(pl.col("rank").is_in(peers)).group_by("step").agg(pl.col(col).median().alias("ref"))
+    j = own.join(ref, on="step").filter(pl.col("ref") > 0)
+    return float((j["own"] / j["ref"]).median()) if j.height else float("nan")
+
+
+def _microbatch_cv(tables: RunTables, rank: int, peers: list[int], steps=None) -> tuple[float, float]:
+    """How uneven the rank's micro-batches are: the coefficient of variation of its per-micro-batch
+    compute within a step and phase (median over those), and the same for its peers. A slow device
+    slows every micro-batch alike; more work (longer documents) lands on some micro-batches only."""
+    comp = compute_events(tables.events).filter(pl.col("microbatch").is_not_null())
+    if steps is not None:
+        comp = comp.filter(pl.col("step").is_in(steps))
+    per = (comp.filter(pl.col("rank").is_in([rank, *peers]))
+           .group_by("rank", "step", "phase", "microbatch").agg(pl.col("dur_ns").sum()))
+    cv = (per.group_by("rank", "step", "phase").agg((pl.col("dur_ns").std() / pl.col("dur_ns").mean()).alias("cv"))
+          .drop_nulls("cv").group_by("rank").agg(pl.col("cv").median()))
+    own = cv.filter(pl.col("rank") == rank)["cv"]
+    noise = cv.filter(pl.col("rank") != rank)["cv"].median()
+    return (float(own[0]) if own.len() else float("nan")), (float(noise) if noise is not None else float("nan"))
+
+
+def _stage_ratio(metrics: pl.DataFrame, tables: RunTables, stage: int) -> float:
+    """A stage's median compute over the median stage's (per step, median over its ranks)."""
+    co = tables.coords().select("rank", "pp")
+    per = metrics.join(co, on="rank").group_by("step", "pp").agg(pl.col("compute_ns").median())
+    med = per.group_by("step").agg(pl.col("compute_ns").median().alias("mid"))
+    own = per.filter(pl.col("pp") == stage).join(med, on="step").filter(pl.col("mid") > 0)
+    return float((own["compute_ns"] / own["mid"]).median()) if own.height else float("nan")
+
+
+def _worst_link(links: pl.DataFrame, ranks: set[int], both: bool) -> dict | None:
+    if not links.height:
+        return None
+    hit = links.filter(pl.col("ranks").list.eval(pl.element().is_in(list(ranks))).list.sum()
+                       >= (pl.col("ranks").list.len() if both else 1))
+    hit = hit.filter(pl.col("ranks").list.len() >= 2).sort("ratio", descending=True)
+    return hit.row(0, named=True) if hit.height else None
+
+
+def explain(tables: RunTables, loc: Localization, tunables: Tunables = Tunables(),
+            work: pl.DataFrame | None = None) -> Cause:
+    """The cause behind a localization. ``work`` (rank, step, work) is optional attention work
+    per rank and step (e.g. ``attention_work`` of the documents it processed)."""
+    tun = tunables
+    metrics = rank_step_metrics(tables)
+    links = link_transfers(tables)
+    step_ns = loc.step_time_ns or 1.0
+    if loc.verdict in ("straggler", "transient"):
+        return _explain_rank(tables, loc, metrics, links, tun, step_ns, work)
+    if loc.verdict == "stage":
+        stage = loc.coords["pp"]
+        ratio = _stage_ratio(metrics, tables, stage)
+        ev = {"stage": stage, "stage_compute_ratio": ratio}
+        if ratio >= tun.stage_compute_ratio:
+            return Cause("stage_imbalance", loc.culprit_ranks,
+                         f"pipeline stage {stage} computes {ratio:.2f}x the median stage in every replica", ev)
+        link = _worst_link(links, set(loc.culprit_ranks), both=False)
+        if link and link["ratio"] >= tun.slow_link_ratio:
+            return Cause("slow_link", tuple(link["ranks"]), f"slow link {link['name']} ({link['ratio']:.1f}x)", ev)
+        return Cause("unexplained", loc.culprit_ranks, f"stage {stage} holds the pipeline back; compute is normal", ev)
+    if loc.verdict == "group":
+        link = _worst_link(links, set(loc.culprit_ranks), both=True)
+        if link and link["ratio"] >= tun.slow_link_ratio:
+            return Cause("slow_link", tuple(link["ranks"]),
+                         f"slow link {link['name']}: transfers {link['ratio']:.1f}x the same kind elsewhere",
+                         {"link": link["name"], "transfer_ns": link["transfer_ns"], "ratio": link["ratio"]})
+        ratios = {r: _ratio_to_peers(metrics, r, _peers(tables, r), "compute_ns") for r in loc.culprit_ranks}
+        ratios = {r: v for r, v in ratios.items() if v == v}  # drop NaN (no peers)
+        worst = max(ratios, key=lambda r: ratios[r]) if ratios else None
+        if worst is not None and ratios[worst] >= tun.slow_compute_ratio:
+            return Cause("slow_compute", (worst,), f"rank {worst} computes {ratios[worst]:.2f}x its peers",
+                         {"compute_ratio": ratios[worst]})
+        return Cause("unexplained", loc.culprit_ranks,
+                     "these ranks are late together; no link or compute explains it", {})
+    if loc.verdict == "moving":
+        return _explain_moving(tables, loc, metrics, tun, work)
+    if loc.verdict == "no_data":
+        return Cause("insufficient_data", (), "no collectives across ranks and no p2p records: nothing to compare", {})
+    link = links.sort("ratio", descending=True).row(0, named=True) if links.height else None
+    if link and link["ratio"] >= tun.slow_link_ratio:
+        return Cause("slow_link", tuple(link["ranks"]), f"no rank is late, but link {link['name']} is slow "
+                     f"({link['ratio']:.1f}x the same kind)", {"link": link["name"], "ratio": link["ratio"]})
+    return Cause("none", (), "no straggler: no rank, stage or link stands out beyond noise", {})
+
+
+def _explain_rank(tables, loc, metrics, links, tun: Tunables, step_ns: float, work) -> Cause:
+    r = loc.culprit_rank
+    steps = None
+    if loc.verdict == "transient":
+        steps = loc.per_step.filter(pl.col("culprit_rank") == r)["step"].to_list()
+    peers = _peers(tables, r)
+    compute_ratio = _ratio_to_peers(metrics, r, peers, "compute_ns", steps)
+    m = metrics if steps is None else metrics.filter(pl.col("step").is_in(steps))
+    own_gap = m.filter(pl.col("rank") == r)["gap_ns"].median() or 0.0
+    peer_gap = m.filter(pl.col("rank").is_in(peers))["gap_ns"].median() or 0.0
+    gap_excess = (own_gap - peer_gap) / step_ns
+    cv, cv_peers = _microbatch_cv(tables, r, peers, steps)
+    stage = tables.layout.coords(r).pp
+    stage_ratio = _stage_ratio(metrics, tables, stage)
+    link = _worst_link(links, {r}, both=False)
+    ev = {"compute_ratio": compute_ratio, "microbatch_cv": cv, "peers_microbatch_cv": cv_peers,
+          "gap_excess_frac": gap_excess,
+          "stage_compute_ratio": stage_ratio, "peers": len(peers),
+          "worst_link": link["name"] if link else None, "worst_link_ratio": link["ratio"] if link else None}
+    work_ratio = _work_ratio(work, r, peers, steps) if work is not None else None
+    ev["work_ratio"] = work_ratio
+    slow = compute_ratio >= tun.slow_compute_ratio
+    if link and link["ratio"] >= tun.slow_link_ratio and not slow:
+        return Cause("slow_link", tuple(link["ranks"]), f"rank {r} arrives on time but its link {link['name']} "
+                     f"transfers {link['ratio']:.1f}x slower than the same kind elsewhere", ev)
+    if slow:
+        if work_ratio is not None and work_ratio - 1 >= tun.work_explains_share * (compute_ratio - 1):
+            return Cause("data_imbalance", (r,), f"rank {r} had {work_ratio:.2f}x the attention work of its peers "
+                         f"(compute {compute_ratio:.2f}x)", ev)
+        if cv == cv and cv - (cv_peers if cv_peers == cv_peers else 0.0) >= tun.data_cv_min:
+            return Cause("data_imbalance", (r,), f"rank {r} computes {compute_ratio:.2f}x its peers, unevenly "
+                         f"across micro-batches (cv {cv:.2f}): more work, not a slower device", ev)
+        return Cause("slow_compute", (r,), f"rank {r} computes {compute_ratio:.2f}x its {len(peers)} peers at the "
+                     "same position, uniformly: a slow worker", ev)
+    if gap_excess >= tun.cpu_gap_frac:
+        return Cause("cpu_bound", (r,), f"rank {r} idles {gap_excess:.1%} of the step between ops more than its "
+                     "peers (CPU launch gaps)", ev)
+    if stage_ratio >= tun.stage_compute_ratio:
+        return Cause("stage_imbalance", (r,),
+                     f"rank {r}'s stage {stage} computes {stage_ratio:.2f}x the median stage", ev)
+    return Cause("unexplained", (r,), f"rank {r} is late but its compute, gaps and links look normal", ev)
+
+
+def _work_ratio(work: pl.DataFrame, rank: int, peers: list[int], steps) -> float | None:
+    w = work.group_by("rank", "step").agg(pl.col("work").sum())
+    if steps is not None:
+        w = w.filter(pl.col("step").is_in(steps))
+    own = w.filter(pl.col("rank") == rank).select("step", pl.col("work").alias("own"))
+    ref = w.filter(pl.col("rank").is_in(peers)).group_by("step").agg(pl.col("work").median().alias("ref"))
+    j = own.join(ref, on="step").filter(pl.col("ref") > 0)
+    return float((j["own"] / j["ref"]).median()) if j.height else None
+
+
+def _explain_moving(tables, loc, metrics, tun: Tunables, work) -> Cause:
+    """The slowest member changes from step to step: is the late member the one with more work?"""
+    level = next(lv.level for lv in loc.levels if lv.verdict == "moving")
+    co = tables.coords()
+    pos = [d for d in ("dp", "pp", "cp", "tp") if d != level]
+    m = metrics.join(co, on="rank").with_columns(
+        (pl.col("compute_ns") / pl.col("compute_ns").mean().over("step", *pos)).alias("rel"))
+    degree = float(m.group_by("step", *pos).agg(pl.col("rel").max())["rel"].median())
+    hits = loc.per_step.filter(pl.col(level).is_not_null())
+    explained = 0
+    for step, member in hits.select("step", level).iter_rows():
+        rel = m.filter((pl.col("step") == step) & (pl.col(level) == member))["rel"].mean()
+        explained += int(rel is not None and rel >= tun.slow_compute_ratio)
+    distinct = hits[level].n_unique() if hits.height else 0
+    ev = {"level": level, "imbalance_degree": degree, "steps_with_standout": hits.height,
+          "explained_by_compute": explained, "distinct_slowest": distinct}
+    if work is not None:
+        j = work.group_by("rank", "step").agg(pl.col("work").sum()).join(metrics, on=["rank", "step"])
+        ev["work_compute_corr"] = float(np.corrcoef(j["work"], j["compute_ns"])[0, 1]) if j.height > 2 else None
+    what = {"dp": "replica", "pp": "stage", "cp": "CP rank", "tp": "TP rank"}[level]
+    if hits.height and explained / hits.height >= tun.moving_explained_min:
+        return Cause("data_imbalance", (), f"the slowest {what} changes from step to step ({distinct} different) "
+                     f"and is the one with more compute in {explained}/{hits.height} steps; "
+                     f"imbalance degree (max/mean compute) {degree:.2f}: data imbalance, no single culprit", ev)
+    return Cause("unexplained", (), f"the slowest {what} moves from step to step ({distinct} different) "
+                 "without more compute", ev)
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """Localization and cause together: what `tracekit stragglers` renders."""
+
+    localization: Localization
+    cause: Cause
+
+    @property
+    def headline(self) -> str:
+        """One line for humans: who, how sure, and why."""
+        loc = self.localization
+        where = ", ".join(f"{d} {v}" for d, v in loc.coords.items())
+        who = {
+            "straggler": f"rank {loc.culprit_rank} ({where}) is the straggler",
+            "transient": f"rank {loc.culprit_rank} ({where}) is a transient straggler "
+                         f"({loc.per_step['culprit_rank'].to_list().count(loc.culprit_rank)} steps)",
+            "group": f"ranks {list(loc.culprit_ranks)} ({where}) are late together",
+            "stage": f"pipeline stage {loc.coords.get('pp')} holds every replica back",
+            "moving": "the slowest member moves from step to step",
+            "no_straggler": "no straggler",
+            "no_data": "not enough cross-rank records to localize",
+        }[loc.verdict]
+        return f"{who} (confidence {loc.confidence:.2f}); cause: {self.cause.kind}: {self.cause.summary}"
+
+    def to_dict(self) -> dict:
+        return {"headline": self.headline, "localization": self.localization.to_dict(), "cause": self.cause.to_dict()}
+
+
+def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFrame | None = None) -> Diagnosis:
+    """Which rank made this job slow, and why."""
+    loc = localize(tables, tunables)
+    return Diagnosis(loc, explain(tables, loc, tunables, work))

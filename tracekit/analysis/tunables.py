@@ -1,0 +1,53 @@
+"""Every threshold the straggler analyses use, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Tunables:
+    # A member stands out at a level when its score beats the healthy peers' median by this many
+    # noise units (robust spread of the others, floored below) ...
+    margin_min: float = 4.0
+    # ... the noise unit is never taken below this fraction of the median step time ...
+    noise_floor_frac: float = 0.001
+    # ... and its lateness is at least this fraction of the step time (smaller costs nothing).
+    effect_min_frac: float = 0.005
+    # The largest of many noisy scores is large by chance: with n members competing for the top
+    # (all candidates of all groups searched), the bar is margin_min + this * ln(n / 2). A level
+    # that shows nothing over its whole range is also searched group by group (each combination
+    # of the open outer coordinates), which counts every group's members.
+    margin_per_log: float = 1.5
+    # A culprit must be the top member in at least this share of all steps, or of the steps in
+    # which the level stands out.
+    persist_min: float = 0.6
+    # "Moving" straggler: a standout in at least this share of steps, but not the same member;
+    # it is data imbalance when the late member had more compute in this share of those steps.
+    moving_min_share: float = 0.5
+    moving_explained_min: float = 0.5
+    # "Transient": nothing persists, but at least two steps name one rank, and it is this share of
+    # all the steps that name a rank.
+    transient_share_min: float = 0.8
+    # Moving and transient stragglers are only reported when their per-step effect (median over
+    # the steps concerned) is at least this share of the step: below it, it is timing noise.
+    episode_effect_min_frac: float = 0.02
+    # A stage across all replicas is only called out above this effect (pipelines are uneven).
+    stage_effect_min_frac: float = 0.05
+    # Cause thresholds: compute slower than same-position peers by this ratio is "slow compute".
+    slow_compute_ratio: float = 1.03
+    # CPU gaps (time neither computing nor communicating) above peers by this share of the step.
+    cpu_gap_frac: float = 0.03
+    # A transfer (end minus last arrival) this many times the same-kind median is a slow link.
+    slow_link_ratio: float = 1.5
+    # Spread (coefficient of variation) of a rank's per-micro-batch compute within a step, above
+    # its peers' spread by this much: the extra compute is uneven work (data), not a slow device.
+    data_cv_min: float = 0.10
+    # A stage whose compute exceeds the median stage's by this ratio is heavier work.
+    stage_compute_ratio: float = 1.15
+    # Known attention work explains extra compute when the work excess is at least this share of
+    # the compute excess (work ratio - 1 >= share * (compute ratio - 1)).
+    work_explains_share: float = 0.5
+
+    def to_dict(self) -> dict:
+        return asdict(self)
