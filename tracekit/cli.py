@@ -14,7 +14,9 @@ from tracekit import __version__
 
 # (module, attribute) of each subcommand, imported lazily so `tracekit --help` stays fast and a
 # broken optional dependency of one command does not take the others down.
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "ingest": ("tracekit.ingest.cli", "ingest_cmd"),
+}
 
 
 class LazyGroup(click.Group):

@@ -53,7 +53,7 @@ def add_groups(con: duckdb.DuckDBPyConnection, run_id: str, groups: list[dict]) 
                         [run_id, g.get("pg_name"), g.get("pg_desc"), ranks, len(ranks)])
 
 
-def _ranges(rs: list[int]) -> str:
+def ranges_text(rs: list[int]) -> str:
     out, i = [], 0
     while i < len(rs):
         j = i
@@ -132,7 +132,7 @@ def finalize(con: duckdb.DuckDBPyConnection, rb: RunBatch) -> dict[tuple[str, st
                 if gone:
                     missing[(rid, fmt)] = gone
                     con.execute("INSERT INTO ingest_log VALUES (?, NULL, ?, NULL, NULL, 'warning', ?, 0, 0, now())",
-                                [rid, fmt, f"ranks missing from {fmt} data: {_ranges(gone)} "
+                                [rid, fmt, f"ranks missing from {fmt} data: {ranges_text(gone)} "
                                            f"({len(gone)} of {world})"])
         con.execute("COMMIT")
     except BaseException:
