@@ -26,6 +26,7 @@ from tracekit.ingest import parse as parse_mod
 from tracekit.ingest import rundir, topo
 from tracekit.ingest.common import IngestError, Parsed
 
+POOL_MIN_BYTES = 32 << 20  # below this, starting worker processes costs more than it saves
 Progress = Callable[[int, int, Path, str], None]  # (done, total, path, status)
 
 # What a re-ingest of a changed file replaces, per format: table -> extra row filter.
@@ -106,7 +107,8 @@ def _outcomes(jobs: list[rundir.Job], known: dict[str, set[str]], workers: int |
     def args(j: rundir.Job) -> tuple:
         return (j.path, j.explicit, frozenset(known.get(j.run_id, ())), reader)
 
-    if n <= 1 or len(jobs) <= 1:
+    small = sum(j.path.stat().st_size for j in jobs) < POOL_MIN_BYTES
+    if n <= 1 or len(jobs) <= 1 or (workers is None and small):
         for j in jobs:
             yield j, parse_mod.run(*args(j))
         return
