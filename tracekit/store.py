@@ -7,11 +7,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import duckdb
-import polars as pl
 
 from tracekit import schema
+
+if TYPE_CHECKING:  # polars is imported by DuckDB's .pl() when a query result is asked for
+    import polars as pl
 
 
 class StoreError(ValueError):

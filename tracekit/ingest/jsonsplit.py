@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 import zlib
 from pathlib import Path
@@ -102,6 +103,37 @@ def _find_array_end(window: bytes) -> int | None:
     return close_at
 
 
+def _copy_stream(src: BinaryIO, dst: BinaryIO, block: bytes, path: Path) -> tuple[int, bytes]:
+    """Copy a decompressing stream; return bytes written (with the '[') and the last window."""
+    window, written = b"", 1
+    while block:
+        dst.write(block)
+        written += len(block)
+        window = block[-TAIL_WINDOW:] if len(block) >= TAIL_WINDOW else (window + block)[-TAIL_WINDOW:]
+        block = _read(src, CHUNK, path)
+    return written, window
+
+
+def _copy_file(src: BinaryIO, dst: BinaryIO, start: int) -> tuple[int, bytes]:
+    """Copy a plain file from ``start`` in the kernel (no Python buffers); same return."""
+    size = os.fstat(src.fileno()).st_size
+    dst.flush()
+    offset, out_fd = start, dst.fileno()
+    while offset < size:
+        try:
+            n = os.copy_file_range(src.fileno(), out_fd, size - offset, offset)
+        except OSError:  # filesystems without it: plain reads
+            src.seek(offset)
+            n = len(block := src.read(min(CHUNK, size - offset)))
+            os.write(out_fd, block)
+        if n == 0:
+            break
+        offset += n
+    dst.seek(0, os.SEEK_END)
+    src.seek(max(start, size - TAIL_WINDOW))
+    return 1 + size - start, src.read()
+
+
 def split_trace(path: Path, events_out: BinaryIO) -> dict:
     """Copy the traceEvents array of ``path`` (as a JSON array) to ``events_out``; return the rest."""
     src = open_stream(path)
@@ -109,7 +141,7 @@ def split_trace(path: Path, events_out: BinaryIO) -> dict:
         head = b""
         start = None
         while start is None:
-            block = _read(src, CHUNK, path)
+            block = _read(src, min(CHUNK, max(1 << 20, len(head))), path)  # the key is usually near the top
             if not block:
                 break
             head += block
@@ -125,14 +157,10 @@ def split_trace(path: Path, events_out: BinaryIO) -> dict:
             )
         prefix = head[:start - 1]
         events_out.write(b"[")
-        block = head[start:]
-        window = b""
-        written = 1
-        while block:
-            events_out.write(block)
-            written += len(block)
-            window = block[-TAIL_WINDOW:] if len(block) >= TAIL_WINDOW else (window + block)[-TAIL_WINDOW:]
-            block = _read(src, CHUNK, path)
+        if isinstance(src, gzip.GzipFile):
+            written, window = _copy_stream(src, events_out, head[start:], path)
+        else:
+            written, window = _copy_file(src, events_out, start)
         end = _find_array_end(window)
         if end is None:
             raise TraceFormatError(f"{path}: truncated or malformed: the traceEvents array is not closed")

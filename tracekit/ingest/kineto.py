@@ -19,6 +19,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import duckdb
 import pyarrow as pa
@@ -61,7 +62,7 @@ def _case(expr: str, mapping: dict, default: str = "NULL") -> str:
 def _connect(tmpdir: str) -> duckdb.DuckDBPyConnection:
     con = duckdb.connect(":memory:", config={"threads": 1, "preserve_insertion_order": False})
     con.execute(f"SET temp_directory='{tmpdir}'")
-    con.execute("SET memory_limit='1GB'")
+    con.execute("SET memory_limit='96MB'")  # spill rather than grow: many of these run at once
     return con
 
 
@@ -87,9 +88,12 @@ def _normalize(con: duckdb.DuckDBPyConnection, array_path: str, meta: dict, path
     cols = "{" + ", ".join(f"{k}: '{v}'" for k, v in COLUMNS.items()) + "}"
     kind = _case("cat", {k: v for k, v in KINDS.items()}, "cat")
     a = "args"
+    # Two streaming passes over the JSON instead of one materialized copy of every event (memory):
+    # pass 1 keeps the few rows that need cross-referencing (steps, launches, comm, tk spans) in x,
+    # pass 2 (_events) streams every event out with its step, joined only against small tables.
     con.execute(f"""
-        CREATE TEMP TABLE x AS SELECT
-            {kind} AS kind, name, tid, pid,
+        CREATE TEMP VIEW src AS SELECT
+            {kind} AS kind, name, tid, TRY_CAST(pid AS BIGINT) AS pid,
             CAST(floor(ts) AS BIGINT) * 1000 + CAST(round((ts - floor(ts)) * 1000) AS BIGINT) + {base} AS ts_ns,
             CAST(round(coalesce(dur, 0) * 1000) AS BIGINT) AS dur_ns,
             TRY_CAST({a}.correlation AS BIGINT) AS correlation,
@@ -99,8 +103,12 @@ def _normalize(con: duckdb.DuckDBPyConnection, array_path: str, meta: dict, path
             greatest(TRY_CAST({a}."In msg nelems" AS BIGINT), TRY_CAST({a}."Out msg nelems" AS BIGINT)) AS nelems,
             {a}.dtype AS dtype,
             coalesce(TRY_CAST({a}."Seq" AS BIGINT), TRY_CAST({a}.seq_num AS BIGINT)) AS seq
-        FROM read_json('{array_path}', format='array', columns={cols}, maximum_object_size=67108864)
+        FROM read_json('{array_path}', format='array', columns={cols}, maximum_object_size=4194304)
         WHERE ph = 'X' AND cat IS DISTINCT FROM 'Trace'
+    """)
+    con.execute(f"""
+        CREATE TEMP TABLE x AS SELECT * FROM src
+        WHERE kind = 'runtime' OR is_comm OR starts_with(name, 'ProfilerStep#') OR starts_with(name, 'tk.')
     """)
     con.execute("""
         CREATE TEMP TABLE steps AS SELECT step, min(ts_ns) AS start_ns, max(ts_ns + dur_ns) AS end_ns
@@ -108,27 +116,23 @@ def _normalize(con: duckdb.DuckDBPyConnection, array_path: str, meta: dict, path
               FROM x WHERE kind IN ('cpu_op', 'user_annotation') AND starts_with(name, 'ProfilerStep#'))
         WHERE step IS NOT NULL GROUP BY step
     """)
-    gpu = "(" + ", ".join(f"'{k}'" for k in GPU_KINDS) + ")"
+    step_of = _step_expr(con)
+    # Step of a GPU event = step of the runtime call that launched it (kernels run after their launch).
     con.execute(f"""
-        CREATE TEMP TABLE ev AS SELECT x.*, CASE WHEN x.ts_ns < s.end_ns THEN s.step END AS tstep
-        FROM x ASOF LEFT JOIN steps s ON x.ts_ns >= s.start_ns
+        CREATE TEMP TABLE rt AS SELECT correlation, min({step_of}) AS step
+        FROM x WHERE kind = 'runtime' AND correlation IS NOT NULL GROUP BY correlation
     """)
-    con.execute("DROP TABLE x")
     _register_annotations(con)
-    con.execute(f"""
-        CREATE TEMP TABLE e AS SELECT ev.*,
-            CASE WHEN ev.kind IN {gpu} THEN coalesce(r.step, ev.tstep) ELSE ev.tstep END AS step
-        FROM ev LEFT JOIN (SELECT correlation, min(tstep) AS step FROM ev
-                           WHERE kind = 'runtime' AND correlation IS NOT NULL GROUP BY correlation) r
-          ON ev.kind IN {gpu} AND ev.correlation = r.correlation
-    """)
-    con.execute("DROP TABLE ev")
     has_ann = con.execute("SELECT count(*) FROM comm_ann").fetchall()[0][0] > 0
+    kop = f"coalesce({classify.sql_normalize_op('coll')}, {classify.sql_kernel_op('name')})"
+    stepped = _stepper(step_of)
+    con.execute(f"CREATE TEMP TABLE ck AS SELECT *, {kop} AS op FROM "
+                + stepped("SELECT * FROM x WHERE kind = 'kernel' AND is_comm"))
     tables = {
-        "events": _events(con),
+        "events": _events(con, stepped),
         "steps": con.sql("SELECT step, start_ns, end_ns FROM steps ORDER BY step").to_arrow_table(),
-        "collectives": _collectives(con, has_ann),
-        "p2p": _p2p(con, has_ann),
+        "collectives": _collectives(con, has_ann, stepped),
+        "p2p": _p2p(con, has_ann, stepped),
     }
     for name, t in tables.items():
         tables[name] = t.cast(arrow_schema(name))
@@ -136,8 +140,8 @@ def _normalize(con: duckdb.DuckDBPyConnection, array_path: str, meta: dict, path
     if not isinstance(info, dict):
         raise IngestError(f"{path}: distributedInfo is not an object")
     pids = [int(p) for (p,) in con.execute(
-        "SELECT DISTINCT TRY_CAST(pid AS BIGINT) FROM e WHERE kind IN ('cpu_op', 'user_annotation') "
-        "AND TRY_CAST(pid AS BIGINT) IS NOT NULL").fetchall()]
+        "SELECT DISTINCT pid FROM x WHERE kind IN ('runtime', 'cpu_op', 'user_annotation') "
+        "AND pid IS NOT NULL").fetchall()]
     return Parsed(
         format="kineto", tables=tables, rank=_int(info.get("rank")), world_size=_int(info.get("world_size")),
         backend=info.get("backend"), groups=_groups(con, info, path), pids=pids,
@@ -154,7 +158,7 @@ def _int(v: object) -> int | None:
 def _register_annotations(con: duckdb.DuckDBPyConnection) -> None:
     """Parse the distinct tk.comm / tk.compute span names with the convention's own parser."""
     names = [n for (n,) in con.execute(
-        f"SELECT DISTINCT name FROM ev WHERE starts_with(name, '{COMM_PREFIX}') "
+        f"SELECT DISTINCT name FROM x WHERE starts_with(name, '{COMM_PREFIX}') "
         f"OR starts_with(name, '{COMPUTE_PREFIX}')").fetchall()]
     comm, comp = [], []
     for n in names:
@@ -182,14 +186,33 @@ def _register_annotations(con: duckdb.DuckDBPyConnection) -> None:
     con.execute("CREATE TEMP TABLE comp_ann AS SELECT * FROM comp_ann_arrow")
 
 
-def _events(con: duckdb.DuckDBPyConnection) -> pa.Table:
-    return con.sql("""
+def _step_expr(con: duckdb.DuckDBPyConnection) -> str:
+    """SQL giving the profiler step whose span contains ``ts_ns`` (steps are few: a CASE, no join)."""
+    spans = con.execute("SELECT step, start_ns, end_ns FROM steps ORDER BY start_ns").fetchall()
+    if not spans:
+        return "CAST(NULL AS INTEGER)"
+    whens = " ".join(f"WHEN ts_ns >= {a} AND ts_ns < {b} THEN {s}" for s, a, b in spans)
+    return f"(CASE {whens} END)"
+
+
+def _stepper(step_of: str) -> Callable[[str], str]:
+    gpu = "(" + ", ".join(f"'{k}'" for k in GPU_KINDS) + ")"
+
+    def stepped(query: str) -> str:
+        """``query``'s rows with their step: by launch for GPU events, else by time."""
+        return f"""(SELECT q.*, CASE WHEN q.kind IN {gpu} AND rt.step IS NOT NULL THEN rt.step
+                                  ELSE {step_of.replace('ts_ns', 'q.ts_ns')} END AS step
+                   FROM ({query}) q LEFT JOIN rt ON q.kind IN {gpu} AND q.correlation = rt.correlation)"""
+    return stepped
+
+
+def _events(con: duckdb.DuckDBPyConnection, stepped: Callable[[str], str]) -> pa.Table:
+    return con.sql(f"""
         SELECT e.ts_ns, e.dur_ns,
                CASE WHEN c.name IS NOT NULL THEN 'compute'
                     WHEN starts_with(e.name, 'tk.comm ') THEN 'comm' ELSE e.kind END AS kind,
                e.name, e.tid, e.step, c.phase, c.vstage, c.mb AS microbatch, e.correlation, e.is_comm
-        FROM e LEFT JOIN comp_ann c ON e.name = c.name
-        ORDER BY e.ts_ns
+        FROM {stepped("SELECT * FROM src")} e LEFT JOIN comp_ann c ON e.name = c.name
     """).to_arrow_table()
 
 
@@ -197,53 +220,51 @@ def _nbytes(nelems: str, dtype: str) -> str:
     return f"{nelems} * {_case(f'lower({dtype})', DTYPE_BYTES)}"
 
 
-def _collectives(con: duckdb.DuckDBPyConnection, has_ann: bool) -> pa.Table:
-    kop = f"coalesce({classify.sql_normalize_op('coll')}, {classify.sql_kernel_op('name')})"
+def _collectives(con: duckdb.DuckDBPyConnection, has_ann: bool, stepped: Callable[[str], str]) -> pa.Table:
     span_op = classify.sql_span_op("name")
     parts = [f"""
         SELECT pg AS pg_name, coalesce(seq, row_number() OVER (PARTITION BY pg ORDER BY ts_ns) - 1) AS seq,
                op, ts_ns AS start_ns, ts_ns + dur_ns AS end_ns, {_nbytes('nelems', 'dtype')} AS nbytes,
                dtype, step, 'kernel' AS source
-        FROM (SELECT *, {kop} AS op FROM e WHERE kind = 'kernel' AND {classify.sql_kernel_op('name')} IS NOT NULL)
-        WHERE NOT {classify.sql_is_p2p('op')}
+        FROM ck WHERE op IS NOT NULL AND NOT {classify.sql_is_p2p('op')}
     """]
     if has_ann:
-        parts.append("""
+        parts.append(f"""
             SELECT a.pg, a.seq, a.op, e.ts_ns, e.ts_ns + e.dur_ns, a.nbytes, a.dtype, e.step, 'annotation'
-            FROM e JOIN comm_ann a ON e.name = a.name WHERE a.peer IS NULL AND a.op NOT IN ('send', 'recv')
+            FROM {stepped("SELECT * FROM x WHERE starts_with(name, 'tk.comm ')")} e JOIN comm_ann a
+              ON e.name = a.name WHERE a.peer IS NULL AND a.op NOT IN ('send', 'recv')
         """)
     else:
         parts.append(f"""
             SELECT NULL, row_number() OVER (PARTITION BY tid ORDER BY ts_ns) - 1, op, ts_ns, ts_ns + dur_ns,
                    NULL, NULL, step, 'gloo'
-            FROM (SELECT *, {span_op} AS op FROM e WHERE starts_with(name, 'gloo:') AND kind = 'user_annotation')
+            FROM (SELECT *, {span_op} AS op FROM {stepped("SELECT * FROM x WHERE is_comm AND starts_with(name, 'gloo:') AND kind = 'user_annotation'")})
             WHERE NOT {classify.sql_is_p2p('op')}
         """)
     return con.sql(" UNION ALL ".join(parts) + " ORDER BY start_ns").to_arrow_table()
 
 
-def _p2p(con: duckdb.DuckDBPyConnection, has_ann: bool) -> pa.Table:
-    kop = f"coalesce({classify.sql_normalize_op('coll')}, {classify.sql_kernel_op('name')})"
+def _p2p(con: duckdb.DuckDBPyConnection, has_ann: bool, stepped: Callable[[str], str]) -> pa.Table:
     direction = "CASE op WHEN 'send' THEN 'send' WHEN 'recv' THEN 'recv' END"
     parts = [f"""
         SELECT NULL AS peer, {direction} AS direction, pg AS pg_name,
                coalesce(seq, row_number() OVER (PARTITION BY pg, {direction} ORDER BY ts_ns) - 1) AS seq,
                ts_ns AS start_ns, ts_ns + dur_ns AS end_ns, {_nbytes('nelems', 'dtype')} AS nbytes,
                step, NULL AS microbatch, 'kernel' AS source
-        FROM (SELECT *, {kop} AS op FROM e WHERE kind = 'kernel' AND {classify.sql_kernel_op('name')} IS NOT NULL)
-        WHERE {classify.sql_is_p2p('op')}
+        FROM ck WHERE {classify.sql_is_p2p('op')}
     """]
     if has_ann:
-        parts.append("""
+        parts.append(f"""
             SELECT a.peer, a.op, a.pg, a.seq, e.ts_ns, e.ts_ns + e.dur_ns, a.nbytes, e.step, NULL, 'annotation'
-            FROM e JOIN comm_ann a ON e.name = a.name WHERE a.op IN ('send', 'recv')
+            FROM {stepped("SELECT * FROM x WHERE starts_with(name, 'tk.comm ')")} e JOIN comm_ann a
+              ON e.name = a.name WHERE a.op IN ('send', 'recv')
         """)
     else:
         span_op = classify.sql_span_op("name")
         parts.append(f"""
             SELECT NULL, op, NULL, row_number() OVER (PARTITION BY tid, op ORDER BY ts_ns) - 1,
                    ts_ns, ts_ns + dur_ns, NULL, step, NULL, 'gloo'
-            FROM (SELECT *, {span_op} AS op FROM e WHERE starts_with(name, 'gloo:'))
+            FROM (SELECT *, {span_op} AS op FROM {stepped("SELECT * FROM x WHERE is_comm AND starts_with(name, 'gloo:')")})
             WHERE op IN ('send', 'recv')
         """)
     return con.sql(" UNION ALL ".join(parts) + " ORDER BY start_ns").to_arrow_table()
@@ -257,7 +278,7 @@ def _groups(con: duckdb.DuckDBPyConnection, info: dict, path: Path) -> list[dict
             out.append({"pg_name": str(pg.get("pg_name")), "pg_desc": pg.get("pg_desc"),
                         "ranks": [int(r) for r in pg["ranks"]]})
     for name, desc, ranks in con.execute(
-            "SELECT DISTINCT pg, pg_desc, pg_ranks FROM e WHERE pg IS NOT NULL AND pg_ranks IS NOT NULL").fetchall():
+            "SELECT DISTINCT pg, pg_desc, pg_ranks FROM x WHERE pg IS NOT NULL AND pg_ranks IS NOT NULL").fetchall():
         try:
             parsed = json.loads(ranks)
         except json.JSONDecodeError:

@@ -7,16 +7,18 @@ import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import polars as pl
 import pyarrow as pa
 
 from tracekit import safe_pickle
 from tracekit.ingest import sniff as sn
 from tracekit.ingest.common import IngestError, Parsed, arrow_schema
 
-OptableReader = Callable[[Path], dict[str, pl.DataFrame]]
+if TYPE_CHECKING:
+    import polars as pl
+
+OptableReader = Callable[[Path], "dict[str, pl.DataFrame]"]
 
 
 @dataclass
@@ -38,7 +40,7 @@ def content_hash(path: Path) -> str:
     return h.hexdigest()
 
 
-def _default_optable_reader(path: Path) -> dict[str, pl.DataFrame]:
+def _default_optable_reader(path: Path) -> "dict[str, pl.DataFrame]":
     try:
         from tracekit.ingest.optable import read_optable
     except ImportError:
