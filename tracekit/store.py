@@ -28,6 +28,7 @@ def connect(path: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConnect
         raise StoreError(f"{p}: no such store")
     try:
         con = duckdb.connect(str(p), read_only=read_only)
+        con.execute("SET enable_progress_bar = false")  # a library does not draw on the terminal
     except duckdb.Error as e:
         raise StoreError(f"{p}: cannot open store ({str(e).splitlines()[0]})") from None
     if not read_only:

@@ -61,6 +61,7 @@ def _case(expr: str, mapping: dict, default: str = "NULL") -> str:
 
 def _connect(tmpdir: str) -> duckdb.DuckDBPyConnection:
     con = duckdb.connect(":memory:", config={"threads": 1, "preserve_insertion_order": False})
+    con.execute("SET enable_progress_bar = false")
     con.execute(f"SET temp_directory='{tmpdir}'")
     con.execute("SET memory_limit='96MB'")  # spill rather than grow: many of these run at once
     return con
@@ -88,9 +89,8 @@ def _normalize(con: duckdb.DuckDBPyConnection, array_path: str, meta: dict, path
     cols = "{" + ", ".join(f"{k}: '{v}'" for k, v in COLUMNS.items()) + "}"
     kind = _case("cat", {k: v for k, v in KINDS.items()}, "cat")
     a = "args"
-    # Two streaming passes over the JSON instead of one materialized copy of every event (memory):
-    # pass 1 keeps the few rows that need cross-referencing (steps, launches, comm, tk spans) in x,
-    # pass 2 (_events) streams every event out with its step, joined only against small tables.
+    # One pass over the JSON into an Arrow table of the columns we keep; everything after that
+    # (steps, launches, comm, the final events with their step) is DuckDB scanning Arrow in memory.
     con.execute(f"""
         CREATE TEMP VIEW src AS SELECT
             {kind} AS kind, name, tid, TRY_CAST(pid AS BIGINT) AS pid,
@@ -106,8 +106,10 @@ def _normalize(con: duckdb.DuckDBPyConnection, array_path: str, meta: dict, path
         FROM read_json('{array_path}', format='array', columns={cols}, maximum_object_size=4194304)
         WHERE ph = 'X' AND cat IS DISTINCT FROM 'Trace'
     """)
+    raw = con.sql("SELECT * FROM src").to_arrow_table()
+    con.register("raw", raw)
     con.execute(f"""
-        CREATE TEMP TABLE x AS SELECT * FROM src
+        CREATE TEMP TABLE x AS SELECT * FROM raw
         WHERE kind = 'runtime' OR is_comm OR starts_with(name, 'ProfilerStep#') OR starts_with(name, 'tk.')
     """)
     con.execute("""
@@ -212,7 +214,7 @@ def _events(con: duckdb.DuckDBPyConnection, stepped: Callable[[str], str]) -> pa
                CASE WHEN c.name IS NOT NULL THEN 'compute'
                     WHEN starts_with(e.name, 'tk.comm ') THEN 'comm' ELSE e.kind END AS kind,
                e.name, e.tid, e.step, c.phase, c.vstage, c.mb AS microbatch, e.correlation, e.is_comm
-        FROM {stepped("SELECT * FROM src")} e LEFT JOIN comp_ann c ON e.name = c.name
+        FROM {stepped("SELECT * FROM raw")} e LEFT JOIN comp_ann c ON e.name = c.name
     """).to_arrow_table()
 
 
