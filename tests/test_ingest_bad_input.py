@@ -203,3 +203,10 @@ def test_mangled_traces_fail_clearly_and_store_stays_intact(good_store: Path, tm
     for t in ("events", "collectives", "p2p", "steps", "groups", "runs", "ranks", "ingest_log"):
         con.execute(f"DELETE FROM {t} WHERE run_id = 'mangled'")
     con.close()
+
+
+def test_missing_path_fails_alone(tmp_path: Path) -> None:
+    good = write_trace(tmp_path / "run" / "rank0.json.gz", nccl_trace(0, world=1))
+    rep = ingest([tmp_path / "nope.json", good], tmp_path / "s.duckdb")
+    assert [f.status for f in rep.files] == ["failed", "ok"]
+    assert rep.failed[0].error == f"{tmp_path / 'nope.json'}: no such file"

@@ -9,6 +9,7 @@ last window of the file are scanned in Python, so the cost per byte is a copy.
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import os
 import re
@@ -114,6 +115,14 @@ def _copy_stream(src: BinaryIO, dst: BinaryIO, block: bytes, path: Path) -> tupl
     return written, window
 
 
+def _has_fd(f: BinaryIO) -> bool:
+    try:
+        f.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return False
+    return True
+
+
 def _copy_file(src: BinaryIO, dst: BinaryIO, start: int) -> tuple[int, bytes]:
     """Copy a plain file from ``start`` in the kernel (no Python buffers); same return."""
     size = os.fstat(src.fileno()).st_size
@@ -157,7 +166,7 @@ def split_trace(path: Path, events_out: BinaryIO) -> dict:
             )
         prefix = head[:start - 1]
         events_out.write(b"[")
-        if isinstance(src, gzip.GzipFile):
+        if isinstance(src, gzip.GzipFile) or not _has_fd(events_out):
             written, window = _copy_stream(src, events_out, head[start:], path)
         else:
             written, window = _copy_file(src, events_out, start)

@@ -88,6 +88,8 @@ def run(path: Path, explicit: bool, known_hashes: frozenset[str],
     t0 = time.perf_counter()
     fmt = digest = None
     try:
+        if not path.is_file():
+            raise IngestError(f"{path}: no such file")
         digest = content_hash(path)
         if digest in known_hashes:
             return Outcome(path, "skipped", None, digest, error="already ingested (same content)",

@@ -107,7 +107,7 @@ def _outcomes(jobs: list[rundir.Job], known: dict[str, set[str]], workers: int |
     def args(j: rundir.Job) -> tuple:
         return (j.path, j.explicit, frozenset(known.get(j.run_id, ())), reader)
 
-    small = sum(j.path.stat().st_size for j in jobs) < POOL_MIN_BYTES
+    small = sum(j.path.stat().st_size for j in jobs if j.path.is_file()) < POOL_MIN_BYTES
     if n <= 1 or len(jobs) <= 1 or (workers is None and small):
         for j in jobs:
             yield j, parse_mod.run(*args(j))

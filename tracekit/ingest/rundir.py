@@ -116,8 +116,9 @@ def collect(paths: list[Path], run_id: str | None = None) -> list[Job]:
         return manifests[mp]
 
     for p in paths:
-        if not p.exists():
-            raise IngestError(f"{p}: no such file or directory")
+        if not p.exists():  # logged as a failed file; the other paths still go in
+            jobs.append(Job(path=p, explicit=True, run_id=run_id or default_run_id(p), manifest=None))
+            continue
         if p.is_dir():
             files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
             explicit = False
