@@ -210,3 +210,35 @@ def test_missing_path_fails_alone(tmp_path: Path) -> None:
     rep = ingest([tmp_path / "nope.json", good], tmp_path / "s.duckdb")
     assert [f.status for f in rep.files] == ["failed", "ok"]
     assert rep.failed[0].error == f"{tmp_path / 'nope.json'}: no such file"
+
+
+def _fr_dump() -> bytes:
+    entry = {"record_id": 0, "pg_id": 0, "process_group": ("0", "default_pg"), "collective_seq_id": 1,
+             "p2p_seq_id": 0, "op_id": 1, "profiling_name": "nccl:all_reduce", "input_sizes": [[4]],
+             "input_dtypes": ["Float"], "output_sizes": [[4]], "output_dtypes": ["Float"],
+             "time_created_ns": 10, "time_discovered_started_ns": 20, "time_discovered_completed_ns": 30,
+             "duration_ms": 0.01, "state": "completed", "retired": True, "timeout_ms": 1000, "is_p2p": False,
+             "frames": []}
+    return pickle.dumps({"version": "2.10", "pg_config": {"0": {"name": "0", "desc": "default_pg",
+                                                               "ranks": "[0, 1]"}}, "entries": [entry] * 3})
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(how=st.sampled_from(["truncate", "insert", "overwrite", "delete"]), pos=st.floats(0.0, 1.0),
+       blob=st.binary(min_size=1, max_size=8))
+def test_mangled_pickles_fail_clearly_and_store_stays_intact(good_store: Path, tmp_path: Path, how: str,
+                                                             pos: float, blob: bytes) -> None:
+    before = counts(good_store)
+    f = tmp_path / "fr" / "rank0"
+    f.parent.mkdir(exist_ok=True)
+    f.write_bytes(_mangle(_fr_dump(), how, pos, blob))
+    (res,) = ingest([f], good_store, run_id="mangled").files
+    if res.status == "failed":
+        assert str(f) in res.error
+        assert counts(good_store)["fr_entries"] == before["fr_entries"]
+    else:
+        assert res.status == "ok" and res.format == "fr"
+    con = store.connect(good_store)
+    for t in ("fr_entries", "collectives", "p2p", "groups", "runs", "ranks", "ingest_log"):
+        con.execute(f"DELETE FROM {t} WHERE run_id = 'mangled'")
+    con.close()
