@@ -93,7 +93,7 @@ def measure(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]
         nonlocal peak
         while not stop.is_set():
             peak = max(peak, sum(_pss_kb(p) for p in _tree(proc.pid)))
-            stop.wait(0.05)
+            stop.wait(0.1)  # sampling /proc costs CPU too; both tools pay the same
 
     th = threading.Thread(target=sample, daemon=True)
     th.start()

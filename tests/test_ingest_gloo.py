@@ -137,3 +137,23 @@ def test_cli_ingest_exit_codes(run_dir: Path, tmp_path: Path) -> None:
     out = json.loads(res.output)
     assert sorted(f["status"] for f in out["files"]) == ["failed"] + ["ok"] * 4
     assert any(f["error"] and "bad.json" in f["error"] for f in out["files"])
+
+
+def test_gloo_spans_without_annotations(run_dir: Path, tmp_path: Path) -> None:
+    """A gloo trace from code that does not annotate: collectives come from the gloo:* worker spans."""
+    import gzip
+
+    trace = json.loads(gzip.decompress((run_dir / "traces" / "rank0.json.gz").read_bytes()))
+    trace["traceEvents"] = [e for e in trace["traceEvents"] if not e.get("name", "").startswith("tk.")]
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "rank0.json").write_text(json.dumps(trace))
+    rep = ingest([tmp_path / "plain"], tmp_path / "p.duckdb")
+    assert len(rep.ok) == 1
+    with tracekit.open(tmp_path / "p.duckdb") as s:
+        c = s.sql("SELECT op, list(seq ORDER BY seq) AS seqs, count(pg_name) AS named FROM collectives "
+                  "WHERE source = 'gloo' GROUP BY op ORDER BY op").rows()
+        assert c == [("all_gather", [0, 1, 2], 0), ("all_reduce", [0, 1, 2], 0)]
+        p = s.sql("SELECT direction, count(*) FROM p2p WHERE source = 'gloo' GROUP BY ALL").rows()
+        assert p == [("send", 3)]
+        run = s.table("runs").row(0, named=True)
+        assert (run["world_size"], run["layout_source"], run["tp"], run["dp"]) == (4, "groups", 2, 2)

@@ -10,7 +10,8 @@ Sources of collectives, by flavour (FORMATS.md section 1):
   present, else the kernel's order within its group in this trace.
 - gloo with the trainer's ``tk.comm`` spans: group, sequence, size and dtype from the span name,
   times from the span (the comm layer waits inside it).
-- gloo without annotations: the ``gloo:*`` worker spans, group unknown, order per thread.
+- gloo without annotations: the ``gloo:*`` worker spans; the group is unknown (NULL) and ``seq`` is
+  the op's order on the rank (gloo spreads one group's ops over several worker threads).
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def _normalize(con: duckdb.DuckDBPyConnection, array_path: str, meta: dict, path
             greatest(TRY_CAST({a}."In msg nelems" AS BIGINT), TRY_CAST({a}."Out msg nelems" AS BIGINT)) AS nelems,
             {a}.dtype AS dtype,
             coalesce(TRY_CAST({a}."Seq" AS BIGINT), TRY_CAST({a}.seq_num AS BIGINT)) AS seq
-        FROM read_json('{array_path}', format='array', columns={cols}, maximum_object_size=4194304)
+        FROM read_json('{array_path}', format='array', columns={cols}, maximum_object_size=16777216)
         WHERE ph = 'X' AND cat IS DISTINCT FROM 'Trace'
     """)
     raw = con.sql("SELECT * FROM src").to_arrow_table()
@@ -238,7 +239,7 @@ def _collectives(con: duckdb.DuckDBPyConnection, has_ann: bool, stepped: Callabl
         """)
     else:
         parts.append(f"""
-            SELECT NULL, row_number() OVER (PARTITION BY tid ORDER BY ts_ns) - 1, op, ts_ns, ts_ns + dur_ns,
+            SELECT NULL, row_number() OVER (PARTITION BY op ORDER BY ts_ns) - 1, op, ts_ns, ts_ns + dur_ns,
                    NULL, NULL, step, 'gloo'
             FROM (SELECT *, {span_op} AS op FROM {stepped("SELECT * FROM x WHERE is_comm AND starts_with(name, 'gloo:') AND kind = 'user_annotation'")})
             WHERE NOT {classify.sql_is_p2p('op')}
@@ -264,7 +265,7 @@ def _p2p(con: duckdb.DuckDBPyConnection, has_ann: bool, stepped: Callable[[str],
     else:
         span_op = classify.sql_span_op("name")
         parts.append(f"""
-            SELECT NULL, op, NULL, row_number() OVER (PARTITION BY tid, op ORDER BY ts_ns) - 1,
+            SELECT NULL, op, NULL, row_number() OVER (PARTITION BY op ORDER BY ts_ns) - 1,
                    ts_ns, ts_ns + dur_ns, NULL, step, NULL, 'gloo'
             FROM (SELECT *, {span_op} AS op FROM {stepped("SELECT * FROM x WHERE is_comm AND starts_with(name, 'gloo:')")})
             WHERE op IN ('send', 'recv')

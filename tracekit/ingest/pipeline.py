@@ -150,8 +150,11 @@ def _commit(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outc
         return None
     if out.status == "skipped":
         rb.touched = True  # the run's tables are recomputed; its content is already in the store
-        _log(con, job.run_id, job.path, out.format, None, out.content_hash, "skipped", out.error, 0, out.seconds)
-        return FileResult(job.path, job.run_id, out.format, None, "skipped", out.error, 0, out.seconds)
+        prev = con.execute("SELECT format, rank FROM ingest_log WHERE run_id = ? AND content_hash = ? "
+                           "AND status = 'ok' LIMIT 1", [job.run_id, out.content_hash]).fetchall()
+        fmt, rank = prev[0] if prev else (None, None)
+        _log(con, job.run_id, job.path, fmt, rank, out.content_hash, "skipped", out.error, 0, out.seconds)
+        return FileResult(job.path, job.run_id, fmt, rank, "skipped", out.error, 0, out.seconds)
     rank = None
     try:
         if out.status != "ok":
