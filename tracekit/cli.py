@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "memory": ("tracekit.memory_cli", "memory_command"),
     "numerics": ("numerics.cli", "main"),
     "train": ("reference_trainer.cli", "train_command"),
+    "ingest": ("tracekit.ingest.cli", "ingest_cmd"),
 }
 
 

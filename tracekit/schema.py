@@ -144,7 +144,7 @@ TABLES: dict[str, list[tuple[str, str]]] = {
         ("format", "VARCHAR"),
         ("rank", "INTEGER"),
         ("content_hash", "VARCHAR"),
-        ("status", "VARCHAR"),  # ok | failed | skipped (already ingested)
+        ("status", "VARCHAR"),  # ok | failed | skipped (already ingested) | warning (e.g. ranks missing)
         ("error", "VARCHAR"),
         ("rows", "BIGINT"),
         ("seconds", "DOUBLE"),

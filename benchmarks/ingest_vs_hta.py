@@ -1,0 +1,147 @@
+"""Ingest the same Kineto traces with tracekit and with Holistic Trace Analysis; print MB/s and memory.
+
+    python benchmarks/ingest_vs_hta.py                 # 8 ranks
+    python benchmarks/ingest_vs_hta.py --ranks 8 64    # both sizes (64 takes a while)
+
+Traces (NCCL flavour, benchmarks/gen_traces.py) are cached under benchmarks/_work/. HTA 0.5.0 runs in
+its own venv (benchmarks/_work/hta-venv, pandas<3), created on first use with --no-deps and an
+explicit dependency list so that it never pulls torch. Both tools run as subprocesses on the same
+files; wall time includes interpreter start and imports for both. Memory is the peak, over the run,
+of the summed proportional set size (PSS, /proc/<pid>/smaps_rollup) of the tool's whole process
+tree, so pages shared by forked workers are not counted twice. MB/s is uncompressed JSON bytes per
+second of wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+WORK = HERE / "_work"
+HTA_VENV = WORK / "hta-venv"
+HTA_DEPS = ["pandas<3", "numpy", "networkx", "plotly", "pydot", "psutil", "pyyaml"]
+sys.path.insert(0, str(HERE))
+from gen_traces import generate  # noqa: E402
+
+HTA_RUN = """
+import sys
+from hta.trace_analysis import TraceAnalysis
+a = TraceAnalysis(trace_dir=sys.argv[1])
+print(sum(len(a.t.get_trace(r)) for r in a.t.get_ranks()), "events")
+"""
+
+
+def ensure_hta() -> Path:
+    py = HTA_VENV / "bin" / "python"
+    if py.exists() and subprocess.run([py, "-c", "import hta.trace_analysis"], capture_output=True).returncode == 0:
+        return py
+    subprocess.run([sys.executable, "-m", "venv", str(HTA_VENV)], check=True)
+    pip = [str(py), "-m", "pip", "install", "-q"]
+    subprocess.run(pip + ["--no-deps", "holistictraceanalysis==0.5.0"], check=True)
+    subprocess.run(pip + HTA_DEPS, check=True)
+    torch = subprocess.run([py, "-c", "import torch"], capture_output=True).returncode == 0
+    if torch:
+        raise SystemExit("HTA venv unexpectedly contains torch; refusing to continue")
+    return py
+
+
+def _tree(root: int) -> list[int]:
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += kids.get(p, [])
+    return out
+
+
+def _pss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def measure(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
+    """(wall seconds, peak summed PSS in MB, stdout) of running ``cmd`` to completion."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    peak = 0
+    stop = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, sum(_pss_kb(p) for p in _tree(proc.pid)))
+            stop.wait(0.1)  # sampling /proc costs CPU too; both tools pay the same
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    out, err = proc.communicate()
+    wall = time.perf_counter() - t0
+    stop.set()
+    th.join()
+    if proc.returncode not in (0,):
+        raise SystemExit(f"{cmd[0]} failed ({proc.returncode}):\n{err[-3000:]}")
+    return wall, peak / 1024, out
+
+
+def run_case(ranks: int, events: int, workers: int, hta: bool) -> dict:
+    traces = generate(WORK / f"traces-{ranks}x{events}", ranks, events)
+    mb = sum(p.stat().st_size for p in traces) / 1e6
+    res = {"ranks": ranks, "raw_mb": mb}
+    with tempfile.TemporaryDirectory(dir=WORK) as tmp:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        cmd = [sys.executable, "-c", "from tracekit.cli import main; main()", "ingest", str(traces[0].parent),
+               "--store", str(Path(tmp) / "bench.duckdb"), "--workers", str(workers), "--json"]
+        res["tracekit"] = measure(cmd, env)[:2]
+    if hta:
+        res["hta"] = measure([str(ensure_hta()), "-c", HTA_RUN, str(traces[0].parent)])[:2]
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[8])
+    ap.add_argument("--events", type=int, default=240_000, help="events per rank (~250 bytes each)")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--skip-hta", action="store_true")
+    a = ap.parse_args()
+    WORK.mkdir(exist_ok=True)
+    print(f"cpus={os.cpu_count()} workers={a.workers} load={os.getloadavg()[0]:.1f}")
+    print(f"{'ranks':>5} {'raw MB':>8} {'tool':>9} {'wall s':>8} {'MB/s':>8} {'peak MB':>8} {'peak/raw':>8}")
+    for r in a.ranks:
+        res = run_case(r, a.events, a.workers, not a.skip_hta)
+        for tool in ("tracekit", "hta"):
+            if tool in res:
+                wall, peak = res[tool]
+                print(f"{r:>5} {res['raw_mb']:>8.0f} {tool:>9} {wall:>8.1f} {res['raw_mb'] / wall:>8.1f} "
+                      f"{peak:>8.0f} {peak / res['raw_mb']:>8.2f}")
+        if "hta" in res:
+            (tw, tp), (hw, hp) = res["tracekit"], res["hta"]
+            print(f"{r:>5} ratio: tracekit throughput = {hw / tw:.1f}x HTA, peak memory = {tp / hp:.2f}x HTA "
+                  f"(load now {os.getloadavg()[0]:.1f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""Bad input never corrupts the store: every case fails alone, with a clear error naming the file."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tracekit
+from tracekit import safe_pickle, store
+from tracekit.ingest.pipeline import ingest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _traces import kineto_bytes, nccl_trace, write_trace  # noqa: E402
+
+TABLES = ("events", "collectives", "p2p", "steps", "fr_entries", "memory_events", "groups", "runs")
+
+
+def counts(db: Path) -> dict[str, int]:
+    with tracekit.open(db) as s:
+        return {t: s.sql(f"SELECT count(*) FROM {t}").item() for t in TABLES}
+
+
+@pytest.fixture
+def good_store(tmp_path: Path) -> Path:
+    """A store holding one good 2-rank run 'good'."""
+    run = tmp_path / "good"
+    for r in range(2):
+        write_trace(run / "traces" / f"rank{r}.json.gz", nccl_trace(r))
+    db = tmp_path / "store.duckdb"
+    rep = ingest([run], db)
+    assert len(rep.ok) == 2 and not rep.failed
+    return db
+
+
+def test_synthetic_nccl_trace_values(good_store: Path) -> None:
+    with tracekit.open(good_store) as s:
+        c = s.sql("SELECT rank, seq, op, end_ns - start_ns AS d, nbytes, step FROM collectives "
+                  "ORDER BY rank, seq").rows()
+        assert c == [(0, 0, "all_reduce", 500000, 4096, 0), (0, 1, "all_reduce", 500000, 4096, 1),
+                     (1, 0, "all_reduce", 400000, 4096, 0), (1, 1, "all_reduce", 400000, 4096, 1)]
+        k = s.sql("SELECT dur_ns, step FROM events WHERE name = 'ampere_sgemm_128x64_nn' AND rank = 0 "
+                  "ORDER BY ts_ns").rows()
+        assert k == [(1234567, 0), (1234567, 1)]  # GPU kernels take the step of their launch
+        assert s.sql("SELECT count(*) FROM events").item() == 2 * 2 * 7  # 7 X events a step, Trace span dropped
+
+
+@pytest.mark.parametrize("case", ["empty", "truncated_gz", "truncated_json", "garbage", "not_json_object",
+                                  "bad_events", "wrong_format", "corrupt_pickle", "empty_gz"])
+def test_bad_file_fails_alone(good_store: Path, tmp_path: Path, case: str) -> None:
+    before = counts(good_store)
+    full = kineto_bytes(nccl_trace(0))
+    d = tmp_path / "bad"
+    d.mkdir()
+    f = d / f"rank0_{case}.json"
+    if case == "empty":
+        f.write_bytes(b"")
+    elif case == "truncated_gz":
+        f = f.with_suffix(".json.gz")
+        f.write_bytes(gzip.compress(full)[:-40])
+    elif case == "truncated_json":
+        f.write_bytes(full[: len(full) // 2])
+    elif case == "garbage":
+        f.write_bytes(os.urandom(3000))
+    elif case == "not_json_object":
+        f.write_bytes(b'{"traceEvents": 5}')
+    elif case == "bad_events":
+        f.write_bytes(full.replace(b'"dur": 50.5', b'"dur": [1, 2'))
+    elif case == "wrong_format":
+        f = f.with_suffix(".csv")
+        f.write_text("a,b\n1,2\n")
+    elif case == "corrupt_pickle":
+        f = f.with_suffix(".pickle")
+        f.write_bytes(pickle.dumps({"entries": [1, 2, 3]})[:-5])
+    elif case == "empty_gz":
+        f = f.with_suffix(".json.gz")
+        f.write_bytes(gzip.compress(b""))
+    other = tmp_path / "other" / "traces" / "rank1.json.gz"
+    write_trace(other, nccl_trace(1))
+    rep = ingest([f, other], good_store, run_id="bad")
+    assert len(rep.failed) == 1 and len(rep.ok) == 1  # the good file still went in
+    err = rep.failed[0].error
+    assert str(f) in err, err
+    with tracekit.open(good_store) as s:
+        log = s.sql("SELECT status, error FROM ingest_log WHERE path = ?", [str(f)]).rows()
+        assert log == [("failed", err)]
+        assert s.sql("SELECT count(*) FROM events WHERE run_id = 'bad' AND rank = 0").item() == 0
+        assert s.sql("SELECT count(*) FROM events WHERE run_id = 'good'").item() == \
+            before["events"]
+
+
+def test_duplicate_rank_refused(good_store: Path, tmp_path: Path) -> None:
+    before = counts(good_store)
+    dup = write_trace(tmp_path / "elsewhere" / "rank1.json.gz", nccl_trace(1, steps=3))
+    rep = ingest([dup], good_store, run_id="good")
+    assert len(rep.failed) == 1
+    assert "duplicate rank 1" in rep.failed[0].error and str(dup) in rep.failed[0].error
+    assert counts(good_store) == before
+
+
+def test_changed_file_replaces_its_own_rows(good_store: Path, tmp_path: Path) -> None:
+    path = tmp_path / "good" / "traces" / "rank1.json.gz"
+    write_trace(path, nccl_trace(1, steps=3))
+    rep = ingest([tmp_path / "good"], good_store)
+    assert [f.status for f in sorted(rep.files, key=lambda f: str(f.path))] == ["skipped", "ok"]
+    with tracekit.open(good_store) as s:
+        assert s.sql("SELECT rank, count(*) FROM steps GROUP BY rank ORDER BY rank").rows() == [(0, 2), (1, 3)]
+
+
+def test_missing_rank_reported(tmp_path: Path) -> None:
+    run = tmp_path / "r"
+    for r in (0, 2):
+        write_trace(run / f"rank{r}.json.gz", nccl_trace(r, world=4))
+    rep = ingest([run], tmp_path / "s.duckdb")
+    assert rep.missing == {("r", "kineto"): [1, 3]}
+    with tracekit.open(tmp_path / "s.duckdb") as s:
+        assert s.sql("SELECT error FROM ingest_log WHERE status = 'warning'").item() == \
+            "ranks missing from kineto data: 1, 3 (2 of 4)"
+
+
+def test_rank_from_file_name_when_no_distributed_info(tmp_path: Path) -> None:
+    write_trace(tmp_path / "job" / "worker_rank-3.json.gz", nccl_trace(3, world=4, with_info=False))
+    nameless = write_trace(tmp_path / "job" / "trace.json.gz", nccl_trace(0, with_info=False))
+    rep = ingest([tmp_path / "job"], tmp_path / "s.duckdb")
+    assert [(f.path.name, f.rank) for f in rep.ok] == [("worker_rank-3.json.gz", 3)]
+    assert "cannot tell which rank" in rep.failed[0].error and str(nameless) in rep.failed[0].error
+
+
+def test_rank_from_manifest_pid(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    write_trace(run / "traces" / "a.json.gz", nccl_trace(1, with_info=False))  # pid 101
+    (run / "manifest.json").write_text(json.dumps({"run_id": "m1", "world_size": 2, "pids": {"0": 100, "1": 101}}))
+    rep = ingest([run], tmp_path / "s.duckdb")
+    assert [(f.run_id, f.rank) for f in rep.ok] == [("m1", 1)]
+
+
+class _Boom:
+    def __reduce__(self):  # the classic payload: calls os.system on load
+        return (os.system, (f"touch {self.marker}",))
+
+    marker = ""
+
+
+def test_malicious_pickle_runs_nothing(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    _Boom.marker = str(marker)
+    evil = tmp_path / "fr" / "rank0"
+    evil.parent.mkdir()
+    evil.write_bytes(pickle.dumps({"version": "2.10", "entries": [_Boom()]}))
+    with pytest.raises(safe_pickle.UnsafePickleError, match="posix.system|os.system"):
+        safe_pickle.load(evil)
+    rep = ingest([evil], tmp_path / "s.duckdb")
+    assert rep.failed and "system" in rep.failed[0].error and str(evil) in rep.failed[0].error
+    assert not marker.exists()
+
+
+def test_safe_pickle_admits_plain_data() -> None:
+    data = {"a": [1, 2.5, None, True], "b": ("x", b"y"), "c": {1, 2}, "d": {"nested": [{"k": -1}]}}
+    for proto in range(2, pickle.HIGHEST_PROTOCOL + 1):
+        assert safe_pickle.loads(pickle.dumps(data, protocol=proto)) == data
+
+
+def _mangle(data: bytes, how: str, pos: float, blob: bytes) -> bytes:
+    i = int(pos * len(data))
+    if how == "truncate":
+        return data[:i]
+    if how == "insert":
+        return data[:i] + blob + data[i:]
+    if how == "overwrite":
+        return data[:i] + blob + data[i + len(blob):]
+    return data[:i] + data[i + max(1, len(blob)):]  # delete
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(how=st.sampled_from(["truncate", "insert", "overwrite", "delete"]),
+       pos=st.floats(0.0, 1.0), blob=st.binary(min_size=1, max_size=8), gz=st.booleans())
+def test_mangled_traces_fail_clearly_and_store_stays_intact(good_store: Path, tmp_path: Path, how: str,
+                                                            pos: float, blob: bytes, gz: bool) -> None:
+    before = counts(good_store)
+    raw = kineto_bytes(nccl_trace(0))
+    data = _mangle(gzip.compress(raw) if gz else raw, how, pos, blob)
+    f = tmp_path / ("mangled_rank0.json.gz" if gz else "mangled_rank0.json")
+    f.write_bytes(data)
+    rep = ingest([f], good_store, run_id="mangled")
+    (res,) = rep.files
+    with tracekit.open(good_store) as s:
+        n = s.sql("SELECT count(*) FROM events WHERE run_id = 'mangled'").item()
+    if res.status == "failed":
+        assert str(f) in res.error and n == 0
+        after = counts(good_store)
+        assert {t: after[t] for t in TABLES if t != "runs"} == {t: before[t] for t in TABLES if t != "runs"}
+    else:  # a mangling that left a valid trace (e.g. inside a name) ingests whole
+        assert res.status == "ok" and n > 0
+    # clean up so every example starts from the same store
+    con = store.connect(good_store)
+    for t in ("events", "collectives", "p2p", "steps", "groups", "runs", "ranks", "ingest_log"):
+        con.execute(f"DELETE FROM {t} WHERE run_id = 'mangled'")
+    con.close()
+
+
+def test_missing_path_fails_alone(tmp_path: Path) -> None:
+    good = write_trace(tmp_path / "run" / "rank0.json.gz", nccl_trace(0, world=1))
+    rep = ingest([tmp_path / "nope.json", good], tmp_path / "s.duckdb")
+    assert [f.status for f in rep.files] == ["failed", "ok"]
+    assert rep.failed[0].error == f"{tmp_path / 'nope.json'}: no such file"
+
+
+def _fr_dump() -> bytes:
+    entry = {"record_id": 0, "pg_id": 0, "process_group": ("0", "default_pg"), "collective_seq_id": 1,
+             "p2p_seq_id": 0, "op_id": 1, "profiling_name": "nccl:all_reduce", "input_sizes": [[4]],
+             "input_dtypes": ["Float"], "output_sizes": [[4]], "output_dtypes": ["Float"],
+             "time_created_ns": 10, "time_discovered_started_ns": 20, "time_discovered_completed_ns": 30,
+             "duration_ms": 0.01, "state": "completed", "retired": True, "timeout_ms": 1000, "is_p2p": False,
+             "frames": []}
+    return pickle.dumps({"version": "2.10", "pg_config": {"0": {"name": "0", "desc": "default_pg",
+                                                               "ranks": "[0, 1]"}}, "entries": [entry] * 3})
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(how=st.sampled_from(["truncate", "insert", "overwrite", "delete"]), pos=st.floats(0.0, 1.0),
+       blob=st.binary(min_size=1, max_size=8))
+def test_mangled_pickles_fail_clearly_and_store_stays_intact(good_store: Path, tmp_path: Path, how: str,
+                                                             pos: float, blob: bytes) -> None:
+    before = counts(good_store)
+    f = tmp_path / "fr" / "rank0"
+    f.parent.mkdir(exist_ok=True)
+    f.write_bytes(_mangle(_fr_dump(), how, pos, blob))
+    (res,) = ingest([f], good_store, run_id="mangled").files
+    if res.status == "failed":
+        assert str(f) in res.error
+        assert counts(good_store)["fr_entries"] == before["fr_entries"]
+    else:
+        assert res.status == "ok" and res.format == "fr"
+    con = store.connect(good_store)
+    for t in ("fr_entries", "collectives", "p2p", "groups", "runs", "ranks", "ingest_log"):
+        con.execute(f"DELETE FROM {t} WHERE run_id = 'mangled'")
+    con.close()

@@ -1,0 +1,36 @@
+"""Run topology without a manifest: inferred from the recorded process groups."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import tracekit
+from tracekit.ingest.pipeline import ingest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _traces import nccl_trace, write_trace  # noqa: E402
+
+
+def test_layout_inferred_from_pg_config(tmp_path: Path) -> None:
+    world = 8  # tp=2, pp=2, dp=2 as torch would record it: one entry per group the rank is in
+    for r in range(world):
+        t = nccl_trace(r, world=world)
+        tp = [r - r % 2, r - r % 2 + 1]
+        pp = [r % 2 + 4 * (r // 4), r % 2 + 4 * (r // 4) + 2]
+        dp = [r % 4, r % 4 + 4]
+        t["distributedInfo"]["pg_config"] = [
+            {"pg_name": "0", "pg_desc": "default_pg", "ranks": list(range(world))},
+            {"pg_name": f"tp{tp[0]}", "pg_desc": "tp", "ranks": tp},
+            {"pg_name": f"pp{pp[0]}", "pg_desc": "pp", "ranks": pp},
+            {"pg_name": f"dp{dp[0]}", "pg_desc": "dp", "ranks": dp}]
+        write_trace(tmp_path / "job" / f"rank{r}.json.gz", t)
+    rep = ingest([tmp_path / "job"], tmp_path / "s.duckdb")
+    assert len(rep.ok) == world and not rep.missing
+    with tracekit.open(tmp_path / "s.duckdb") as s:
+        run = s.table("runs").row(0, named=True)
+        assert (run["layout_source"], run["tp"], run["cp"], run["pp"], run["dp"]) == ("groups", 2, 1, 2, 2)
+        dims = dict(s.sql("SELECT dim, count(*) FROM groups GROUP BY dim").rows())
+        assert dims == {"tp": 4, "pp": 4, "dp": 4, "dp_pp_tp": 1}  # topology names the world group by its dims
+        coords = s.sql("SELECT rank, dp, pp, tp FROM ranks WHERE rank IN (0, 5, 7) ORDER BY rank").rows()
+        assert coords == [(0, 0, 0, 0), (5, 1, 0, 1), (7, 1, 1, 1)]

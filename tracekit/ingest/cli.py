@@ -1,0 +1,79 @@
+"""`tracekit ingest`: the command-line face of tracekit.ingest.pipeline (rendering only)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from tracekit.ingest.common import IngestError
+
+
+@click.command("ingest")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--store", "store_path", required=True, type=click.Path(path_type=Path),
+              help="DuckDB store to create or add to.")
+@click.option("--run-id", default=None, help="Run id for every file (default: manifest, else directory name).")
+@click.option("--workers", type=int, default=None, help="Parser processes (default: one per core).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def ingest_cmd(paths: tuple[Path, ...], store_path: Path, run_id: str | None, workers: int | None,
+               as_json: bool) -> None:
+    """Ingest run directories, trace folders or single files into a store.
+
+    Formats are recognized by content: Kineto traces (.json/.json.gz, NCCL or gloo), flight-recorder
+    dumps (pickle or JSON), memory snapshots (pickle) and op-table traces (parquet). Exit code 2 if
+    any file failed; the others are still ingested.
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tracekit.ingest.pipeline import ingest
+
+    err = Console(stderr=True)
+    with Progress(TextColumn("ingest"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.description}"), console=err, transient=True,
+                  disable=as_json or not err.is_terminal) as bar:
+        task = bar.add_task("", total=None)
+
+        def on_progress(done: int, total: int, path: Path, status: str) -> None:
+            bar.update(task, completed=done, total=total, description=path.name)
+
+        try:
+            report = ingest(list(paths), store_path, run_id=run_id, workers=workers, progress=on_progress)
+        except IngestError as e:
+            err.print(f"[red]error:[/red] {e}")
+            sys.exit(2)
+    missing = {f"{r}/{f}": ranks for (r, f), ranks in report.missing.items()}
+    if as_json:
+        click.echo(json.dumps({
+            "files": [{"path": str(f.path), "run_id": f.run_id, "format": f.format, "rank": f.rank,
+                       "status": f.status, "error": f.error, "rows": f.rows} for f in report.files],
+            "missing_ranks": missing, "runs": report.runs}, indent=2))
+    else:
+        _render(report, missing)
+    sys.exit(2 if report.failed else 0)
+
+
+def _render(report: object, missing: dict[str, list[int]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from tracekit.ingest.topo import ranges_text
+
+    out = Console()
+    t = Table(title="ingested")
+    for c in ("run", "format", "files", "rows", "skipped", "failed"):
+        t.add_column(c, justify="right" if c in ("files", "rows", "skipped", "failed") else "left")
+    groups: dict[tuple[str, str], list] = {}
+    for f in report.files:  # type: ignore[attr-defined]
+        groups.setdefault((f.run_id, f.format or "?"), []).append(f)
+    for (run, fmt), fs in sorted(groups.items()):
+        t.add_row(run, fmt, str(sum(f.status == "ok" for f in fs)), str(sum(f.rows for f in fs)),
+                  str(sum(f.status == "skipped" for f in fs)), str(sum(f.status == "failed" for f in fs)))
+    out.print(t)
+    for key, ranks in missing.items():
+        out.print(f"[yellow]warning:[/yellow] {key}: ranks missing: {ranges_text(ranks)} ({len(ranks)})")
+    for f in report.failed:  # type: ignore[attr-defined]
+        out.print(f"[red]failed:[/red] {f.error}")

@@ -1,0 +1,54 @@
+"""What every format parser returns, and the one error type for bad input."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from tracekit import schema
+
+
+class IngestError(ValueError):
+    """A file that cannot be ingested; the message names the file and what is wrong with it."""
+
+
+@dataclass
+class Parsed:
+    """One file, parsed. Tables lack ``run_id`` (and ``rank`` unless ``multi_rank``)."""
+
+    format: str  # kineto | fr | memory | optable
+    tables: dict[str, pa.Table]
+    rank: int | None = None  # the rank the file itself states (Kineto distributedInfo)
+    world_size: int | None = None
+    backend: str | None = None
+    groups: list[dict] = field(default_factory=list)  # {pg_name, pg_desc, ranks}
+    pids: list[int] = field(default_factory=list)  # process ids seen (matched to a manifest)
+    multi_rank: bool = False  # tables already carry their rank column (op tables)
+
+    @property
+    def rows(self) -> int:
+        return sum(t.num_rows for t in self.tables.values())
+
+
+def arrow_schema(table: str, without: tuple[str, ...] = ("run_id", "rank")) -> pa.Schema:
+    """The Arrow schema of a store table minus the columns ingest fills in afterwards."""
+    return pa.schema([(n, _ARROW[t]) for n, t in schema.TABLES[table] if n not in without])
+
+
+_ARROW: dict[str, pa.DataType] = {
+    "VARCHAR": pa.string(),
+    "INTEGER": pa.int32(),
+    "BIGINT": pa.int64(),
+    "DOUBLE": pa.float64(),
+    "BOOLEAN": pa.bool_(),
+    "JSON": pa.string(),
+    "TIMESTAMP": pa.timestamp("us"),
+    "INTEGER[]": pa.list_(pa.int32()),
+}
+
+
+def table_from_rows(table: str, rows: list[dict], without: tuple[str, ...] = ("run_id", "rank")) -> pa.Table:
+    """A store table from a list of row dicts (for small formats: dumps, snapshots)."""
+    sch = arrow_schema(table, without)
+    return pa.Table.from_pylist([{n: r.get(n) for n in sch.names} for r in rows], schema=sch)

@@ -1,0 +1,141 @@
+"""A run's topology in the store: groups as recorded, then runs / ranks / groups.dim recomputed.
+
+Sizes come from the manifest when it gives them, else from the op-table's own metadata, else they
+are inferred from the recorded process groups with ``Layout.infer`` (pg_desc naming a dimension is
+a hint). A run whose groups explain nothing keeps NULL sizes ('unknown').
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import duckdb
+
+from tracekit.ingest import rundir
+from tracekit.ingest.common import Parsed
+from tracekit.topology import DIMS, Layout, LayoutError
+
+PER_RANK_FORMATS = ("kineto", "fr", "memory")
+
+
+@dataclass
+class RunBatch:
+    """What this ingest learned about one run beyond the rows themselves."""
+
+    run_id: str
+    manifest: rundir.Manifest | None
+    touched: bool = False
+    world_sizes: list[int] = field(default_factory=list)
+    backends: set[str] = field(default_factory=set)
+    pids: dict[int, int] = field(default_factory=dict)
+
+    def note(self, parsed: Parsed, rank: int | None) -> None:
+        self.touched = True
+        if parsed.world_size:
+            self.world_sizes.append(parsed.world_size)
+        if parsed.backend:
+            self.backends.add(parsed.backend)
+        if rank is not None and parsed.pids:
+            self.pids[rank] = parsed.pids[0]
+
+
+def add_groups(con: duckdb.DuckDBPyConnection, run_id: str, groups: list[dict]) -> None:
+    """Record process groups not yet known for the run (same name and ranks = same group)."""
+    for g in groups:
+        ranks = [int(r) for r in g["ranks"]]
+        if not ranks:
+            continue
+        exists = con.execute("SELECT count(*) FROM groups WHERE run_id = ? AND pg_name IS NOT DISTINCT FROM ? "
+                             "AND ranks = ?::INTEGER[]", [run_id, g.get("pg_name"), ranks]).fetchall()[0][0]
+        if not exists:
+            con.execute("INSERT INTO groups VALUES (?, ?, ?, NULL, ?, ?)",
+                        [run_id, g.get("pg_name"), g.get("pg_desc"), ranks, len(ranks)])
+
+
+def ranges_text(rs: list[int]) -> str:
+    out, i = [], 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def _layout(rb: RunBatch, world: int, prev: dict, groups: list[tuple]) -> tuple[Layout | None, str]:
+    m = rb.manifest
+    if m is not None and m.sizes is not None:
+        lay = Layout(**m.sizes)
+        if lay.world_size == world:
+            return lay, "manifest"
+    if prev.get("layout_source") == "wia-meta" and prev.get("tp"):
+        return Layout(**{d: prev[d] for d in DIMS}), "wia-meta"
+    recorded = [r for _, _, r in groups if 1 < len(set(r)) < world]
+    if not recorded:
+        return None, "unknown"
+    hints = {tuple(sorted(r)): str(desc) for _, desc, r in groups if desc in DIMS}
+    try:
+        return Layout.infer(world, recorded, hints), "groups"
+    except LayoutError:
+        return None, "unknown"
+
+
+def finalize(con: duckdb.DuckDBPyConnection, rb: RunBatch) -> dict[tuple[str, str], list[int]]:
+    """Recompute runs, ranks and groups.dim for one run; return ranks missing per format."""
+    rid, m = rb.run_id, rb.manifest
+    rows = con.execute("SELECT * FROM runs WHERE run_id = ?", [rid]).fetchall()
+    prev_row = rows[0] if rows else None
+    prev = dict(zip([d[0] for d in con.description], prev_row)) if prev_row else {}
+    have: dict[str, set[int]] = {}
+    for fmt, r in con.execute("SELECT format, rank FROM ingest_log WHERE run_id = ? AND status = 'ok' "
+                              "AND rank IS NOT NULL", [rid]).fetchall():
+        have.setdefault(fmt, set()).add(r)
+    prev_ranks = {r[1]: r for r in con.execute("SELECT * FROM ranks WHERE run_id = ?", [rid]).fetchall()}
+    seen = set().union(*have.values(), prev_ranks) if (have or prev_ranks) else set()
+    world = (m.world_size if m and m.world_size else None) or (max(rb.world_sizes) if rb.world_sizes else None) \
+        or prev.get("world_size") or (max(seen) + 1 if seen else None)
+    if m is not None:
+        add_groups(con, rid, m.groups)
+    groups = con.execute("SELECT rowid, pg_desc, ranks FROM groups WHERE run_id = ?", [rid]).fetchall()
+    lay, source = _layout(rb, world, prev, groups) if world else (None, "unknown")
+    formats = sorted(have) or ([prev["source"]] if prev.get("source") else [])
+    run_source = "trainer" if m else (formats[0] if len(formats) == 1 else "mixed" if formats else "unknown")
+    backend = (m.backend if m else None) or (sorted(rb.backends)[0] if rb.backends else prev.get("backend"))
+    con.execute("BEGIN TRANSACTION")
+    try:
+        con.execute("DELETE FROM runs WHERE run_id = ?", [rid])
+        sizes = [getattr(lay, d) if lay else None for d in DIMS]
+        con.execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, now())",
+                    [rid, "wia" if source == "wia-meta" else run_source,
+                     str(m.path.parent) if m else prev.get("root"), world, *sizes, source, backend,
+                     json.dumps(m.data) if m else prev.get("manifest")])
+        if source != "wia-meta":
+            con.execute("DELETE FROM ranks WHERE run_id = ?", [rid])
+            for r in (range(world) if lay else sorted(seen)):
+                c = lay.coords(r) if lay else None
+                old = prev_ranks.get(r)
+                con.execute("INSERT INTO ranks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", [
+                    rid, r, c and c.dp, c and c.pp, c and c.cp, c and c.tp,
+                    (m.hosts.get(r) if m else None) or (old[6] if old else None),
+                    rb.pids.get(r, old[7] if old else None), old[8] if old else None])
+        for rowid, _, ranks in groups:
+            dim = (lay.dim_of(ranks) if lay and max(ranks) < lay.world_size else None) or \
+                ("world" if world and sorted(ranks) == list(range(world)) else "other")
+            con.execute("UPDATE groups SET dim = ?, size = ? WHERE rowid = ?", [dim, len(ranks), rowid])
+        con.execute("DELETE FROM ingest_log WHERE run_id = ? AND status = 'warning'", [rid])
+        missing: dict[tuple[str, str], list[int]] = {}
+        for fmt in PER_RANK_FORMATS:
+            if fmt in have and world:
+                gone = sorted(set(range(world)) - have[fmt])
+                if gone:
+                    missing[(rid, fmt)] = gone
+                    con.execute("INSERT INTO ingest_log VALUES (?, NULL, ?, NULL, NULL, 'warning', ?, 0, 0, now())",
+                                [rid, fmt, f"ranks missing from {fmt} data: {ranges_text(gone)} "
+                                           f"({len(gone)} of {world})"])
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    return missing
