@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from numerics.reduction_order import chained_sum  # the one definition of the canonical order
 from tracekit.conventions import CommAnnotation
 
 
@@ -104,14 +105,6 @@ def _dtype_name(t: torch.Tensor) -> str:
 
 def _move_dim_first(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.movedim(dim, 0).contiguous() if dim != 0 else t.contiguous()
-
-
-def chained_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """((x0 + x1) + x2) + ..., each add rounded in the parts' dtype: the canonical reduction."""
-    acc = parts[0].clone()
-    for p in parts[1:]:
-        acc = acc + p
-    return acc
 
 
 class Comm:
