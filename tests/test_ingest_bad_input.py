@@ -242,3 +242,15 @@ def test_mangled_pickles_fail_clearly_and_store_stays_intact(good_store: Path, t
     for t in ("fr_entries", "collectives", "p2p", "groups", "runs", "ranks", "ingest_log"):
         con.execute(f"DELETE FROM {t} WHERE run_id = 'mangled'")
     con.close()
+
+
+def test_rank_outside_world_is_reported(tmp_path: Path) -> None:
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "manifest.json").write_text(json.dumps({"run_id": "w2", "world_size": 2}))
+    for r in (0, 1, 5):
+        write_trace(tmp_path / "r" / "traces" / f"rank{r}.json.gz", nccl_trace(r, world=2, with_info=False))
+    rep = ingest([tmp_path / "r"], tmp_path / "s.duckdb")
+    assert len(rep.ok) == 3
+    with tracekit.open(tmp_path / "s.duckdb") as s:
+        w = s.sql("SELECT error FROM ingest_log WHERE status = 'warning'")["error"].to_list()
+    assert w == ["ranks 5 lie outside the world size 2"]

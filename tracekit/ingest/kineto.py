@@ -47,6 +47,7 @@ KINDS = {
     "gpu_memset": "memset", "python_function": "python",
 }
 GPU_KINDS = ("kernel", "memcpy", "memset", "gpu_annotation")
+GLOO_SPANS = "SELECT * FROM x WHERE is_comm AND starts_with(name, 'gloo:')"
 DTYPE_BYTES = {
     "float": 4, "float32": 4, "half": 2, "float16": 2, "bfloat16": 2, "double": 8, "float64": 8,
     "int": 4, "int32": 4, "long": 8, "int64": 8, "short": 2, "int16": 2, "byte": 1, "uint8": 1,
@@ -241,7 +242,7 @@ def _collectives(con: duckdb.DuckDBPyConnection, has_ann: bool, stepped: Callabl
         parts.append(f"""
             SELECT NULL, row_number() OVER (PARTITION BY op ORDER BY ts_ns) - 1, op, ts_ns, ts_ns + dur_ns,
                    NULL, NULL, step, 'gloo'
-            FROM (SELECT *, {span_op} AS op FROM {stepped("SELECT * FROM x WHERE is_comm AND starts_with(name, 'gloo:') AND kind = 'user_annotation'")})
+            FROM (SELECT *, {span_op} AS op FROM {stepped(GLOO_SPANS + " AND kind = 'user_annotation'")})
             WHERE NOT {classify.sql_is_p2p('op')}
         """)
     return con.sql(" UNION ALL ".join(parts) + " ORDER BY start_ns").to_arrow_table()
@@ -267,7 +268,7 @@ def _p2p(con: duckdb.DuckDBPyConnection, has_ann: bool, stepped: Callable[[str],
         parts.append(f"""
             SELECT NULL, op, NULL, row_number() OVER (PARTITION BY op ORDER BY ts_ns) - 1,
                    ts_ns, ts_ns + dur_ns, NULL, step, NULL, 'gloo'
-            FROM (SELECT *, {span_op} AS op FROM {stepped("SELECT * FROM x WHERE is_comm AND starts_with(name, 'gloo:')")})
+            FROM (SELECT *, {span_op} AS op FROM {stepped(GLOO_SPANS)})
             WHERE op IN ('send', 'recv')
         """)
     return con.sql(" UNION ALL ".join(parts) + " ORDER BY start_ns").to_arrow_table()

@@ -134,6 +134,10 @@ def finalize(con: duckdb.DuckDBPyConnection, rb: RunBatch) -> dict[tuple[str, st
                     con.execute("INSERT INTO ingest_log VALUES (?, NULL, ?, NULL, NULL, 'warning', ?, 0, 0, now())",
                                 [rid, fmt, f"ranks missing from {fmt} data: {ranges_text(gone)} "
                                            f"({len(gone)} of {world})"])
+        outside = sorted(r for r in seen if world and r >= world)
+        if outside:
+            con.execute("INSERT INTO ingest_log VALUES (?, NULL, NULL, NULL, NULL, 'warning', ?, 0, 0, now())",
+                        [rid, f"ranks {ranges_text(outside)} lie outside the world size {world}"])
         con.execute("COMMIT")
     except BaseException:
         con.execute("ROLLBACK")
