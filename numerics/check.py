@@ -65,6 +65,27 @@ class CheckReport:
         return pl.concat([s.comparison.ulp_histogram().with_columns(pl.lit(s.step).alias("step"))
                           for s in self.steps]).select("step", pl.exclude("step"))
 
+    @property
+    def diagnosis(self) -> str:
+        """Where the divergence enters, read off the order of the comparison."""
+        first = self.first_divergent
+        if first is None:
+            return "bit-exact: accumulation order fully explained, no bug"
+        step, name = first
+        sc = self.steps[step]
+        if name == "loss":
+            return "forward: the loss differs (data sharding, masking or forward compute)"
+        if name.startswith("param/"):
+            return f"optimizer: gradients match, updated parameter {name[6:]} differs"
+        grads = [b for b in sc.comparison.buffers if b.name.startswith("grad/")]
+        bad = [b for b in grads if not b.bit_exact]
+        ratios = sorted({round(sc.norm_ratio[b.name], 6) for b in bad})
+        # a backward bug spares the gradients computed before it; a reduction bug hits (nearly) all
+        if len(bad) == len(grads) or (len(ratios) == 1 and 2 * len(bad) > len(grads)):
+            return (f"gradient reduction: the loss matches, {len(bad)}/{len(grads)} gradients differ, "
+                    f"norm ratio {ratios} (a scaling or reduction bug)")
+        return f"backward: the loss matches; the first wrong gradient in backward order is {name[5:]}"
+
     def summary(self) -> str:
         """One paragraph: the verdict and, on mismatch, where it starts."""
         first = self.first_divergent
@@ -76,11 +97,12 @@ class CheckReport:
         bad = self.table().filter(pl.col("mismatches") > 0)
         return (f"MISMATCH: first diverging buffer {name!r} (module {d.module}) at step {step}: "
                 f"{d.mismatches}/{d.numel} elements differ, max {d.max_ulp} ULP, normwise rel. error "
-                f"{d.rel_err:.3g}; {bad.height} of {self.table().height} buffers differ")
+                f"{d.rel_err:.3g}; {bad.height} of {self.table().height} buffers differ\n{self.diagnosis}")
 
 
 def _flatten(state: dict, order: Sequence[str]) -> dict[str, torch.Tensor]:
-    out = {"loss": torch.tensor(float(state["loss"]), dtype=torch.float64)}
+    # the trainer's loss is an fp32 all-reduce result handed out as a Python float: compare it in fp32
+    out = {"loss": torch.tensor(float(state["loss"]), dtype=torch.float32)}
     for key, prefix in (("grads", "grad/"), ("params", "param/")):
         for name in order:
             out[prefix + name] = state[key][name]
