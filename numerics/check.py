@@ -20,7 +20,7 @@ import torch
 
 from numerics.compare import Comparison, compare
 from numerics.plan import AccumulationPlan
-from numerics.reference_model import ReferenceRun
+from numerics.reference_step import ReferenceRun
 from reference_trainer.config import TrainConfig
 
 

@@ -21,7 +21,7 @@ import yaml
 
 from numerics.plan import AccumulationPlan
 from numerics.precision import DEFAULT_THRESHOLD, buffer_precision
-from numerics.reference_model import ReferenceRun
+from numerics.reference_step import ReferenceRun
 from reference_trainer.config import ConfigError, TrainConfig
 
 

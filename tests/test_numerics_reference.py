@@ -13,7 +13,7 @@ from numerics.check import compare_states
 from numerics.cli import main
 from numerics.model_precision import gradient_terms, load_config
 from numerics.plan import AccumulationPlan, PlanError
-from numerics.reference_model import ReferenceRun
+from numerics.reference_step import ReferenceRun
 from reference_trainer.config import ConfigError, TrainConfig
 from reference_trainer.context_parallel import shard_positions
 from reference_trainer.data import document_ids
