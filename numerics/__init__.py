@@ -12,3 +12,12 @@
 
 See docs/numerics.md.
 """
+
+
+def __getattr__(name: str):
+    # ``numerics.assert_parallel_matches_reference(cfg)`` for tests, without importing torch on ``import numerics``
+    if name in ("assert_parallel_matches_reference", "run_check", "check_run"):
+        from numerics import check
+
+        return getattr(check, name)
+    raise AttributeError(f"module 'numerics' has no attribute {name!r}")

@@ -118,3 +118,12 @@ def test_precision_model_config_flags_real_buffers(tmp_path):
     bad.write_text("n_layers: 2\nwarp: 9\n")
     result = CliRunner().invoke(main, ["precision", "--model-config", str(bad)])
     assert result.exit_code == 2 and "bad.yaml" in result.output and "warp" in result.output
+
+
+def test_pytest_api_raises_with_the_first_diverging_buffer(tmp_path):
+    import numerics
+
+    cfg = TINY.replace(cp=2, steps=1, plant_bug="cp-chunk")
+    with pytest.raises(AssertionError, match=r"first diverging buffer 'loss'[\s\S]*forward: the loss differs"):
+        numerics.assert_parallel_matches_reference(cfg, tmp_path)
+    assert (tmp_path / "state" / "step0.pt").exists()
