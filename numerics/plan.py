@@ -129,6 +129,11 @@ class AccumulationPlan:
 
     # -- parameters and buckets ----------------------------------------------------------------
     @cached_property
+    def stage_layers(self) -> list[range]:
+        """Layers of each virtual stage (the trainer's partition: first and last stages shed one)."""
+        return stage_layers(self.cfg.n_layers, self.cfg.n_vstages_total)
+
+    @cached_property
     def stage_params(self) -> list[list[Param]]:
         return [_params(self.cfg, vs) for vs in range(self.cfg.n_vstages_total)]
 

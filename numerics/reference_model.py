@@ -244,7 +244,7 @@ class ReplicaStep:
         if vs == 0:
             xs = self.embed(vs, mb)
         assert xs is not None
-        for i in [int(p.name.split(".")[1]) for p in self.plan.stage_params[vs] if p.name.endswith("attn_norm.weight")]:
+        for i in self.plan.stage_layers[vs]:
             xs = self.layer(vs, i, xs, mb)
         return self.head_loss(vs, xs, mb) if vs == self.c.n_vstages_total - 1 else xs
 
