@@ -152,9 +152,10 @@ def check_run(cfg: TrainConfig, run_dir: str | Path) -> CheckReport:
 
 def run_check(cfg: TrainConfig, out: str | Path | None = None) -> CheckReport:
     """Run ``cfg`` on a spawned world (state dumped), then the reference, and compare."""
-    from reference_trainer.launch import launch
+    from reference_trainer.launch import launch, resolve_backend
 
     cfg = cfg.replace(dump_state=True)
+    cfg = cfg.replace(backend=resolve_backend(cfg))  # "auto" may mean NCCL, whose native sums have no model
     AccumulationPlan.from_config(cfg)  # refuse an unmodelled config before spawning anything
     with tempfile.TemporaryDirectory(prefix="numerics-check-") as tmp:
         run_dir = Path(out) if out is not None else Path(tmp)

@@ -26,6 +26,7 @@ EXACT = {
     "tp2_pp2_afab_bf16buf": BASE.replace(tp=2, pp=2, schedule="afab", **BF16_BUFFERS),
     "cp2_dp2_docshard_zero2_native": BASE.replace(cp=2, dp=2, cp_sharding="document", zero_stage=2),
     "dp4_bf16buf_native_2steps": BASE.replace(dp=4, steps=2, **BF16_BUFFERS),
+    "tp2_cp2_mbs2_native": BASE.replace(tp=2, cp=2, micro_batch_size=2, micro_batches=2),
 }
 BUGS = {
     "cp-chunk": BASE.replace(cp=2, dp=2, plant_bug="cp-chunk"),
