@@ -5,4 +5,19 @@
 - ``gloo_selftest``: checks the models against real gloo collectives.
 - ``compare``: bitwise comparison of named tensor collections (mismatches, ULPs, normwise error).
 - ``precision``: BF16 vs FP32 gradient-buffer accumulation error and the "needs FP32" verdict.
+- ``plan``: the accumulation plan (orders, dtypes, shards, buckets) derived from a trainer config.
+- ``reference_model``: the sequential reference that follows a plan bit for bit.
+- ``check``: parallel run vs reference (``assert_parallel_matches_reference``), with a diagnosis.
+- ``model_precision``: the FP32 verdict for a real model's gradient buffers.
+
+See docs/numerics.md.
 """
+
+
+def __getattr__(name: str):
+    # ``numerics.assert_parallel_matches_reference(cfg)`` for tests, without importing torch on ``import numerics``
+    if name in ("assert_parallel_matches_reference", "run_check", "check_run"):
+        from numerics import check
+
+        return getattr(check, name)
+    raise AttributeError(f"module 'numerics' has no attribute {name!r}")

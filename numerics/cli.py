@@ -1,6 +1,8 @@
-"""The `numerics` command line: precision report and the gloo reduction-order self-test.
+"""The `numerics` command line: bit-exact check against the sequential reference, precision report
+(synthetic or a real model's buffers) and the gloo reduction-order self-test.
 
-Exit codes: 0 ok; 1 a finding in a check mode (the self-test found gloo no longer matches the model);
+Exit codes: 0 ok; 1 a finding in a check mode (a mismatch with the reference; the self-test found gloo
+no longer matches the model);
 2 bad input; 3 the ranks could not run (spawn/gloo failure).
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import click
 import polars as pl
@@ -38,25 +41,49 @@ def main() -> None:
 @click.option("--threshold", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_THRESHOLD, show_default=True,
               help="Flag a buffer when its bf16 accumulation error exceeds this many storage floors.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--model-config", "model_config", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Judge the real gradient buffers of this trainer config (JSON/YAML of TrainConfig fields, or a "
+                   "run's manifest.json) instead of synthetic ones; -m sets its micro-batches, --dp its DP size, "
+                   "the order follows its reduce_order.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON rows instead of a table.")
-def precision(micro_batches, dp, numel, signal, order, threshold, seed, as_json) -> None:
-    """Accumulation error of BF16 vs FP32 gradient buffers against an fp64 exact sum, on synthetic
-    gradient streams of k = micro-batches x dp terms, and which buffers need FP32 accumulation."""
+def precision(micro_batches, dp, numel, signal, order, threshold, seed, model_config, as_json) -> None:
+    """Accumulation error of BF16 vs FP32 gradient buffers against an fp64 exact sum, over
+    k = micro-batches x dp terms, and which buffers need FP32 accumulation: synthetic gradient
+    streams, or (--model-config) every gradient buffer of a real model."""
     import torch
 
     torch.set_num_threads(1)  # results must not depend on the machine's thread count
-    jobs = [(n, m) for n in numel for m in micro_batches]
     rows = []
-    with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
-        task = progress.add_task("accumulating", total=len(jobs))
-        for i, (n, m) in enumerate(jobs):
-            terms = synthetic_terms(m, dp, n, signal=signal, seed=seed + i)
-            rows.append(buffer_precision(f"synthetic{i}", terms, order=order, threshold=threshold))
-            progress.advance(task)
+    if model_config is not None:
+        from numerics.model_precision import gradient_terms, load_config
+        from reference_trainer.config import ConfigError
+
+        try:
+            base = load_config(model_config)
+            cfgs = [base.replace(micro_batches=m, dp=dp).validate() for m in micro_batches]
+        except ConfigError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
+        order = "canonical" if base.reduce_order == "canonical" else "gloo_ring"
+        with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
+            task = progress.add_task("emulating micro-batches", total=len(cfgs))
+            for cfg in cfgs:
+                for name, terms in gradient_terms(cfg).items():
+                    rows.append(buffer_precision(name, terms, order=order, threshold=threshold))
+                progress.advance(task)
+    else:
+        jobs = [(n, m) for n in numel for m in micro_batches]
+        with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
+            task = progress.add_task("accumulating", total=len(jobs))
+            for i, (n, m) in enumerate(jobs):
+                terms = synthetic_terms(m, dp, n, signal=signal, seed=seed + i)
+                rows.append(buffer_precision(f"synthetic{i}", terms, order=order, threshold=threshold))
+                progress.advance(task)
     if as_json:
         click.echo(json.dumps([asdict(r) for r in rows], indent=2))
         return
-    table = Table(title=f"accumulation error vs fp64, normwise (dp={dp}, order={order}, signal={signal:g})")
+    source = f"model {model_config}" if model_config is not None else f"signal={signal:g}"
+    table = Table(title=f"accumulation error vs fp64, normwise (dp={dp}, order={order}, {source})")
     for col in ("buffer", "numel", "mb", "k", "bf16 buf", "fp32 buf", "floor", "ratio", "lost", "verdict"):
         table.add_column(col, justify="left" if col in ("buffer", "verdict") else "right", no_wrap=True)
     for r in rows:
@@ -67,8 +94,70 @@ def precision(micro_batches, dp, numel, signal, order, threshold, seed, as_json)
     console = Console()
     console.width = max(console.width, 120)  # a piped/CI log is not 80 columns wide; never truncate numbers
     console.print(table)
-    console.print(f"mb: micro-batches; k: terms (mb x dp); floor: error of rounding the exact sum once to bf16; "
+    console.print(f"mb: micro-batches; k: terms (mb x dp{' x cp' if model_config is not None else ''}); floor: error of rounding the exact sum once to bf16; "
                   f"lost: bf16 additions swallowed whole.\nrule: needs FP32 iff bf16 buffer error > {threshold:g} x floor")
+
+
+def _trainer_options(fn):
+    from reference_trainer.cli import _config_options  # one option per TrainConfig field
+
+    return _config_options(fn)
+
+
+@main.command()
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Keep the parallel run here (default: a temporary directory).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@_trainer_options
+def check(out, as_json, **fields) -> None:
+    """Run a parallel training step of the reference trainer and its sequential emulation; exit 0 when
+    loss, every gradient and every updated parameter match bit for bit, 1 with a report otherwise."""
+    from numerics.check import run_check
+    from numerics.plan import PlanError
+    from reference_trainer.config import ConfigError, TrainConfig
+    from reference_trainer.launch import LaunchError
+
+    try:
+        cfg = TrainConfig(**fields).validate()
+    except (ConfigError, TypeError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    try:
+        with Console(stderr=True).status(f"running {cfg.layout} ({cfg.world_size} ranks) and the sequential reference"):
+            report = run_check(cfg, out)
+    except (ConfigError, PlanError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except LaunchError as exc:
+        click.echo(f"error: the parallel run failed: {exc}", err=True)
+        sys.exit(3)
+    first = report.first_divergent
+    if as_json:
+        hist = report.ulp_histogram()
+        if first is not None:
+            hist = hist.filter((pl.col("step") == first[0]) & (pl.col("buffer") == first[1]))
+        click.echo(json.dumps({
+            "bit_exact": report.bit_exact, "layout": str(cfg.layout), "summary": report.summary(),
+            "diagnosis": report.diagnosis, "first_divergent": None if first is None else {"step": first[0], "buffer": first[1]},
+            "buffers": report.table().to_dicts(), "first_divergent_ulp_histogram": hist.to_dicts(),
+        }, indent=1, default=str))
+    else:
+        console = Console()
+        console.width = max(console.width, 140)
+        console.print(f"{cfg.layout}: {report.summary()}")
+        if first is not None:
+            bad = report.table().filter(pl.col("mismatches") > 0)
+            table = Table(title=f"mismatching buffers ({bad.height}), comparison order: loss, gradients in backward order, parameters")
+            for col in ("step", "buffer", "mismatches", "numel", "max ulp", "max abs err", "rel err", "norm ratio"):
+                table.add_column(col, justify="left" if col == "buffer" else "right", no_wrap=True)
+            for r in bad.head(25).iter_rows(named=True):
+                table.add_row(str(r["step"]), r["buffer"], str(r["mismatches"]), str(r["numel"]), str(r["max_ulp"]),
+                              f"{r['max_abs_err']:.3g}", f"{r['rel_err']:.3g}", f"{r['norm_ratio']:.4g}")
+            console.print(table)
+            hist = report.ulp_histogram().filter((pl.col("step") == first[0]) & (pl.col("buffer") == first[1]))
+            console.print(f"ULP histogram of {first[1]} (step {first[0]}): " + ", ".join(
+                f"[{r['ulp_min']}, {r['ulp_max']}]: {r['count']}" for r in hist.iter_rows(named=True)))
+    sys.exit(0 if report.bit_exact else 1)
 
 
 @main.command()

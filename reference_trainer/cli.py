@@ -28,6 +28,7 @@ _HELP = {
     "cp_sharding": "chunks i and 2cp-1-i of the sequence, or of every document (WLB-LLM)",
     "dump_state": "write unsharded loss, gradients and parameters per step to <out>/state/",
     "timeout_s": "collective timeout per rank, seconds",
+    "plant_bug": "debug: plant a known bug (cp-chunk, tp-bwd-reduce, dp-double-scale, doc-mask-off-by-one)",
 }
 
 

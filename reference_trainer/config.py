@@ -7,6 +7,8 @@ from typing import Any
 
 from tracekit.topology import Layout
 
+from .bugs import BUGS
+
 SCHEDULES = ("1f1b", "afab")
 DTYPES = ("fp32", "bf16")
 CP_SHARDINGS = ("sequence", "document")
@@ -65,6 +67,7 @@ class TrainConfig:
     backend: str = "auto"
     timeout_s: float = 300.0
     dump_state: bool = False
+    plant_bug: str = ""  # debug: plant a known bug (reference_trainer.bugs.BUGS) to test numerics checks
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -159,6 +162,7 @@ class TrainConfig:
         need(0 <= self.eos_id < self.vocab_size, f"eos_id {self.eos_id} outside vocab {self.vocab_size}")
         need(self.doc_len_mean >= 1 and self.doc_len_sigma >= 0 and self.doc_len_max >= 1,
              "doc_len_mean >= 1, doc_len_sigma >= 0 and doc_len_max >= 1 required")
+        need(self.plant_bug in ("",) + BUGS, f"plant_bug must be empty or one of {BUGS}, got {self.plant_bug!r}")
         need(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
         if errors:
             raise ConfigError("invalid trainer config: " + "; ".join(errors))

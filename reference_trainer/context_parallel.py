@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from . import bugs
 from .comm import Comm, Group
 
 
@@ -25,7 +26,8 @@ def shard_positions(doc_ids: torch.Tensor, cp: int, mode: str) -> torch.Tensor:
         return torch.arange(s).unsqueeze(0)
     if mode == "sequence":
         chunks = torch.arange(s).view(2 * cp, s // (2 * cp))
-        return torch.stack([torch.cat([chunks[i], chunks[2 * cp - 1 - i]]) for i in range(cp)])
+        second = 2 * cp - 2 if bugs.active("cp-chunk") else 2 * cp - 1  # planted bug: off by one chunk
+        return torch.stack([torch.cat([chunks[i], chunks[(second - i) % (2 * cp)]]) for i in range(cp)])
     if mode != "document":
         raise ValueError(f"unknown cp sharding {mode!r}")
     owner = torch.empty(s, dtype=torch.long)
@@ -74,7 +76,11 @@ def document_causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, doc: torch.Te
     """[b, q, k] True where query position q may attend key position k: same document, k <= q.
     ``doc`` is the [b, S] document id of every global position."""
     q_doc = torch.gather(doc, 1, q_pos)
-    k_doc = torch.gather(doc, 1, k_pos)
+    if bugs.active("doc-mask-off-by-one"):  # planted bug: the key's document read one position late
+        k_pos_doc = (k_pos + 1).clamp(max=doc.shape[1] - 1)
+        k_doc = torch.gather(doc, 1, k_pos_doc)
+    else:
+        k_doc = torch.gather(doc, 1, k_pos)
     return (q_doc[:, :, None] == k_doc[:, None, :]) & (k_pos[:, None, :] <= q_pos[:, :, None])
 
 

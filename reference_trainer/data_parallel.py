@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from . import bugs
 from .config import TrainConfig
 from .model import DTYPES, Stage
 from .parallel_state import ParallelContext
@@ -79,6 +80,8 @@ class Bucket:
         if ctx.tp.size > 1 and self.replicated.stop > self.replicated.start:
             self.grad[self.replicated] = comm.all_reduce(self.grad[self.replicated], ctx.tp)
         shard = comm.reduce_scatter(self.grad.to(DTYPES[self.cfg.reduce_dtype]), ctx.dp_cp)
+        if bugs.active("dp-double-scale"):  # planted bug: averaging a gradient that is already a mean
+            shard = shard / ctx.dp_cp.size
         if self.cfg.zero_stage == 1:
             self.reduced = shard.to(torch.float32, copy=True)
         else:

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import bugs
 from .config import TrainConfig
 from .context_parallel import attention, gather_kv
 from .parallel_state import ParallelContext
@@ -124,6 +125,7 @@ class Stage(nn.Module):
     def __init__(self, cfg: TrainConfig, ctx: ParallelContext, vstage: int, dtype: torch.dtype):
         super().__init__()
         self.cfg, self.ctx, self.vstage = cfg, ctx, vstage
+        bugs.set_active(cfg.plant_bug)
         self.specs = stage_specs(cfg, vstage)
         self.is_first = vstage == 0
         self.is_last = vstage == cfg.n_vstages_total - 1
@@ -154,7 +156,8 @@ class Stage(nn.Module):
         k, v = gather_kv(k, comm, self.ctx.cp), gather_kv(v, comm, self.ctx.cp)
         o = attention(q, k, v, mb.mask).reshape(b, s, -1)
         x = x + reduce_scatter_sequence(F.linear(o, w("wo")), comm, tp)
-        hf = gather_sequence(rms_norm(x, w("mlp_norm"), c.norm_eps), comm, tp)
+        hf = gather_sequence(rms_norm(x, w("mlp_norm"), c.norm_eps), comm, tp,
+                             bwd_reduce=not bugs.active("tp-bwd-reduce"))
         act = F.silu(F.linear(hf, w("w1"))) * F.linear(hf, w("w3"))
         return x + reduce_scatter_sequence(F.linear(act, w("w2")), comm, tp)
 

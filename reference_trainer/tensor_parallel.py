@@ -17,13 +17,15 @@ from .comm import Comm, Group
 
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
-        ctx.comm, ctx.group = comm, group
+    def forward(ctx, x: torch.Tensor, comm: Comm, group: Group, bwd_reduce: bool = True) -> torch.Tensor:
+        ctx.comm, ctx.group, ctx.bwd_reduce = comm, group, bwd_reduce
         return comm.all_gather(x, group, dim=1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.comm.reduce_scatter(grad, ctx.group, dim=1), None, None
+        if not ctx.bwd_reduce:  # planted bug tp-bwd-reduce: own partial gradient only
+            return grad.chunk(ctx.group.size, dim=1)[ctx.group.local_rank].contiguous(), None, None, None
+        return ctx.comm.reduce_scatter(grad, ctx.group, dim=1), None, None, None
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
@@ -37,9 +39,10 @@ class _ReduceScatterSequence(torch.autograd.Function):
         return ctx.comm.all_gather(grad, ctx.group, dim=1), None, None
 
 
-def gather_sequence(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:
-    """[b, s/tp, h] -> [b, s, h] (sequence-parallel region -> tensor-parallel region)."""
-    return x if group.size == 1 else _GatherSequence.apply(x, comm, group)
+def gather_sequence(x: torch.Tensor, comm: Comm, group: Group, bwd_reduce: bool = True) -> torch.Tensor:
+    """[b, s/tp, h] -> [b, s, h] (sequence-parallel region -> tensor-parallel region).
+    ``bwd_reduce=False`` only for the planted bug tp-bwd-reduce."""
+    return x if group.size == 1 else _GatherSequence.apply(x, comm, group, bwd_reduce)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, comm: Comm, group: Group) -> torch.Tensor:

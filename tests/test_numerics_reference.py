@@ -1,0 +1,129 @@
+"""The accumulation plan, the sequential reference against the single-process trainer (no spawn),
+the `numerics check` / `numerics precision --model-config` command lines and the planted-bug flag."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from numerics.check import compare_states
+from numerics.cli import main
+from numerics.model_precision import gradient_terms, load_config
+from numerics.plan import AccumulationPlan, PlanError
+from numerics.reference_step import ReferenceRun
+from reference_trainer.config import ConfigError, TrainConfig
+from reference_trainer.context_parallel import shard_positions
+from reference_trainer.data import document_ids
+from reference_trainer.train import run_single_process
+
+TINY = TrainConfig(n_layers=2, dim=64, seq_len=128, micro_batches=2, steps=2, dump_state=True)
+
+
+def test_sequence_sharding_gives_rank_i_chunks_i_and_2cp_minus_1_minus_i():
+    plan = AccumulationPlan.from_config(TINY.replace(cp=2, seq_len=16))
+    pos = plan.cp_positions(torch.zeros(1, 16, dtype=torch.long))[0]
+    assert pos.tolist() == [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]]
+
+
+@pytest.mark.parametrize("sharding", ["sequence", "document"])
+def test_cp_positions_agree_with_the_trainer_on_packed_documents(sharding):
+    cfg = TINY.replace(cp=2, cp_sharding=sharding)
+    from reference_trainer.data import Corpus
+
+    doc = document_ids(Corpus(cfg).global_batch(0)[:, :-1], cfg.eos_id)
+    pos = AccumulationPlan.from_config(cfg).cp_positions(doc)
+    for row, p in zip(doc, pos):
+        assert torch.equal(p, shard_positions(row, 2, sharding))
+        assert sorted(p.flatten().tolist()) == list(range(cfg.seq_len))  # a partition
+
+
+def test_buckets_are_padded_to_the_dp_cp_group_and_list_every_parameter():
+    cfg = TINY.replace(tp=2, cp=2, dp=2, pp=2, n_layers=4, dim=60, n_heads=2, n_kv_heads=2)
+    plan = AccumulationPlan.from_config(cfg)
+    assert sorted(plan.backward_order()) == sorted(p.name for p in plan.params)
+    for bp in plan.buckets:
+        assert bp.padded % 4 == 0 and bp.padded - sum(bp.shard_numels) < 4
+        kinds = [p.tp_dim is None for p in bp.params]
+        assert kinds == sorted(kinds)  # TP-sharded first, then the norm weights
+        assert bp.replicated.stop == sum(bp.shard_numels)
+
+
+def test_native_nccl_reductions_are_refused():
+    with pytest.raises(PlanError, match="canonical"):
+        AccumulationPlan.from_config(TINY.replace(backend="nccl"))
+
+
+@pytest.mark.parametrize("changes", [{}, {"compute_dtype": "fp32", "grad_accum_dtype": "bf16"},
+                                     {"zero_stage": 2, "reduce_dtype": "bf16"}])
+def test_reference_matches_the_single_process_trainer_bit_for_bit(changes):
+    cfg = TINY.replace(**changes)
+    _, trainer = run_single_process(cfg)
+    ours = ReferenceRun(AccumulationPlan.from_config(cfg))
+    checks = compare_states(trainer, [ours.step() for _ in range(cfg.steps)], AccumulationPlan.from_config(cfg))
+    assert all(c.comparison.bit_exact for c in checks), [c.comparison.first_divergent for c in checks]
+    assert trainer[1]["loss"] < trainer[0]["loss"]  # it trains
+
+
+def test_gradient_terms_sum_to_the_reduced_gradient():
+    cfg = TINY.replace(cp=2, tp=2, dp=2, compute_dtype="fp32", steps=1)
+    terms = gradient_terms(cfg)
+    ref = ReferenceRun(AccumulationPlan.from_config(cfg)).step()
+    for name, t in terms.items():
+        assert t.shape[:2] == (cfg.micro_batches, 4)
+        exact = t.sum(dim=(0, 1)).view(ref["grads"][name].shape)
+        assert torch.allclose(exact, ref["grads"][name].double(), rtol=1e-4, atol=1e-7), name
+
+
+def test_plant_bug_is_validated():
+    with pytest.raises(ConfigError, match="plant_bug"):
+        TINY.replace(plant_bug="typo").validate()
+
+
+def test_check_cli_rejects_bad_config_with_exit_code_2():
+    result = CliRunner().invoke(main, ["check", "--tp", "3"])
+    assert result.exit_code == 2 and "not divisible by tp 3" in result.output
+
+
+def test_check_cli_exit_codes_and_json(tmp_path):
+    args = ["--tp", "2", "--n-layers", "2", "--steps", "1", "--micro-batches", "2", "--json"]
+    ok = CliRunner().invoke(main, ["check", *args, "--out", str(tmp_path / "ok")])
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(ok.output)["bit_exact"] is True
+    bad = CliRunner().invoke(main, ["check", *args, "--plant-bug", "tp-bwd-reduce", "--out", str(tmp_path / "bad")])
+    assert bad.exit_code == 1, bad.output
+    report = json.loads(bad.output)
+    assert report["first_divergent"] == {"step": 0, "buffer": "grad/layers.1.mlp_norm.weight"}
+    assert sum(r["count"] for r in report["first_divergent_ulp_histogram"]) == 64
+    assert report["diagnosis"].startswith("backward")
+
+
+def test_precision_model_config_flags_real_buffers(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("n_layers: 2\ndim: 64\nseq_len: 128\n")
+    assert load_config(path).n_layers == 2
+    result = CliRunner().invoke(main, ["precision", "--model-config", str(path), "-m", "1", "-m", "32", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    n_buffers = len(AccumulationPlan.from_config(load_config(path)).params)
+    assert len(rows) == 2 * n_buffers
+    assert {r["terms"] for r in rows} == {1, 32}
+    one = [r for r in rows if r["terms"] == 1]
+    many = [r for r in rows if r["terms"] == 32]
+    assert not any(r["needs_fp32"] for r in one)  # a single term is rounded once: at the floor
+    assert sum(r["needs_fp32"] for r in many) > n_buffers // 2
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("n_layers: 2\nwarp: 9\n")
+    result = CliRunner().invoke(main, ["precision", "--model-config", str(bad)])
+    assert result.exit_code == 2 and "bad.yaml" in result.output and "warp" in result.output
+
+
+def test_pytest_api_raises_with_the_first_diverging_buffer(tmp_path):
+    import numerics
+
+    cfg = TINY.replace(cp=2, steps=1, plant_bug="cp-chunk")
+    with pytest.raises(AssertionError, match=r"first diverging buffer 'loss'[\s\S]*forward: the loss differs"):
+        numerics.assert_parallel_matches_reference(cfg, tmp_path)
+    assert (tmp_path / "state" / "step0.pt").exists()
