@@ -13,9 +13,11 @@ per op of ``reference_trainer/comm.py`` and writes ``<run>/fr/rank<R>`` as a pic
 
 Entry fields follow torch's recorder. Conventions of this recorder (docs/trace_conventions.md):
 ``collective_seq_id`` of a collective is the comm layer's per-group ``seq`` (as in the ``tk.comm``
-span); a p2p entry carries the comm layer's per-(group, peer, direction) ``seq`` as ``p2p_seq_id``
-and, as ``collective_seq_id``, a negative key unique to (pair, direction, seq), so that the
-analyzer, which matches every entry by (group, collective_seq_id), pairs each send with its recv.
+span). A p2p entry carries, as both ``collective_seq_id`` and ``p2p_seq_id``, the negative key
+``-(1 + 2*seq + (0 if src < dst else 1))`` (group-local src/dst), unique to (pair, direction, seq):
+the analyzer matches every entry by (group, collective_seq_id) and treats consecutive entries of a
+group that share an id as one coalesced op, so ids must be unique within a group. Every entry
+also carries the comm layer's own ``seq`` (p2p: per (group, peer, direction)) and ``step``.
 A p2p op in a group of more than two ranks is recorded on a two-rank pseudo group
 ``<pg>:<lo>-<hi>`` (``desc`` = ``<dim>_p2p``), listed in ``pg_config``: the analyzer expects every
 member of an op's group to take part. Each entry also carries ``step`` (the trainer's step).
@@ -120,8 +122,7 @@ class FlightRecorder:
             src, dst = (me, other) if op == "send" else (other, me)
             profiling = f"{self.backend}:send {src}->{dst}" if op == "send" else \
                 f"{self.backend}:recv {dst}<-{src}"
-            coll_seq = -(1 + 2 * ann.seq + (0 if src < dst else 1))
-            p2p_seq = ann.seq
+            coll_seq = p2p_seq = -(1 + 2 * ann.seq + (0 if src < dst else 1))
         now = time.time_ns()
         dtype = scalar_name(record.dtype)
         with self._lock:
@@ -135,7 +136,7 @@ class FlightRecorder:
                 "time_discovered_completed_ns": None, "duration_ms": None, "state": "started",
                 "retired": False, "timeout_ms": self.timeout_ms, "frames": [],
                 "thread_id": str(threading.get_ident()), "thread_name": threading.current_thread().name,
-                "step": self.step_of(), "nbytes": ann.nbytes,
+                "step": self.step_of(), "seq": ann.seq, "nbytes": ann.nbytes,
             }
             record.extra["fr_record_id"] = self._record_id
             self._by_record[self._record_id] = entry
