@@ -156,7 +156,7 @@ class RankProfiler:
             activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else []),
             schedule=schedule(skip_first=max(first - 1, 0), wait=0, warmup=1 if first > 0 else 0,
                               active=last - first + 1, repeat=1),
-            profile_memory=True, record_shapes=True,
+            profile_memory=True, record_shapes=False,
             on_trace_ready=self._export)
         self.exported: Path | None = None
 

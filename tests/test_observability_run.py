@@ -173,7 +173,7 @@ def test_slow_link_delays_ops_between_its_ranks_only(runs):
 @pytest.fixture(scope="module")
 def hang_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("hang") / "run"
-    cfg = BASE.replace(steps=3, timeout_s=25, fr_watchdog_s=4,
+    cfg = BASE.replace(steps=3, timeout_s=15, fr_watchdog_s=3,
                        faults="hang:rank=2,step=1,op=all_reduce,dim=pp")
     with pytest.raises(LaunchError):
         launch(cfg, out)
