@@ -20,7 +20,26 @@ from statistics import median
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from reference_trainer.config import TrainConfig  # noqa: E402
+from reference_trainer.comm import CommRecord, Group  # noqa: E402
+from reference_trainer.flight_recorder import FlightRecorder, fr_path, load_dump  # noqa: E402
 from reference_trainer.launch import launch_many  # noqa: E402
+from tracekit.conventions import CommAnnotation  # noqa: E402
+
+
+def recorder_us_per_op(n: int = 20000) -> float:
+    """The recorder's own cost per op (before + after), in this process: on a loaded machine the
+    step-time ratio is noisy, this is not."""
+    import time
+
+    g = Group("1", "tp", (0, 1), 0)
+    fr = FlightRecorder(0, [g], None)
+    recs = [CommRecord(CommAnnotation("all_reduce", "1", "tp", i, (0, 1), 64, "float32"), g, [[16]], [[16]],
+                       "float32") for i in range(n)]
+    t0 = time.perf_counter()
+    for r in recs:
+        fr.before(r)
+        fr.after(r)
+    return (time.perf_counter() - t0) / n * 1e6
 
 LAYOUTS = {4: dict(tp=2, pp=2), 8: dict(tp=2, cp=2, pp=2)}
 
@@ -39,15 +58,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         jobs = [(modes[m], Path(tmp) / f"{i}_{m}") for i, m in enumerate(order)]
         results = launch_many(jobs)
+        fr_run = next(r for m, r in zip(order, results) if m == "fr")
+        ops_per_step = max(len(load_dump(fr_path(fr_run.out, k))["entries"]) for k in range(args.world)) / args.steps
     times: dict[str, list[float]] = {m: [] for m in modes}
     for m, r in zip(order, results):
         times[m] += [s["seconds"] for s in r.metrics["steps"][1:]]
     med = {m: median(v) for m, v in times.items()}
-    out = {"world": args.world, "steps_per_job": args.steps, "median_step_s": med,
+    us = recorder_us_per_op()
+    out = {"world": args.world, "fr_us_per_op": us, "fr_ops_per_step_max_rank": ops_per_step,
+           "fr_cost_fraction_of_off_step": us * 1e-6 * ops_per_step / med["off"], "steps_per_job": args.steps, "median_step_s": med,
            "ratio_fr_vs_off": med["fr"] / med["off"], "ratio_profiler_vs_off": med["fr+profiler"] / med["off"]}
     for m, v in med.items():
         print(f"{m:12s} median step {v * 1000:8.1f} ms  ({len(times[m])} steps)")
-    print(f"flight recorder on / off: {out['ratio_fr_vs_off']:.3f}")
+    print(f"flight recorder on / off: {out['ratio_fr_vs_off']:.3f} (step times, noisy on a loaded machine)")
+    print(f"flight recorder cost: {us:.1f} us/op x {ops_per_step:.0f} ops/step = "
+          f"{100 * out['fr_cost_fraction_of_off_step']:.2f}% of a step")
     print(f"profiler (+memory) on / off: {out['ratio_profiler_vs_off']:.3f}")
     print(json.dumps(out))
 
