@@ -39,9 +39,10 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("obs")
     jobs = [(BASE.replace(profile_steps="1-2", faults=f"slow:rank={SLOW_RANK},factor={SLOW_FACTOR}"),
              root / "slow"),
-            (BASE.replace(steps=2, faults="link:a=0,b=1,delay_ms=150,steps=1"), root / "link")]
+            (BASE.replace(steps=2, faults="link:a=0,b=1,delay_ms=150,steps=1"), root / "link"),
+            (BASE.replace(profile_steps="1-2", faults="moving:ranks=1+2+3,factor=4"), root / "moving")]
     results = launch_many(jobs)
-    return {"slow": results[0], "link": results[1]}
+    return {"slow": results[0], "link": results[1], "moving": results[2]}
 
 
 def _env() -> dict:
@@ -168,6 +169,21 @@ def test_slow_link_delays_ops_between_its_ranks_only(runs):
     assert median(dur[(0, 0, True)]) < 150  # step 0 not faulted
     assert median(dur[(2, 1, False)]) < 150  # ranks 2,3's TP group is not on the link
     assert runs["link"].manifest["faults"][0]["ranks"] == [0, 1]
+
+
+def test_moving_straggler_is_the_slowest_rank_of_each_step(runs):
+    run = runs["moving"]
+    by_step = run.manifest["faults"][0]["rank_by_step"]
+    assert by_step == {"0": 1, "1": 2, "2": 3}
+    for step in (1, 2):
+        ms = {}
+        for r in range(WORLD):
+            t = read_trace(trace_path(run.out, r))
+            (span,) = [e for e in t["traceEvents"] if e["name"] == f"ProfilerStep#{step}"]
+            lo, hi = span["ts"], span["ts"] + span["dur"]
+            ms[r] = _exclusive_compute_ms({"traceEvents": [e for e in t["traceEvents"]
+                                                           if e.get("ph") == "X" and lo <= e["ts"] <= hi]})
+        assert max(ms, key=ms.get) == by_step[str(step)], (step, ms)
 
 
 @pytest.fixture(scope="module")
