@@ -215,5 +215,9 @@ def test_hang_dumps_name_the_stalled_collective(hang_run):
 def test_torchfrtrace_names_the_missing_rank(hang_run):
     res = _torchfrtrace(hang_run / "fr")
     text = res.stdout + res.stderr
-    assert "Not all ranks joining collective" in text, text
-    assert "{2}" in text or "missing ranks: 2" in text.lower() or "[2]" in text, text
+    blocks = text.split("Not all ranks joining collective")[1:]
+    stalled = [b for b in blocks if "missing ranks: {2}" in b]
+    assert stalled, text
+    # the stalled collective: step 1's loss all_reduce over the PP group {0, 2}, seq 1
+    assert any("gloo:all_reduce" in b and "expected ranks: {0, 2}" in b and ":pp" in b
+               and b.lstrip().startswith(", sequence number: 1\n") for b in stalled), text
