@@ -40,9 +40,10 @@ def runs(tmp_path_factory):
     jobs = [(BASE.replace(profile_steps="1-2", faults=f"slow:rank={SLOW_RANK},factor={SLOW_FACTOR}"),
              root / "slow"),
             (BASE.replace(steps=2, faults="link:a=0,b=1,delay_ms=150,steps=1"), root / "link"),
-            (BASE.replace(profile_steps="1-2", faults="moving:ranks=1+2+3,factor=4"), root / "moving")]
+            (BASE.replace(profile_steps="1-2", faults="moving:ranks=1+2+3,factor=4"), root / "moving"),
+            (BASE.replace(tp=1, pp=4, n_layers=4, steps=2), root / "pp4")]
     results = launch_many(jobs)
-    return {"slow": results[0], "link": results[1], "moving": results[2]}
+    return dict(zip(("slow", "link", "moving", "pp4"), results))
 
 
 def _env() -> dict:
@@ -118,6 +119,19 @@ def test_every_comm_op_recorded_once_per_participant_with_matching_group_and_seq
 
 def test_torchfrtrace_accepts_clean_run(runs):
     res = _torchfrtrace(runs["slow"].out / "fr")
+    text = res.stdout + res.stderr
+    assert res.returncode == 0, text
+    assert "Not all ranks joining" not in text and "mismatch" not in text.lower(), text
+
+
+def test_torchfrtrace_accepts_p2p_in_groups_of_four(runs):
+    """pp = 4: p2p ops are recorded on two-rank pseudo groups, which the analyzer matches."""
+    out = runs["pp4"].out
+    d = load_dump(fr_path(out, 1))
+    pairs = {e["process_group"][0] for e in d["entries"] if e["is_p2p"]}
+    assert pairs and all(":" in p and d["pg_config"][p]["desc"] == "pp_p2p" for p in pairs)
+    assert {json.loads(d["pg_config"][p]["ranks"])[0] for p in pairs} == {0, 1}  # pairs (0,1) and (1,2)
+    res = _torchfrtrace(out / "fr")
     text = res.stdout + res.stderr
     assert res.returncode == 0, text
     assert "Not all ranks joining" not in text and "mismatch" not in text.lower(), text
