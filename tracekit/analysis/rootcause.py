@@ -51,6 +51,19 @@ def attention_work(doc_lengths: list[int]) -> int:
     return int(sum(n * n for n in doc_lengths))
 
 
+def work_from_manifest(manifest: dict) -> pl.DataFrame | None:
+    """Attention work per (rank, step) from a manifest's ``attention_work`` ({step: {rank: work}},
+    e.g. ``attention_work`` of the documents each rank held); None when the manifest has none."""
+    raw = manifest.get("attention_work") if isinstance(manifest, dict) else None
+    if not isinstance(raw, dict) or not raw:
+        return None
+    try:
+        rows = [(int(r), int(s), float(w)) for s, per in raw.items() for r, w in per.items()]
+    except (AttributeError, TypeError, ValueError) as e:
+        raise ValueError(f"manifest: malformed attention_work ({e})") from None
+    return pl.DataFrame(rows, schema={"rank": pl.Int32, "step": pl.Int64, "work": pl.Float64}, orient="row")
+
+
 def rank_step_metrics(tables: RunTables) -> pl.DataFrame:
     """Per (rank, step): compute_ns, busy_ns (union of compute and communication), step_ns, gap_ns."""
     comp = compute_events(tables.events)
