@@ -84,11 +84,11 @@ class Store:
 
     def newest_run(self) -> str:
         """The run ingested last (the default of every analysis method)."""
-        row = self._con.execute("SELECT run_id FROM runs ORDER BY ingested_at DESC NULLS LAST, run_id DESC "
-                                "LIMIT 1").fetchone()
-        if row is None:
+        rows = self._con.execute("SELECT run_id FROM runs ORDER BY ingested_at DESC NULLS LAST, run_id DESC "
+                                 "LIMIT 1").fetchall()
+        if not rows:
             raise StoreError(f"{self.path}: the store holds no runs")
-        return row[0]
+        return rows[0][0]
 
     def _run(self, run_id: str | None) -> str:
         if run_id is None:
