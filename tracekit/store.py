@@ -99,9 +99,22 @@ class Store:
 
     def run_tables(self, run_id: str | None = None) -> RunTables:
         """One run's tables, the input of every analysis."""
+        from dataclasses import replace
+
+        import polars as pl
+
         from tracekit.analysis.tables import RunTables
 
-        return RunTables.from_duckdb(self._con, self._run(run_id))
+        tables = RunTables.from_duckdb(self._con, self._run(run_id))
+        row = tables.runs.row(0, named=True)
+        if any(row[d] is None for d in ("tp", "cp", "pp", "dp")):
+            # No layout (e.g. traces without process-group metadata): compare every rank with every
+            # other, as data-parallel replicas; layout_source says so in every result.
+            world = row["world_size"] or tables.ranks["rank"].n_unique()
+            tables = replace(tables, runs=tables.runs.with_columns(
+                pl.lit(1, pl.Int32).alias("tp"), pl.lit(1, pl.Int32).alias("cp"), pl.lit(1, pl.Int32).alias("pp"),
+                pl.lit(int(world), pl.Int32).alias("dp"), pl.lit("assumed-dp").alias("layout_source")))
+        return tables
 
     def attention_work(self, run_id: str | None = None) -> pl.DataFrame | None:
         """Attention work per (rank, step) where the run's manifest records it
