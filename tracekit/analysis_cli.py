@@ -26,7 +26,7 @@ EXIT_OK, EXIT_FINDING, EXIT_BAD_INPUT = 0, 1, 2
 def _fail(message: str) -> None:
     from rich.console import Console
 
-    Console(stderr=True).print(f"[red]error:[/red] {message}", highlight=False)
+    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {message}", highlight=False)
     sys.exit(EXIT_BAD_INPUT)
 
 
