@@ -11,7 +11,7 @@ Each run is ingested and given to
 - flat: "shortest mean collective": the rank whose mean collective duration (all groups) is the
   shortest, when it is shorter than the median of the others by more than ``--flat-margin``;
 - hta: Holistic Trace Analysis 0.5.0 ``get_potential_stragglers`` (its own venv, see
-  ``ingest_vs_hta.ensure_hta``), when ``--hta`` is given; it reads GPU kernels, so on CPU gloo traces
+  ``ingest_vs_hta.ensure_hta``; one candidate asked for), when ``--hta`` is given; it reads GPU kernels, so on CPU gloo traces
   it finds nothing to compare, which is reported as such.
 Printed per method and magnitude: top-1 accuracy (the injected rank named), cause accuracy (ours:
 ``slow_compute``) and the false-alarm rate (a rank named on a no-fault run).
@@ -39,7 +39,7 @@ import json, sys
 from hta.trace_analysis import TraceAnalysis
 try:
     a = TraceAnalysis(trace_dir=sys.argv[1])
-    out = a.get_potential_stragglers()
+    out = a.get_potential_stragglers(num_candidates=1)
     print(json.dumps({"ok": True, "ranks": [int(r) for r in list(out)]}))
 except Exception as e:  # report, do not crash the benchmark
     print(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}))
