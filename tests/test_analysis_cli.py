@@ -165,3 +165,11 @@ def test_hta_sample_reports_what_it_can(tmp_path: Path) -> None:
     assert len(blob["steps"]["per_step"]) >= 1 and blob["steps"]["median_step_ns"] > 0
     assert blob["hangs"]["hung"] is False
     assert blob["stragglers"]["localization"]["verdict"] in ("no_data", "no_straggler", "straggler", "moving")
+
+
+def test_demo_without_a_bundled_sample_is_bad_input(tmp_path: Path) -> None:
+    bundled = Path(__file__).resolve().parents[1] / "sample_traces" / "demo" / "manifest.json"
+    if bundled.exists():
+        pytest.skip("this checkout bundles a sample run")
+    code, out = _cli("demo", "--no-train", "--out", str(tmp_path))
+    assert code == 2 and "no bundled sample run" in out
