@@ -146,7 +146,7 @@ def report_command(source: Path, run_id: str | None, as_json: bool, check: bool,
 @click.option("--no-train", is_flag=True, help="Use the bundled sample run instead of training.")
 @click.option("--json", "as_json", is_flag=True)
 def demo_command(out: Path | None, no_train: bool, as_json: bool) -> None:
-    """Train the reference model with rank 3 computing 1.5x slower, ingest, report culprit and cause."""
+    """Train the reference model with rank 3 computing 2x slower, ingest, report culprit and cause."""
     from rich.console import Console
 
     from tracekit import demo_run
@@ -160,7 +160,7 @@ def demo_command(out: Path | None, no_train: bool, as_json: bool) -> None:
         run_dir = bundled
     else:
         run_dir = out / "demo-run"
-        with err.status(f"training 4 ranks (dp 2, pp 2), rank {demo_run.DEMO_FAULT.rank} "
+        with err.status(f"training 4 ranks (tp 2, dp 2), rank {demo_run.DEMO_FAULT.rank} "
                         f"{demo_run.DEMO_FAULT.factor}x slower ..."):
             demo_run.run_scenarios([demo_run.Scenario(demo_run.DEMO_CONFIG, str(run_dir), (demo_run.DEMO_FAULT,))])
     store, rid = open_source(run_dir, None, quiet=as_json)

@@ -135,7 +135,7 @@ def run_scenarios(scenarios: Sequence[Scenario], warmup: int = 1, timeout_s: flo
     return [Path(s.out) for s in scenarios]
 
 
-# The demo's embedded default: 4 ranks (dp 2, pp 2), rank 3 (dp 1, pp 1) computes 1.5x slower.
-DEMO_CONFIG = {"dp": 2, "pp": 2, "n_layers": 2, "dim": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
+# The demo's embedded default: 4 ranks (tp 2, dp 2), rank 3 (dp 1, tp 1) computes 2x slower.
+DEMO_CONFIG = {"tp": 2, "dp": 2, "n_layers": 2, "dim": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
                "seq_len": 128, "micro_batches": 4, "steps": 6}
-DEMO_FAULT = SlowFault(rank=3, factor=1.5)
+DEMO_FAULT = SlowFault(rank=3, factor=2.0)
