@@ -122,5 +122,10 @@ def diagnose_hang(fr_entries: pl.DataFrame, groups: pl.DataFrame) -> HangReport:
         desc = descs.get(pg) or (row["pg_desc"][0] if row.height else None)
         stuck.append(StuckCollective(pg, desc, int(seq), op, tuple(mem), joined, missing, no_record,
                                      {int(r): int(v) for r, v in last.items()}))
-    stuck.sort(key=lambda s: (-len(s.missing) - len(s.no_record), s.pg_name))
-    return HangReport(tuple(sorted(fr["rank"].unique().to_list())), stuck)
+    report = HangReport(tuple(sorted(fr["rank"].unique().to_list())), stuck)
+    culprits = set(report.culprits)
+    # the collective the culprits are absent from first: it is where the job stopped; the others
+    # stalled behind it (their absent members wait in it)
+    stuck.sort(key=lambda s: (not culprits & {*s.missing, *s.no_record}, -len(s.missing) - len(s.no_record),
+                              s.pg_name))
+    return report
