@@ -1,6 +1,6 @@
 """Straggler analysis on real reference-trainer runs (4 gloo ranks, tp 2 x dp 2, tiny model): one
-spawned world trains a run where rank 3 computes 3x slower and a run without a fault, both profiled
-with torch.profiler, ingested from the trainer's run-directory layout, then analysed and reported
+spawned world trains a run where rank 3 computes 3x slower (the trainer's ``slow`` fault) and a run
+without a fault, both profiled by the trainer (``--profile-steps``), ingested from the trainer's run-directory layout, then analysed and reported
 through the CLI."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ SLOW = SlowFault(rank=3, factor=3.0)
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("trainer_runs")
     slow, clean = root / "slow", root / "clean"
-    run_scenarios([Scenario(CFG, str(slow), (SLOW,)), Scenario(CFG, str(clean), ())], timeout_s=900)
+    run_scenarios([Scenario(CFG, str(slow), (SLOW,)), Scenario(CFG, str(clean), ())])
     stores = {}
     for run in (slow, clean):
         db = root / f"{run.name}.duckdb"
@@ -36,7 +36,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 def test_manifest_records_the_injected_fault(runs) -> None:
     truth = json.loads((runs["slow_run"] / "manifest.json").read_text())["faults"]
-    assert truth == [{"kind": "slow", "ranks": [3], "steps": None, "magnitude": {"compute_factor": 3.0}}]
+    assert len(truth) == 1 and truth[0]["kind"] == "slow" and truth[0]["ranks"] == [3]
+    assert truth[0]["magnitude"] == {"compute_factor": 3.0}
     assert json.loads((runs["clean_run"] / "manifest.json").read_text())["faults"] == []
 
 
