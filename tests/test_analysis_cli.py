@@ -168,7 +168,7 @@ def test_hta_sample_reports_what_it_can(tmp_path: Path) -> None:
 
 
 def test_demo_without_a_bundled_sample_is_bad_input(tmp_path: Path) -> None:
-    bundled = Path(__file__).resolve().parents[1] / "sample_traces" / "demo" / "manifest.json"
+    bundled = Path(__file__).resolve().parents[1] / "sample_traces" / "slow_rank_8" / "manifest.json"
     if bundled.exists():
         pytest.skip("this checkout bundles a sample run")
     code, out = _cli("demo", "--no-train", "--out", str(tmp_path))

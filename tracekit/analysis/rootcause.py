@@ -65,9 +65,18 @@ def work_from_manifest(manifest: dict) -> pl.DataFrame | None:
 
 
 def rank_step_metrics(tables: RunTables) -> pl.DataFrame:
-    """Per (rank, step): compute_ns, busy_ns (union of compute and communication), step_ns, gap_ns."""
+    """Per (rank, step): compute_ns, busy_ns (union of compute and communication), step_ns, gap_ns.
+
+    compute_ns excludes communication nested in a compute span (the trainer's fwd/bwd spans hold
+    their TP and CP collectives): a peer waiting inside such a span is not computing."""
     comp = compute_events(tables.events)
     compute = comp.group_by("rank", "step").agg(pl.col("dur_ns").sum().alias("compute_ns"))
+    nested = _nested_comm(comp, pl.concat([
+        tables.collectives.select("rank", pl.col("start_ns").alias("s"), pl.col("end_ns").alias("e")),
+        tables.p2p.select("rank", pl.col("start_ns").alias("s"), pl.col("end_ns").alias("e"))]))
+    compute = compute.with_columns(pl.col("rank").cast(pl.Int32), pl.col("step").cast(pl.Int64)).join(
+        nested, on=["rank", "step"], how="left").with_columns(
+        (pl.col("compute_ns") - pl.col("nested_ns").fill_null(0)).clip(lower_bound=0)).drop("nested_ns")
     spans = pl.concat([
         comp.select("rank", "step", pl.col("ts_ns").alias("s"), (pl.col("ts_ns") + pl.col("dur_ns")).alias("e")),
         tables.collectives.select("rank", "step", pl.col("start_ns").alias("s"), pl.col("end_ns").alias("e")),
@@ -88,6 +97,21 @@ def rank_step_metrics(tables: RunTables) -> pl.DataFrame:
         on=["rank", "step"], how="left")
     return out.with_columns(pl.col("compute_ns").fill_null(0), pl.col("busy_ns").fill_null(0)).with_columns(
         (pl.col("step_ns") - pl.col("busy_ns")).clip(lower_bound=0).alias("gap_ns"))
+
+
+def _nested_comm(comp: pl.DataFrame, comm: pl.DataFrame) -> pl.DataFrame:
+    """(rank, step, nested_ns): communication time inside each rank's compute spans."""
+    spans = comp.select(pl.col("rank").cast(pl.Int32), pl.col("step").cast(pl.Int64),
+                        pl.col("ts_ns").cast(pl.Int64).alias("s0"),
+                        (pl.col("ts_ns") + pl.col("dur_ns")).cast(pl.Int64).alias("e0")).sort("s0")
+    ops = comm.select(pl.col("rank").cast(pl.Int32), pl.col("s").cast(pl.Int64), pl.col("e").cast(pl.Int64)).drop_nulls()
+    if not spans.height or not ops.height:
+        return pl.DataFrame(schema={"rank": pl.Int32, "step": pl.Int64, "nested_ns": pl.Int64})
+    hit = ops.sort("rank", "s").join_asof(spans.sort("rank", "s0"), left_on="s", right_on="s0", by="rank",
+                                          strategy="backward", check_sortedness=False)
+    hit = hit.filter(pl.col("e0").is_not_null() & (pl.col("s") < pl.col("e0")))
+    return hit.group_by("rank", "step").agg(
+        (pl.min_horizontal("e", "e0") - pl.col("s")).clip(lower_bound=0).sum().cast(pl.Int64).alias("nested_ns"))
 
 
 def link_transfers(tables: RunTables) -> pl.DataFrame:
