@@ -109,9 +109,9 @@ def _nested_comm(comp: pl.DataFrame, comm: pl.DataFrame) -> pl.DataFrame:
         return pl.DataFrame(schema={"rank": pl.Int32, "step": pl.Int64, "nested_ns": pl.Int64})
     hit = ops.sort("rank", "s").join_asof(spans.sort("rank", "s0"), left_on="s", right_on="s0", by="rank",
                                           strategy="backward", check_sortedness=False)
-    hit = hit.filter(pl.col("e0").is_not_null() & (pl.col("s") < pl.col("e0")))
-    return hit.group_by("rank", "step").agg(
-        (pl.min_horizontal("e", "e0") - pl.col("s")).clip(lower_bound=0).sum().cast(pl.Int64).alias("nested_ns"))
+    # only ops wholly inside a span are nested (async sends overlapping the next span are not)
+    hit = hit.filter(pl.col("e0").is_not_null() & (pl.col("s") > pl.col("s0")) & (pl.col("e") < pl.col("e0")))
+    return hit.group_by("rank", "step").agg((pl.col("e") - pl.col("s")).sum().cast(pl.Int64).alias("nested_ns"))
 
 
 def link_transfers(tables: RunTables) -> pl.DataFrame:
