@@ -146,7 +146,7 @@ def report_command(source: Path, run_id: str | None, as_json: bool, check: bool,
 @click.option("--no-train", is_flag=True, help="Use the bundled sample run instead of training.")
 @click.option("--json", "as_json", is_flag=True)
 def demo_command(out: Path | None, no_train: bool, as_json: bool) -> None:
-    """Train the reference model with rank 3 computing 2x slower, ingest, report culprit and cause
+    """Train the reference model with rank 3 computing 3x slower, ingest, report culprit and cause
     (``--no-train``: the bundled sample run sample_traces/slow_rank_8, rank 5 2x slower)."""
     from rich.console import Console
 
