@@ -51,7 +51,8 @@ def run_scenarios(scenarios: Sequence[Scenario]) -> list[Path]:
     return [Path(s.out) for s in scenarios]
 
 
-# The demo's embedded default: 4 ranks (tp 2, dp 2), rank 3 (dp 1, tp 1) computes 3x slower (2x is lost in the timing noise of a loaded 2-core machine about half the time).
+# The demo's embedded default: 4 ranks (tp 2, dp 2), rank 3 (dp 1, tp 1) computes 3x slower
+# (2x was lost in the timing noise of the loaded 2-core development machine in some runs).
 DEMO_CONFIG = {"tp": 2, "dp": 2, "n_layers": 2, "dim": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
                "seq_len": 128, "micro_batches": 4, "steps": 6}
 DEMO_FAULT = SlowFault(rank=3, factor=3.0)
