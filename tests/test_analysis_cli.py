@@ -86,7 +86,6 @@ def test_steps_finds_the_one_slow_step_and_its_rank(stores) -> None:
 def test_cp_wait_attributes_waiting_to_the_heavier_cp_rank(stores) -> None:
     with tracekit.open(stores["cp"]) as s:
         cp = s.cp_wait()
-        clean = None
     with tracekit.open(stores["clean"]) as s:
         clean = s.cp_wait()
     assert cp.cause == "compute_imbalance" and cp.compute_ratio > 1.05
