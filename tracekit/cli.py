@@ -20,6 +20,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "numerics": ("numerics.cli", "main"),
     "train": ("reference_trainer.cli", "train_command"),
     "ingest": ("tracekit.ingest.cli", "ingest_cmd"),
+    "stragglers": ("tracekit.analysis_cli", "stragglers_command"),
+    "cp-wait": ("tracekit.analysis_cli", "cp_wait_command"),
+    "steps": ("tracekit.analysis_cli", "steps_command"),
+    "hangs": ("tracekit.analysis_cli", "hangs_command"),
+    "report": ("tracekit.analysis_cli", "report_command"),
+    "demo": ("tracekit.analysis_cli", "demo_command"),
 }
 
 

@@ -51,10 +51,32 @@ def attention_work(doc_lengths: list[int]) -> int:
     return int(sum(n * n for n in doc_lengths))
 
 
+def work_from_manifest(manifest: dict) -> pl.DataFrame | None:
+    """Attention work per (rank, step) from a manifest's ``attention_work`` ({step: {rank: work}},
+    e.g. ``attention_work`` of the documents each rank held); None when the manifest has none."""
+    raw = manifest.get("attention_work") if isinstance(manifest, dict) else None
+    if not isinstance(raw, dict) or not raw:
+        return None
+    try:
+        rows = [(int(r), int(s), float(w)) for s, per in raw.items() for r, w in per.items()]
+    except (AttributeError, TypeError, ValueError) as e:
+        raise ValueError(f"manifest: malformed attention_work ({e})") from None
+    return pl.DataFrame(rows, schema={"rank": pl.Int32, "step": pl.Int64, "work": pl.Float64}, orient="row")
+
+
 def rank_step_metrics(tables: RunTables) -> pl.DataFrame:
-    """Per (rank, step): compute_ns, busy_ns (union of compute and communication), step_ns, gap_ns."""
+    """Per (rank, step): compute_ns, busy_ns (union of compute and communication), step_ns, gap_ns.
+
+    compute_ns excludes communication nested in a compute span (the trainer's fwd/bwd spans hold
+    their TP and CP collectives): a peer waiting inside such a span is not computing."""
     comp = compute_events(tables.events)
     compute = comp.group_by("rank", "step").agg(pl.col("dur_ns").sum().alias("compute_ns"))
+    nested = _nested_comm(comp, pl.concat([
+        tables.collectives.select("rank", pl.col("start_ns").alias("s"), pl.col("end_ns").alias("e")),
+        tables.p2p.select("rank", pl.col("start_ns").alias("s"), pl.col("end_ns").alias("e"))]))
+    compute = compute.with_columns(pl.col("rank").cast(pl.Int32), pl.col("step").cast(pl.Int64)).join(
+        nested, on=["rank", "step"], how="left").with_columns(
+        (pl.col("compute_ns") - pl.col("nested_ns").fill_null(0)).clip(lower_bound=0)).drop("nested_ns")
     spans = pl.concat([
         comp.select("rank", "step", pl.col("ts_ns").alias("s"), (pl.col("ts_ns") + pl.col("dur_ns")).alias("e")),
         tables.collectives.select("rank", "step", pl.col("start_ns").alias("s"), pl.col("end_ns").alias("e")),
@@ -75,6 +97,21 @@ def rank_step_metrics(tables: RunTables) -> pl.DataFrame:
         on=["rank", "step"], how="left")
     return out.with_columns(pl.col("compute_ns").fill_null(0), pl.col("busy_ns").fill_null(0)).with_columns(
         (pl.col("step_ns") - pl.col("busy_ns")).clip(lower_bound=0).alias("gap_ns"))
+
+
+def _nested_comm(comp: pl.DataFrame, comm: pl.DataFrame) -> pl.DataFrame:
+    """(rank, step, nested_ns): communication time inside each rank's compute spans."""
+    spans = comp.select(pl.col("rank").cast(pl.Int32), pl.col("step").cast(pl.Int64),
+                        pl.col("ts_ns").cast(pl.Int64).alias("s0"),
+                        (pl.col("ts_ns") + pl.col("dur_ns")).cast(pl.Int64).alias("e0")).sort("s0")
+    ops = comm.select(pl.col("rank").cast(pl.Int32), pl.col("s").cast(pl.Int64), pl.col("e").cast(pl.Int64)).drop_nulls()
+    if not spans.height or not ops.height:
+        return pl.DataFrame(schema={"rank": pl.Int32, "step": pl.Int64, "nested_ns": pl.Int64})
+    hit = ops.sort("rank", "s").join_asof(spans.sort("rank", "s0"), left_on="s", right_on="s0", by="rank",
+                                          strategy="backward", check_sortedness=False)
+    # only ops wholly inside a span are nested (async sends overlapping the next span are not)
+    hit = hit.filter(pl.col("e0").is_not_null() & (pl.col("s") > pl.col("s0")) & (pl.col("e") < pl.col("e0")))
+    return hit.group_by("rank", "step").agg((pl.col("e") - pl.col("s")).sum().cast(pl.Int64).alias("nested_ns"))
 
 
 def link_transfers(tables: RunTables) -> pl.DataFrame:

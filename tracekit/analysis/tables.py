@@ -60,6 +60,8 @@ class RunTables:
                 raise TablesError(f"expected one run in 'runs', found {runs.height}; pass run_id")
             run_id = runs["run_id"][0]
         frames = {t: tables[t].filter(pl.col("run_id") == run_id) for t in TABLE_NAMES}
+        for t in ("collectives", "p2p"):
+            frames[t] = prefer_profiler(frames[t])
         if frames["runs"].height != 1:
             raise TablesError(f"run {run_id!r} not found in 'runs'")
         return cls(run_id=run_id, **frames)
@@ -99,6 +101,16 @@ class RunTables:
         hosts = self.ranks.select(pl.col("rank").cast(pl.Int32), "host")
         ranks = ranks.join(hosts, on="rank", how="left")
         return ranks.with_columns(pl.coalesce("host", pl.format("rank{}", "rank")).alias("host"))
+
+
+def prefer_profiler(ops: pl.DataFrame) -> pl.DataFrame:
+    """THE rule for ops recorded twice: a rank with profiler-derived rows (annotation, kernel,
+    gloo spans) keeps only those; its flight-recorder rows (coarse times, no step) are dropped, or
+    every instance the two sources share would count each member twice."""
+    if "source" not in ops.columns or not ops.height:
+        return ops
+    profiled = pl.col("source").fill_null("") != "fr"
+    return ops.filter(profiled | ~profiled.any().over("rank"))
 
 
 def compute_events(events: pl.DataFrame) -> pl.DataFrame:

@@ -48,6 +48,13 @@ class Tunables:
     # Known attention work explains extra compute when the work excess is at least this share of
     # the compute excess (work ratio - 1 >= share * (compute ratio - 1)).
     work_explains_share: float = 0.5
+    # Steps: a step is slow when the job's step time exceeds the median step by this ratio and by
+    # this many robust spreads (MAD x 1.4826) of the step times.
+    slow_step_ratio: float = 1.10
+    slow_step_spreads: float = 4.0
+    # CP wait: a member's wait counts as explained by compute imbalance up to the compute it lacked
+    # against the CP group's slowest member; the imbalance is called the cause above this share.
+    cp_explained_min: float = 0.5
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -35,6 +35,14 @@ class Manifest:
     groups: list[dict] = field(default_factory=list)
 
 
+def _by_rank(value: object) -> list[tuple[object, object]]:
+    """(rank, value) pairs of a per-rank manifest entry: {rank: v} or a list indexed by rank (the
+    reference trainer writes lists)."""
+    if isinstance(value, list):
+        return list(enumerate(value))
+    return list((value or {}).items())  # type: ignore[union-attr]
+
+
 def read_manifest(path: Path) -> Manifest:
     try:
         data = json.loads(path.read_text())
@@ -50,9 +58,9 @@ def read_manifest(path: Path) -> Manifest:
             m.sizes = {d: holder[d] for d in DIMS}
             break
     try:
-        for r, pid in (data.get("pids") or {}).items():
+        for r, pid in _by_rank(data.get("pids")):
             m.pid_rank[int(pid)] = int(r)
-        for r, host in (data.get("hosts") or {}).items():
+        for r, host in _by_rank(data.get("hosts")):
             m.hosts[int(r)] = str(host)
         for item in data.get("ranks") or []:
             if isinstance(item, dict) and "rank" in item:

@@ -1,0 +1,128 @@
+"""Hang diagnosis from flight-recorder entries: a real gloo hang (torch's own FR dumps) and the cases
+a ring buffer and NCCL states produce."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+import tracekit
+from tracekit.analysis.hangs import diagnose_hang
+from tracekit.analysis.tables import conform
+from tracekit.ingest import ingest
+
+
+def _hang_main(rank: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=3)
+    sub = dist.new_group([0, 1], group_desc="tp")
+    t = torch.ones(4)
+    for _ in range(3):
+        dist.all_reduce(t)
+    dist.all_reduce(t, group=sub)
+    if rank != 2:  # rank 2 never joins the 4th world all-reduce: ranks 0 and 1 wait in it
+        dist.all_reduce(t, async_op=True)
+    import time
+
+    time.sleep(0.5)
+    (Path(out) / "fr").mkdir(exist_ok=True)
+    (Path(out) / "fr" / f"rank{rank}").write_bytes(torch._C._distributed_c10d._dump_fr_trace(True, True, False))
+    if rank == 0:
+        (Path(out) / "manifest.json").write_text(json.dumps({"run_id": "gloo-hang", "world_size": 3,
+                                                             "config": {"tp": 1, "cp": 1, "pp": 1, "dp": 3}}))
+    os._exit(0)  # the pending all-reduce would block a clean shutdown
+
+
+@pytest.fixture(scope="module")
+def hang_store(tmp_path_factory) -> Path:
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("hang") / "run"
+    out.mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_hang_main, args=(port, str(out)), nprocs=3, join=True)
+    db = out.parent / "s.duckdb"
+    assert not ingest([out], db).failed
+    return db
+
+
+def test_real_gloo_hang_names_the_collective_and_the_absent_rank(hang_store: Path) -> None:
+    with tracekit.open(hang_store) as s:
+        rep = s.hangs()
+    assert rep.hung and rep.culprits == (2,)
+    stuck = rep.stuck[0]
+    assert stuck.op == "all_reduce" and stuck.seq == 4
+    assert stuck.joined == (0, 1) and stuck.missing == (2,) and stuck.no_record == ()
+    assert len(rep.stuck) == 1  # the tp group [0, 1] finished its one all-reduce on both ranks
+    assert "never joined" in rep.headline and "[2]" in rep.headline
+    assert rep.to_dict()["culprits"] == [2]
+
+
+def _entries(rows: list[tuple]) -> pl.DataFrame:
+    df = pl.DataFrame(rows, schema=["rank", "pg_name", "collective_seq_id", "state", "profiling_name"], orient="row")
+    return conform(df.with_columns(pl.lit("r").alias("run_id"), pl.lit(False).alias("is_p2p")), "fr_entries")
+
+
+def _groups(members: dict[str, list[int]]) -> pl.DataFrame:
+    return pl.DataFrame({"pg_name": list(members), "pg_desc": ["dp"] * len(members),
+                         "ranks": list(members.values())})
+
+
+def test_nccl_states_stuck_collective_everyone_entered_is_reported() -> None:
+    # all four entered #7, nobody completed it: a stall inside the collective, nobody missing
+    rows = [(r, "0", s, "completed", "nccl:all_reduce") for r in range(4) for s in range(1, 7)]
+    rows += [(r, "0", 7, "started", "nccl:all_reduce") for r in range(4)]
+    rep = diagnose_hang(_entries(rows), _groups({"0": [0, 1, 2, 3]}))
+    assert rep.hung and rep.stuck[0].seq == 7 and rep.stuck[0].joined == (0, 1, 2, 3) and not rep.stuck[0].missing
+
+
+def test_nccl_states_one_rank_behind_and_one_without_dump() -> None:
+    rows = [(r, "0", s, "completed", "nccl:all_gather") for r in (0, 1) for s in range(1, 5)]
+    rows += [(r, "0", 5, "started", "nccl:all_gather") for r in (0, 1)]
+    rows += [(2, "0", s, "completed", "nccl:all_gather") for s in range(1, 5)]  # stopped before #5
+    rep = diagnose_hang(_entries(rows), _groups({"0": [0, 1, 2, 3]}))  # rank 3 left no dump
+    s = rep.stuck[0]
+    assert (s.seq, s.op, s.joined, s.missing, s.no_record) == (5, "all_gather", (0, 1), (2,), (3,))
+    assert rep.culprits == (2, 3)
+
+
+def test_no_hang_and_no_entries() -> None:
+    rows = [(r, "0", s, "completed", "nccl:all_reduce") for r in range(2) for s in range(1, 4)]
+    rep = diagnose_hang(_entries(rows), _groups({"0": [0, 1]}))
+    assert not rep.hung and rep.headline.startswith("no hang")
+    empty = diagnose_hang(_entries([]), _groups({}))
+    assert not empty.hung and "no flight-recorder entries" in empty.headline
+
+
+def test_trainer_hang_fault_names_the_stalled_rank(tmp_path: Path) -> None:
+    """The reference trainer with ``hang:rank=2,step=1,op=all_reduce,dim=pp`` (its flight recorder
+    dumps on the watchdog): ``tracekit hangs`` on the run directory names rank 2 and the pp all-reduce."""
+    from click.testing import CliRunner
+
+    from reference_trainer.config import TrainConfig
+    from reference_trainer.launch import LaunchError, launch
+    from tracekit.cli import main
+
+    cfg = TrainConfig(tp=2, pp=2, n_layers=2, dim=32, n_heads=2, n_kv_heads=2, ffn_dim=64, seq_len=64,
+                      micro_batches=2, steps=3, timeout_s=15, fr_watchdog_s=3,
+                      faults="hang:rank=2,step=1,op=all_reduce,dim=pp")
+    run = tmp_path / "hang"
+    with pytest.raises(LaunchError):
+        launch(cfg, run)
+    res = CliRunner().invoke(main, ["hangs", str(run), "--json", "--check"])
+    assert res.exit_code == 1, res.output
+    blob = json.loads(res.output)["hangs"]
+    assert blob["hung"] and blob["culprits"] == [2]
+    first = blob["stuck"][0]
+    assert (first["pg_desc"], first["op"], first["joined"], first["missing"]) == ("pp", "all_reduce", [0], [2])

@@ -1,0 +1,131 @@
+"""Hang diagnosis from flight-recorder entries: where did the ranks stop, and who never joined?
+
+Every rank's flight recorder lists the collectives it entered, per process group, with a
+per-group ``collective_seq_id`` and a state (scheduled, started, completed). In a hang, the
+group's members disagree: some entered instance ``seq`` and wait in it; the others never reached it
+(they are stuck earlier, in another group, or in compute). Per group, the stuck instance is the
+first one not completed by every member that recorded anything; without completion states (torch's
+gloo recorder often leaves entries "scheduled"), it is the furthest instance any member entered,
+and the members that did not enter it never joined. Members with no dump at all are "no record".
+p2p entries (``p2p_seq_id``) are checked the same way per group. Ring buffers keep only the newest
+entries, so only the maximum sequence per rank is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import polars as pl
+
+
+@dataclass(frozen=True)
+class StuckCollective:
+    pg_name: str
+    pg_desc: str | None
+    seq: int
+    op: str
+    members: tuple[int, ...]
+    joined: tuple[int, ...]  # entered the instance (and wait in it)
+    missing: tuple[int, ...]  # recorded the group but never entered the instance
+    no_record: tuple[int, ...]  # members without any flight-recorder entry for this group
+    last_seq: dict[int, int]  # per member, the furthest instance it entered
+
+    def to_dict(self) -> dict:
+        return {"pg_name": self.pg_name, "pg_desc": self.pg_desc, "seq": self.seq, "op": self.op,
+                "members": list(self.members), "joined": list(self.joined), "missing": list(self.missing),
+                "no_record": list(self.no_record), "last_seq": {str(k): v for k, v in self.last_seq.items()}}
+
+
+@dataclass(frozen=True)
+class HangReport:
+    ranks_with_records: tuple[int, ...]
+    stuck: list[StuckCollective] = field(default_factory=list)
+
+    @property
+    def hung(self) -> bool:
+        return bool(self.stuck)
+
+    @property
+    def culprits(self) -> tuple[int, ...]:
+        """Ranks that never joined a collective others wait in, and are not themselves waiting in a
+        stuck one: the ones holding the job (a rank waiting in one group can be why another stalls)."""
+        waiting = {r for s in self.stuck for r in s.joined}
+        absent = {r for s in self.stuck for r in (*s.missing, *s.no_record)}
+        return tuple(sorted(absent - waiting)) or tuple(sorted(absent))
+
+    @property
+    def headline(self) -> str:
+        if not self.ranks_with_records:
+            return "no flight-recorder entries: nothing to say about hangs"
+        if not self.stuck:
+            return f"no hang: every group's members reached the same collective ({len(self.ranks_with_records)} ranks)"
+        s = self.stuck[0]
+        never = sorted({*s.missing, *s.no_record})
+        return (f"hang in {s.op} #{s.seq} of group {s.pg_desc or s.pg_name}: ranks {list(s.joined)} wait, "
+                f"ranks {never} never joined; likely culprit(s): {list(self.culprits)}")
+
+    def to_dict(self) -> dict:
+        return {"headline": self.headline, "hung": self.hung, "culprits": list(self.culprits),
+                "ranks_with_records": list(self.ranks_with_records), "stuck": [s.to_dict() for s in self.stuck]}
+
+
+def _op(profiling_name: str | None) -> str:
+    name = profiling_name or "?"
+    name = name.split(":", 1)[1] if ":" in name else name
+    return name.split(" ", 1)[0]
+
+
+def diagnose_hang(fr_entries: pl.DataFrame, groups: pl.DataFrame) -> HangReport:
+    """The collectives where ranks stopped. ``groups`` (pg_name, pg_desc, ranks) gives membership;
+    a group it lacks gets the ranks that recorded it."""
+    if not fr_entries.height:
+        return HangReport(())
+    fr = fr_entries.with_columns(
+        pl.col("rank").cast(pl.Int64),
+        pl.when(pl.col("is_p2p").fill_null(False)).then(pl.col("p2p_seq_id")).otherwise(
+            pl.col("collective_seq_id")).alias("seq"),
+        pl.col("state").fill_null("").alias("state"),
+    ).drop_nulls("seq")
+    members = {n: sorted(int(x) for x in r) for n, r in
+               groups.select("pg_name", "ranks").drop_nulls().unique("pg_name").iter_rows()} if groups.height else {}
+    descs = dict(groups.select("pg_name", "pg_desc").unique("pg_name").iter_rows()) if groups.height else {}
+    have_completion = bool(fr.filter(pl.col("state") == "completed").height)
+    stuck: list[StuckCollective] = []
+    for (pg, p2p), g in fr.group_by("pg_name", "is_p2p", maintain_order=True):
+        if p2p:  # a p2p sequence counts per pair, not per group: skip unless it is a 2-rank group
+            if len(members.get(pg, g["rank"].unique().to_list())) != 2:
+                continue
+        mem = members.get(pg) or sorted(g["rank"].unique().to_list())
+        last = dict(g.group_by("rank").agg(pl.col("seq").max()).iter_rows())
+        done = dict(g.filter(pl.col("state") == "completed").group_by("rank").agg(pl.col("seq").max()).iter_rows())
+        recorded = [r for r in mem if r in last]
+        if have_completion:
+            first_open = min(done.get(r, min(last.values()) - 1) + 1 for r in recorded)
+            if all(done.get(r, -1) >= last[r] for r in recorded) and len(set(last.values())) == 1:
+                if len(recorded) == len(mem):
+                    continue
+                first_open = max(last.values()) + 1  # everyone recorded is done; the rest never came
+            seq = first_open
+        else:
+            seq = max(last.values())
+            if all(last[r] == seq for r in recorded) and len(recorded) == len(mem):
+                continue
+        joined = tuple(r for r in recorded if last[r] >= seq)
+        missing = tuple(r for r in recorded if last[r] < seq)
+        no_record = tuple(r for r in mem if r not in last)
+        if not missing and not no_record:
+            if not have_completion:
+                continue
+            # everyone entered; nobody finished: a stall inside the collective (e.g. a dead link)
+        row = g.filter(pl.col("seq") == seq).head(1)
+        op = _op(row["profiling_name"][0]) if row.height else "?"
+        desc = descs.get(pg) or (row["pg_desc"][0] if row.height else None)
+        stuck.append(StuckCollective(pg, desc, int(seq), op, tuple(mem), joined, missing, no_record,
+                                     {int(r): int(v) for r, v in last.items()}))
+    report = HangReport(tuple(sorted(fr["rank"].unique().to_list())), stuck)
+    culprits = set(report.culprits)
+    # the collective the culprits are absent from first: it is where the job stopped; the others
+    # stalled behind it (their absent members wait in it)
+    stuck.sort(key=lambda s: (not culprits & {*s.missing, *s.no_record}, -len(s.missing) - len(s.no_record),
+                              s.pg_name))
+    return report

@@ -1,0 +1,234 @@
+"""`tracekit stragglers | cp-wait | steps | hangs | report | demo`: render the analyses (no analysis here).
+
+Each takes a store file or a run directory. A run directory is ingested on the fly into a sibling
+store ``<dir>.tracekit.duckdb`` (or a temporary one where that cannot be written); files already
+ingested are skipped, so a second call is fast. Human-readable by default, ``--json`` for machines.
+
+Exit codes: 0 ok; 1 a finding with ``--check`` (a straggler, slow steps, a hang, CP waiting with a
+cause); 2 bad input (no such path, not a store, unreadable traces, unknown run).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from tracekit.report import Findings, gather, markdown
+
+EXIT_OK, EXIT_FINDING, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _fail(message: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {message}", highlight=False)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+def _sibling_store(run_dir: Path) -> Path:
+    """``<dir>.tracekit.duckdb`` beside the run directory, or a temporary store if that is read-only."""
+    probe = run_dir.parent / f".{run_dir.name}.tracekit.probe"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+        return run_dir.parent / f"{run_dir.name}.tracekit.duckdb"
+    except OSError:
+        return Path(tempfile.mkdtemp(prefix="tracekit-")) / f"{run_dir.name}.duckdb"
+
+
+def open_source(path: Path, run_id: str | None, quiet: bool):
+    """(Store, run_id) for a store file or a run directory (ingested with a progress bar)."""
+    import tracekit
+    from tracekit.ingest.common import IngestError
+    from tracekit.store import StoreError
+
+    if not path.exists():
+        _fail(f"{path}: no such file or directory")
+    if path.is_dir():
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        from tracekit.ingest import ingest
+
+        store_path = _sibling_store(path)
+        err = Console(stderr=True)
+        with Progress(TextColumn("ingest"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                      console=err, transient=True, disable=quiet or not err.is_terminal) as bar:
+            task = bar.add_task("", total=None)
+            try:
+                report = ingest([path], store_path, run_id=run_id, workers=1,
+                                progress=lambda d, t, p, s: bar.update(task, completed=d, total=t, description=p.name))
+            except IngestError as e:
+                _fail(str(e))
+        ok = [f for f in report.files if f.status in ("ok", "skipped", "warning")]
+        if not ok:
+            errors = "; ".join(f.error or f.status for f in report.failed) or "no trace files found"
+            _fail(f"{path}: nothing could be ingested ({errors})")
+        run_id = run_id or (ok[0].run_id if ok else None)
+        path = store_path
+    try:
+        store = tracekit.open(path)
+        store.run_tables(run_id)  # fails early, with the file's name, on a bad store or run id
+    except (StoreError, ValueError) as e:
+        _fail(f"{path}: {e}" if str(path) not in str(e) else str(e))
+    return store, run_id
+
+
+def _common(fn: Callable) -> Callable:
+    fn = click.option("--check", is_flag=True, help="Exit 1 when there is a finding.")(fn)
+    fn = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")(fn)
+    fn = click.option("--run-id", default=None, help="Run to analyse (default: the newest in the store).")(fn)
+    return click.argument("source", type=click.Path(path_type=Path))(fn)
+
+
+def _run(source: Path, run_id: str | None, as_json: bool, check: bool, parts: tuple[str, ...],
+         fmt: str = "terminal") -> None:
+    store, rid = open_source(source, run_id, quiet=as_json)
+    try:
+        findings = gather(store, rid, parts)
+    finally:
+        store.close()
+    if len(parts) == 1 and findings.skipped:  # the one thing asked for cannot be analysed
+        _fail(f"{source}: {findings.skipped[parts[0]]}")
+    if as_json:
+        click.echo(json.dumps(findings.to_dict(), indent=2, default=str))
+    elif fmt == "markdown":
+        click.echo(markdown(findings))
+    else:
+        render_terminal(findings)
+    sys.exit(EXIT_FINDING if check and findings.any_finding else EXIT_OK)
+
+
+@click.command("stragglers")
+@_common
+def stragglers_command(source: Path, run_id: str | None, as_json: bool, check: bool) -> None:
+    """Which rank made the run slow, and why (top-down DP -> PP -> CP -> TP, then root cause)."""
+    _run(source, run_id, as_json, check, ("stragglers",))
+
+
+@click.command("cp-wait")
+@_common
+def cp_wait_command(source: Path, run_id: str | None, as_json: bool, check: bool) -> None:
+    """Exposed CP communication: waiting vs transfer, and what the waiting is due to."""
+    _run(source, run_id, as_json, check, ("cp_wait",))
+
+
+@click.command("steps")
+@_common
+def steps_command(source: Path, run_id: str | None, as_json: bool, check: bool) -> None:
+    """Step times per rank, the slow steps and what made each slow."""
+    _run(source, run_id, as_json, check, ("steps",))
+
+
+@click.command("hangs")
+@_common
+def hangs_command(source: Path, run_id: str | None, as_json: bool, check: bool) -> None:
+    """Where the ranks stopped (flight-recorder entries) and which never joined."""
+    _run(source, run_id, as_json, check, ("hangs",))
+
+
+@click.command("report")
+@_common
+@click.option("--format", "fmt", type=click.Choice(["terminal", "markdown"]), default="terminal")
+def report_command(source: Path, run_id: str | None, as_json: bool, check: bool, fmt: str) -> None:
+    """Everything: stragglers, steps, CP wait and hangs."""
+    _run(source, run_id, as_json, check, ("stragglers", "steps", "cp_wait", "hangs"), fmt)
+
+
+@click.command("demo")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Where the run and its store go (default: a temporary directory).")
+@click.option("--no-train", is_flag=True, help="Use the bundled sample run instead of training.")
+@click.option("--json", "as_json", is_flag=True)
+def demo_command(out: Path | None, no_train: bool, as_json: bool) -> None:
+    """Train the reference model with rank 3 computing 3x slower, ingest, report culprit and cause
+    (``--no-train``: the bundled sample run sample_traces/slow_rank_8, rank 5 2x slower)."""
+    from rich.console import Console
+
+    from tracekit import demo_run
+
+    out = out or Path(tempfile.mkdtemp(prefix="tracekit-demo-"))
+    err = Console(stderr=True)
+    if no_train:
+        bundled = Path(__file__).resolve().parents[1] / "sample_traces" / "slow_rank_8"
+        if not (bundled / "manifest.json").exists():
+            _fail(f"{bundled}: no bundled sample run in this checkout; run without --no-train")
+        run_dir = bundled
+    else:
+        run_dir = out / "demo-run"
+        with err.status(f"training 4 ranks (tp 2, dp 2), rank {demo_run.DEMO_FAULT.rank} "
+                        f"{demo_run.DEMO_FAULT.factor}x slower ..."):
+            demo_run.run_scenarios([demo_run.Scenario(demo_run.DEMO_CONFIG, str(run_dir), (demo_run.DEMO_FAULT,))])
+    store, rid = open_source(run_dir, None, quiet=as_json)
+    try:
+        findings = gather(store, rid, ("stragglers", "steps", "cp_wait", "hangs"))
+    finally:
+        store.close()
+    truth = json.loads((run_dir / "manifest.json").read_text()).get("faults", [])
+    if as_json:
+        click.echo(json.dumps({**findings.to_dict(), "injected": truth}, indent=2, default=str))
+    else:
+        render_terminal(findings)
+        for f in truth:
+            err.print(f"injected: {f['kind']} on ranks {f['ranks']} ({f['magnitude']})")
+    sys.exit(EXIT_OK)
+
+
+def render_terminal(f: Findings) -> None:
+    """The findings as rich tables on stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
+    out = Console()
+    if f.layout_source == "assumed-dp":
+        out.print("[yellow]note:[/] no parallel layout recorded: ranks compared as data-parallel replicas")
+    for part, why in (f.skipped or {}).items():
+        out.print(f"[yellow]{part}:[/] not analysed: {why}", highlight=False)
+    if f.diagnosis is not None:
+        loc, cause = f.diagnosis.localization, f.diagnosis.cause
+        colour = "green" if loc.verdict in ("no_straggler", "no_data") else "red"
+        out.print(f"[bold {colour}]stragglers:[/] {f.diagnosis.headline}", highlight=False)
+        t = Table(title="top-down localization")
+        for c in ("level", "verdict", "chosen", "margin", "steps agree", "effect ms", "noise ms"):
+            t.add_column(c, justify="left" if c in ("level", "verdict") else "right")
+        for lv in loc.levels:
+            t.add_row(lv.level, lv.verdict, str(lv.chosen), f"{lv.margin:.1f}", f"{lv.steps_agree}/{lv.steps_total}",
+                      f"{lv.effect_ns / 1e6:.2f}", f"{lv.noise_ns / 1e6:.2f}")
+        out.print(t)
+        if cause.evidence:
+            out.print("evidence: " + ", ".join(f"{k}={_fmt(v)}" for k, v in cause.evidence.items()), highlight=False)
+    if f.steps is not None:
+        out.print(f"[bold]steps:[/] {f.steps.headline}", highlight=False)
+        if f.steps.slow:
+            t = Table(title="slow steps")
+            for c in ("step", "ms", "excess ms", "cause", "ranks", "why"):
+                t.add_column(c)
+            for s in f.steps.slow:
+                t.add_row(str(s.step), f"{s.step_ns / 1e6:.1f}", f"{s.excess_ns / 1e6:.1f}", s.cause,
+                          ",".join(map(str, s.ranks)), s.summary)
+            out.print(t)
+    if f.cp_wait is not None:
+        out.print(f"[bold]cp-wait:[/] {f.cp_wait.headline}", highlight=False)
+        if f.cp_wait.per_rank.height:
+            t = Table(title="exposed CP time per rank (ms)")
+            for c in ("rank", "exposed", "wait", "transfer", "explained", "of step"):
+                t.add_column(c, justify="right")
+            for r in f.cp_wait.per_rank.iter_rows(named=True):
+                t.add_row(str(r["rank"]), *(f"{r[k] / 1e6:.1f}" for k in ("exposed_ns", "wait_ns", "transfer_ns",
+                                                                         "explained_ns")), f"{r['exposed_frac']:.1%}")
+            out.print(t)
+    if f.hangs is not None:
+        out.print(f"[bold]hangs:[/] {f.hangs.headline}", highlight=False)
+
+
+def _fmt(v: object) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+__all__: list[Any] = [stragglers_command, cp_wait_command, steps_command, hangs_command, report_command,
+                      demo_command]

@@ -1,0 +1,96 @@
+"""The whole analysis of one run in one object (what ``tracekit report`` renders), and its markdown.
+
+The library builds data and text; the CLI (``tracekit.analysis_cli``) prints it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tracekit.analysis.cp_wait import CPWait
+    from tracekit.analysis.hangs import HangReport
+    from tracekit.analysis.rootcause import Diagnosis
+    from tracekit.analysis.steps import StepReport
+    from tracekit.store import Store
+
+PARTS = ("stragglers", "steps", "cp_wait", "hangs")
+
+
+@dataclass(frozen=True)
+class Findings:
+    run_id: str
+    diagnosis: Diagnosis | None = None
+    steps: StepReport | None = None
+    cp_wait: CPWait | None = None
+    hangs: HangReport | None = None
+    layout_source: str | None = None  # "assumed-dp" when the run had no layout
+    skipped: dict[str, str] | None = None  # part -> why it could not be analysed
+
+    @property
+    def any_finding(self) -> bool:
+        """Something a ``--check`` should fail on."""
+        return bool(
+            (self.diagnosis is not None and self.diagnosis.localization.verdict not in ("no_straggler", "no_data"))
+            or (self.steps is not None and self.steps.slow)
+            or (self.cp_wait is not None and self.cp_wait.cause not in ("none", "no_cp"))
+            or (self.hangs is not None and self.hangs.hung))
+
+    def to_dict(self) -> dict:
+        out: dict = {"run_id": self.run_id, "finding": self.any_finding, "layout_source": self.layout_source,
+                     "skipped": self.skipped or {}}
+        for name, part in (("stragglers", self.diagnosis), ("steps", self.steps), ("cp_wait", self.cp_wait),
+                           ("hangs", self.hangs)):
+            if part is not None:
+                out[name] = part.to_dict()
+        return out
+
+
+def gather(store: Store, run_id: str | None = None, parts: tuple[str, ...] = PARTS) -> Findings:
+    """Run the named analyses (``PARTS``) on one run of the store (the newest by default)."""
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"unknown report parts {sorted(unknown)}; known: {', '.join(PARTS)}")
+    rid = run_id or store.newest_run()
+    methods = {"stragglers": store.diagnose, "steps": store.steps, "cp_wait": store.cp_wait, "hangs": store.hangs}
+    results, skipped = {}, {}
+    for part in parts:
+        try:
+            results[part] = methods[part](rid)
+        except ValueError as e:  # tables this analysis cannot work from; the others still run
+            skipped[part] = str(e)
+    layout = store.run_tables(rid).runs["layout_source"][0]
+    return Findings(run_id=rid, diagnosis=results.get("stragglers"), steps=results.get("steps"),
+                    cp_wait=results.get("cp_wait"), hangs=results.get("hangs"), layout_source=layout,
+                    skipped=skipped)
+
+
+def markdown(f: Findings) -> str:
+    """The findings as a markdown report."""
+    lines = [f"# tracekit report: {f.run_id}", ""]
+    if f.layout_source == "assumed-dp":
+        lines += ["_No parallel layout recorded: every rank is compared with every other as a data-parallel "
+                  "replica._", ""]
+    for part, why in (f.skipped or {}).items():
+        lines += [f"_{part}: not analysed: {why}_", ""]
+    if f.diagnosis is not None:
+        loc = f.diagnosis.localization
+        lines += ["## Stragglers", "", f"**{f.diagnosis.headline}**", "",
+                  "| level | verdict | chosen | margin | steps agree | effect ms | noise ms |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {lv.level} | {lv.verdict} | {lv.chosen} | {lv.margin:.1f} | {lv.steps_agree}/{lv.steps_total} "
+                  f"| {lv.effect_ns / 1e6:.2f} | {lv.noise_ns / 1e6:.2f} |" for lv in loc.levels]
+        lines.append("")
+    if f.steps is not None:
+        lines += ["## Steps", "", f.steps.headline, ""]
+        if f.steps.slow:
+            lines += ["| step | ms | excess ms | cause | ranks | why |", "|---|---|---|---|---|---|"]
+            lines += [f"| {s.step} | {s.step_ns / 1e6:.1f} | {s.excess_ns / 1e6:.1f} | {s.cause} | "
+                      f"{','.join(map(str, s.ranks))} | {s.summary} |" for s in f.steps.slow]
+            lines.append("")
+    if f.cp_wait is not None:
+        lines += ["## CP wait", "", f.cp_wait.headline, ""]
+    if f.hangs is not None:
+        lines += ["## Hangs", "", f.hangs.headline, ""]
+    return "\n".join(lines)
