@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "numerics": ("numerics.cli", "main"),
     "train": ("reference_trainer.cli", "train_command"),
     "ingest": ("tracekit.ingest.cli", "ingest_cmd"),
+    "dashboard": ("tracekit.dashboard_cli", "dashboard_command"),
 }
 
 
