@@ -98,11 +98,23 @@ FOCUS = re.compile(r"rank (\d+) \(dp (\d+), pp (\d+), cp (\d+), tp (\d+)\), step
 TITLE = re.compile(r"Timeline: step (\d+), rank (\d+)")
 
 
+TEXT_JS = """el => {
+    const out = [];
+    const walk = (n) => {
+        if (n.nodeType === Node.TEXT_NODE) { out.push(n.textContent); return; }
+        if (n.nodeName === 'STYLE' || n.nodeName === 'SCRIPT') return;
+        if (n.shadowRoot) walk(n.shadowRoot);
+        for (const c of n.childNodes) walk(c);
+    };
+    walk(el);
+    return out.join(' ').replace(/\\s+/g, ' ');
+}"""
+
+
 def text(page, css_class: str) -> str:
-    """Text of the first element with ``css_class``, including its shadow root (Panel renders
-    each pane's content there)."""
-    return page.locator(css_class).first.evaluate(
-        "el => (el.shadowRoot ? el.shadowRoot.textContent : '') + ' ' + el.textContent")
+    """Visible text under the first element with ``css_class``, through nested shadow roots (Panel
+    renders each pane's content in one), without style sheets."""
+    return page.locator(css_class).first.evaluate(TEXT_JS)
 
 
 def focus(page) -> tuple[int, int]:
@@ -121,7 +133,9 @@ def timeline_title(page) -> tuple[int, int]:
 
 def heatmap_canvas_box(page) -> dict:
     """Bounding box of the heatmap's largest canvas (the plot, not the colour bar or toolbar)."""
-    boxes = [c.bounding_box() for c in page.locator(".tk-heatmap canvas").all()]
+    canvases = page.locator(".tk-heatmap canvas").all()
+    canvases[0].scroll_into_view_if_needed()  # boxes are relative to the viewport
+    boxes = [c.bounding_box() for c in canvases]
     boxes = [b for b in boxes if b]
     return max(boxes, key=lambda b: b["width"] * b["height"])
 
