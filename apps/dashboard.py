@@ -59,9 +59,10 @@ def build_app(store: str | Path, data: DashboardData | None = None) -> pn.viewab
         sel.param.run_id, sel.param.rank, sel.param.step)
     header = pn.Row(pn.pane.Markdown(f"# tracekit &middot; `{Path(store).name}`"), run_pick, rank_pick, step_pick,
                     sizing_mode="stretch_width")
+    timeline = timeline_view(data, sel)  # built first: its watchers run first after a click
     left = pn.Column(overview_view(data, sel), heatmap_view(data, sel), cpwait_view(data, sel),
                      sizing_mode="stretch_width")
-    right = pn.Column(drilldown_view(data, sel), timeline_view(data, sel), memory_view(data, sel),
+    right = pn.Column(drilldown_view(data, sel), timeline, memory_view(data, sel),
                       numerics_view(data, sel), sizing_mode="stretch_width")
     return pn.Column(header, focus, pn.Row(left, right, sizing_mode="stretch_width"),
                      sizing_mode="stretch_width", css_classes=["tk-app"])

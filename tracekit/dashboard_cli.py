@@ -42,8 +42,13 @@ def dashboard_command(path: Path, store_path: Path | None, port: int, address: s
             err.print(f"[yellow]warning:[/yellow] not ingested: {f.error}")
     else:
         store = path
-    from apps.dashboard import serve
-    from apps.data import DashboardData
+    try:
+        from apps.dashboard import serve
+        from apps.data import DashboardData
+    except ImportError as e:
+        err.print(f"[red]error:[/red] the dashboard needs its extra ({e.name} missing): "
+                  "pip install 'tracekit[dashboard]'")
+        sys.exit(2)
 
     try:
         DashboardData(store).close()  # fail here, clearly, before the server starts

@@ -14,7 +14,7 @@ from apps.selection import Selection
 def cpwait_view(data: DashboardData, sel: Selection) -> pn.viewable.Viewable:
     only_step = pn.widgets.Checkbox(name="selected step only", value=False)
 
-    def plot(run_id: str, step: int, only: bool, rank: int) -> pn.viewable.Viewable:
+    def plot(run_id: str, step: int, only: bool) -> pn.viewable.Viewable:
         df = data.cp_wait(run_id, step if only else None)
         if not df.height:
             return pn.pane.Markdown("no context-parallel collectives in this run (cp = "
@@ -24,7 +24,7 @@ def cpwait_view(data: DashboardData, sel: Selection) -> pn.viewable.Viewable:
         bars = hv.Bars(long.to_pandas(), kdims=["rank", "part"], vdims=["ms"]).opts(
             multi_level=False, tools=["hover"], height=260, responsive=True, xlabel="rank",
             ylabel="ms" + (f" (step {step})" if only else " (all steps)"),
-            title=f"CP collectives per rank (selected rank {rank})")
+            xrotation=90, title="CP collectives per rank")
         top = df.sort("others_waited_ms", descending=True).row(0, named=True)
         total_wait = df["wait_ms"].sum()
         share = top["others_waited_ms"] / total_wait if total_wait else 0.0
@@ -34,5 +34,5 @@ def cpwait_view(data: DashboardData, sel: Selection) -> pn.viewable.Viewable:
                          sizing_mode="stretch_width")
 
     return pn.Column(pn.pane.Markdown("## CP-wait breakdown"), only_step,
-                     pn.bind(plot, sel.param.run_id, sel.param.step, only_step, sel.param.rank),
+                     pn.bind(plot, sel.param.run_id, sel.param.step, only_step),
                      sizing_mode="stretch_width", css_classes=["tk-cpwait"])

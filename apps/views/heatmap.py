@@ -41,7 +41,8 @@ def heatmap_view(data: DashboardData, sel: Selection) -> pn.viewable.Viewable:
                      tools=["hover", "tap"], xticks=xticks, yticks=yticks, invert_yaxis=True,
                      xlabel="step", ylabel="rank: coordinates", title=LABELS[metric],
                      height=max(260, min(900, 14 * len(ranks) + 90)), responsive=True,
-                     toolbar="above", default_tools=[], active_tools=["tap"])
+                     toolbar="above", default_tools=[], active_tools=["tap"],
+                     nonselection_alpha=1.0, selection_alpha=1.0)
         tap = hv.streams.Tap(source=hm, x=None, y=None)
 
         def on_tap(x: float | None, y: float | None) -> None:

@@ -32,14 +32,17 @@ def overview_view(data: DashboardData, sel: Selection) -> pn.viewable.Viewable:
         return pn.pane.Alert(f"**Verdict:** {d.headline}", alert_type=kind, css_classes=["tk-verdict"],
                              sizing_mode="stretch_width")
 
-    def steps(run_id: str, step: int) -> pn.viewable.Viewable:
+    def marker(step: int) -> hv.VLine:
+        return hv.VLine(step).opts(color="black", line_dash="dashed")
+
+    def steps(run_id: str) -> pn.viewable.Viewable:
         st = data.step_times(run_id)
         if not st.height:
             return pn.pane.Markdown("no step records in this run")
         df = st.to_pandas()
         med = hv.Curve(df, "step", "median_ms", label="median over ranks")
         mx = hv.Curve(df, "step", "max_ms", label="slowest rank")
-        mark = hv.VLine(step).opts(color="black", line_dash="dashed")
+        mark = hv.DynamicMap(pn.bind(marker, sel.param.step))  # moves without redrawing the curves
         return pn.pane.HoloViews((med * mx * hv.Scatter(df, "step", "max_ms") * mark).opts(
             hv.opts.Curve(tools=["hover"]), hv.opts.Overlay(title="step time (ms)", height=220,
                                                              responsive=True, legend_position="top_left")),
@@ -50,5 +53,5 @@ def overview_view(data: DashboardData, sel: Selection) -> pn.viewable.Viewable:
         pn.bind(lambda r: pn.pane.Markdown(_config_md(data.run_info(r)), sizing_mode="stretch_width"),
                 sel.param.run_id),
         pn.bind(verdict, sel.param.run_id),
-        pn.bind(steps, sel.param.run_id, sel.param.step),
+        pn.bind(steps, sel.param.run_id),
         sizing_mode="stretch_width", css_classes=["tk-overview"])
