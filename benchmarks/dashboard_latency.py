@@ -5,7 +5,8 @@ Serves `tracekit dashboard` on a store and drives Debian's headless Chromium (Pl
 - synthetic 64 ranks x 20 steps (tp 2, cp 2, pp 4, dp 4) from the discrete-event job model of
   tests/synthetic_job.py with rank 37 slowed 1.3x, written into a real DuckDB store.
 First render: page load until the verdict, the heatmap canvas and the timeline title are on the
-page. Click: mouse down on a heatmap cell until the timeline's title names the new cell.
+page. Click: mouse click on a heatmap cell until the timeline title and the selection line name
+the new cell. The machine this ran on is shared, so repeat runs vary; compare within one run.
 
     PYTHONPATH=$PWD python benchmarks/dashboard_latency.py [--clicks 5] [--out /tmp/dash-bench]
 """

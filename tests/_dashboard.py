@@ -141,8 +141,8 @@ def heatmap_canvas_box(page) -> dict:
 
 
 def click_heatmap(page, fx: float, fy: float, timeout_ms: int = 60_000) -> tuple[int, int]:
-    """Click at fractions (fx, fy) of the heatmap canvas; wait until the timeline title changes;
-    return the timeline's new (rank, step)."""
+    """Click at fractions (fx, fy) of the heatmap canvas; wait until the timeline's title changes
+    (the latency measured) and the selection line agrees; return the timeline's new (rank, step)."""
     before = text(page, ".tk-timeline-title")
     box = heatmap_canvas_box(page)
     page.mouse.click(box["x"] + fx * box["width"], box["y"] + fy * box["height"])
@@ -151,4 +151,9 @@ def click_heatmap(page, fx: float, fy: float, timeout_ms: int = 60_000) -> tuple
         if time.monotonic() > deadline:
             raise TimeoutError(f"the timeline did not change after a heatmap click ({before.strip()!r})")
         page.wait_for_timeout(20)
-    return timeline_title(page)
+    shown = timeline_title(page)
+    while focus(page) != shown:  # the selection line re-renders after the timeline (watcher order)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the selection line never showed the clicked cell {shown}")
+        page.wait_for_timeout(20)
+    return shown
