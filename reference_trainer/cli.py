@@ -28,11 +28,16 @@ _HELP = {
     "cp_sharding": "chunks i and 2cp-1-i of the sequence, or of every document (WLB-LLM)",
     "dump_state": "write unsharded loss, gradients and parameters per step to <out>/state/",
     "timeout_s": "collective timeout per rank, seconds",
+    "profile_steps": "profile steps a-b: <out>/traces/rank<R>.json.gz and <out>/memory/rank<R>.pickle",
+    "flight_recorder": "write <out>/fr/rank<R> (end of run, stall, SIGUSR1)",
+    "fr_watchdog_s": "flight-recorder dump after this long without progress (0 = timeout/2)",
 }
 
 
 def _config_options(fn):
     for f in reversed(dataclasses.fields(TrainConfig)):
+        if f.name == "faults":  # given as repeated --fault options instead
+            continue
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
             fn = click.option(flag + "/--no-" + f.name.replace("_", "-"), f.name, default=f.default,
@@ -47,9 +52,12 @@ def _config_options(fn):
 
 @click.command("train")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="run directory to write")
+@click.option("--fault", "fault", multiple=True, metavar="SPEC",
+              help="inject a fault, e.g. slow:rank=5,factor=1.5,steps=2-4 (repeatable; see faults.py)")
 @_config_options
-def train_command(out: Path, **fields) -> None:
+def train_command(out: Path, fault: tuple[str, ...], **fields) -> None:
     """Train the reference model on a spawned world of ranks and write a run directory."""
+    fields["faults"] = ";".join(fault)
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -124,6 +124,7 @@ class Comm:
         self.rank, self.world_size, self.reduce_order = rank, world_size, reduce_order
         self.device = device or torch.device("cpu")
         self.backend = backend
+        self.timeout_s: float | None = None
         self.hooks: list[CommHook] = []
         self._coll_seq: dict[str, int] = {}
         self._p2p_seq: dict[tuple[str, int, str], int] = {}
@@ -138,6 +139,7 @@ class Comm:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         comm = cls(rank, world_size, reduce_order, device, backend)
+        comm.timeout_s = timeout_s  # every group gets it (new_group's default is torch's 30 min)
         comm.world = Group(dist.group.WORLD.group_name, "world", tuple(range(world_size)), rank,
                            dist.group.WORLD)
         return comm
@@ -153,7 +155,8 @@ class Comm:
         ranks = tuple(ranks)
         if self.world_size == 1:
             return Group("", dim, ranks, self.rank, None)
-        pg = dist.new_group(list(ranks), group_desc=desc or dim)
+        timeout = datetime.timedelta(seconds=self.timeout_s) if self.timeout_s else None
+        pg = dist.new_group(list(ranks), group_desc=desc or dim, timeout=timeout)
         if self.rank not in ranks:
             return Group("", dim, ranks, self.rank, None)
         group = Group(pg.group_name, dim, ranks, self.rank, pg)

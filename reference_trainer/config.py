@@ -65,6 +65,11 @@ class TrainConfig:
     backend: str = "auto"
     timeout_s: float = 300.0
     dump_state: bool = False
+    # observability and faults (reference_trainer/observe.py)
+    faults: str = ""  # fault specs separated by ';' (reference_trainer/faults.py)
+    profile_steps: str = ""  # "a-b": torch.profiler trace + memory snapshot of steps a..b
+    flight_recorder: bool = True  # <out>/fr/rank<R> at the end, on a stall and on SIGUSR1
+    fr_watchdog_s: float = 0.0  # dump after this long without progress; 0 = timeout_s / 2
 
     # -- derived -----------------------------------------------------------------------------
     @property

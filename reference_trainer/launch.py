@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 
 from .config import ConfigError, TrainConfig
 from .model import stage_layers
+from .observe import check_observability, manifest_fields
 from .pipeline import build_schedule
 from .train import rank_main
 
@@ -95,7 +96,7 @@ def write_manifest(cfg: TrainConfig, out: Path, backend: str, pids: list[int]) -
         # per PP rank, the order of forward/backward actions: "F<vstage>.<micro-batch>"
         "pipeline_schedule": [[f"{a.kind}{a.vstage}.{a.mb}" for a in acts] for acts in build_schedule(
             cfg.pp, cfg.vstages, cfg.micro_batches, cfg.n_consecutive, cfg.schedule)],
-        "faults": [],
+        **manifest_fields(cfg, backend),  # faults (ground truth) and artifacts
         "created_unix": time.time(),
         "argv": sys.argv,
     }
@@ -124,6 +125,8 @@ def launch_many(jobs: Sequence[tuple[TrainConfig, str | Path]],
     if not jobs:
         return []
     cfgs = [c.validate() for c, _ in jobs]
+    for c in cfgs:
+        check_observability(c)
     outs = [Path(o) for _, o in jobs]
     world = cfgs[0].world_size
     if any(c.world_size != world for c in cfgs):
@@ -133,7 +136,8 @@ def launch_many(jobs: Sequence[tuple[TrainConfig, str | Path]],
     init_method = f"tcp://127.0.0.1:{free_port()}"
     manifests: list[dict] = []
     for o in outs:  # a rerun into the same directory must not leave the old run's results behind
-        for stale in [o / "steps.jsonl", o / "metrics.json", *(o / "state").glob("step*.pt")]:
+        for stale in [o / "steps.jsonl", o / "metrics.json", *(o / "state").glob("step*.pt"),
+                      *(o / "fr").glob("rank*"), *(o / "traces").glob("rank*"), *(o / "memory").glob("rank*")]:
             stale.unlink(missing_ok=True)
 
     def started(pids: list[int]) -> None:

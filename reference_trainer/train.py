@@ -150,6 +150,7 @@ def rank_main(rank: int, world_size: int, jobs: list[tuple[dict, str]], init_met
     try:
         for cfg, (_, out) in zip(cfgs, jobs):
             comm.reduce_order = cfg.reduce_order
-            run_training(cfg, comm, Path(out))
+            from .observe import observed_training  # (observe imports this module)
+            observed_training(cfg, comm, Path(out))
     finally:
         comm.shutdown()

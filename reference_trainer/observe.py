@@ -1,0 +1,90 @@
+"""Wires observability and faults into one rank's training run (called by ``train.rank_main``).
+
+Hook order on the comm layer matters and lives here: the hang injector runs before the flight
+recorder (a stalled rank never records the op), the slow-link delay after it (the delay lies inside
+the op's recorded duration).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .comm import Comm
+from .config import ConfigError, TrainConfig
+from .faults import FaultError, check_faults, ground_truth, install, parse_faults
+from .flight_recorder import FlightRecorder
+from .profiling import ProfilingError, RankProfiler, memory_source, parse_steps
+from .train import StepResult, Trainer, run_training
+
+
+def watchdog_seconds(cfg: TrainConfig) -> float:
+    """Dump after this long without progress: before gloo's own timeout ends the rank."""
+    return cfg.fr_watchdog_s if cfg.fr_watchdog_s > 0 else cfg.timeout_s / 2
+
+
+def check_observability(cfg: TrainConfig) -> None:
+    """ConfigError for a bad fault spec or profile window (before any rank is spawned)."""
+    try:
+        check_faults(parse_faults(cfg.faults), cfg)
+        parse_steps(cfg.profile_steps, cfg.steps)
+    except (FaultError, ProfilingError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def manifest_fields(cfg: TrainConfig, backend: str) -> dict[str, Any]:
+    """What the manifest says about faults (ground truth) and the artifacts of the run."""
+    window = parse_steps(cfg.profile_steps, cfg.steps)
+    return {
+        "faults": [ground_truth(f, cfg) for f in parse_faults(cfg.faults)],
+        "artifacts": {
+            "traces": "traces/rank<R>.json.gz" if window else None,
+            "profiled_steps": list(range(window[0], window[1] + 1)) if window else [],
+            "memory": "memory/rank<R>.pickle" if window else None,
+            "memory_source": memory_source(backend) if window else None,
+            "flight_recorder": "fr/rank<R>" if cfg.flight_recorder else None,
+            "fr_watchdog_s": watchdog_seconds(cfg),
+        },
+    }
+
+
+def observed_training(cfg: TrainConfig, comm: Comm, out: Path) -> list[StepResult]:
+    faults = parse_faults(cfg.faults)
+    window = parse_steps(cfg.profile_steps, cfg.steps)
+    hooks_before = list(comm.hooks)
+    parts: dict[str, Any] = {}
+
+    def setup(trainer: Trainer) -> None:
+        late = install(trainer, faults)["late_hooks"] if faults else []
+        if cfg.flight_recorder:
+            ctx = trainer.ctx
+            groups = [g for g in (ctx.tp, ctx.cp, ctx.pp, ctx.dp, ctx.dp_cp, ctx.pp_bwd, comm.world)
+                      if g.pg is not None]
+            fr = FlightRecorder(comm.rank, groups, out, backend=comm.backend if comm.backend != "none" else "gloo",
+                                timeout_ms=int(cfg.timeout_s * 1000), step_of=lambda: trainer.step_index)
+            comm.add_hook(fr)
+            fr.start_watchdog(watchdog_seconds(cfg))
+            parts["fr"] = fr
+        for h in late:
+            comm.add_hook(h)
+        if window is not None:
+            prof = RankProfiler(comm.rank, out, window, comm.backend, trainer)
+            prof.start()
+            parts["prof"] = prof
+
+    def on_step(_: StepResult) -> None:
+        if "prof" in parts:
+            parts["prof"].step()
+
+    reason = "error"
+    try:
+        results, _ = run_training(cfg, comm, out, on_step=on_step, setup=setup)
+        reason = "end"
+        return results
+    finally:
+        if "fr" in parts:
+            parts["fr"].dump(reason)
+            parts["fr"].stop()
+        if "prof" in parts and reason == "end":
+            parts["prof"].finish()
+        comm.hooks[:] = hooks_before

@@ -1,0 +1,198 @@
+"""Per-rank torch.profiler traces over chosen steps, and memory snapshots in the CUDA snapshot format.
+
+``RankProfiler`` profiles steps ``first..last`` with a ``torch.profiler.schedule`` (so
+``ProfilerStep#N`` spans exist, N = the trainer's step index) and exports
+``<run>/traces/rank<R>.json.gz``. Memory goes to ``<run>/memory/rank<R>.pickle``:
+
+- CUDA: the allocator's own history (``_record_memory_history`` from the first profiled step,
+  ``_dump_snapshot`` at the end): source ``cuda``.
+- CPU: built here from the trace's ``[memory]`` events (``profile_memory=True``): source
+  ``profiler_events``. torch's ``_memory_viz._profile_to_snapshot`` is not used because its
+  data-flow pass (``torch.profiler._memory_profiler.DataFlowNode``) asserts that a leaf op moves a
+  tensor's version by at most one; in the profiled step of a pipelined run one leaf op moves a fresh
+  buffer from version 0 to 2, and it fails with "version mismatch" (measured on torch 2.13: tp=2
+  alone passes, tp=2 x pp=2 fails; see docs/trace_conventions.md). Categories are kept by attributing addresses instead: the
+  trainer's parameters, gradient buckets and optimizer state by storage address; other blocks
+  allocated in a ``fwd`` compute span and alive after it are ``activation``, freed within the
+  span they were allocated in ``temporary``, otherwise ``unknown``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from tracekit.conventions import parse_compute
+
+
+class ProfilingError(ValueError):
+    """A bad --profile-steps value or an unreadable trace."""
+
+
+def parse_steps(text: str, n_steps: int) -> tuple[int, int] | None:
+    """``"a-b"`` or ``"a"`` -> (a, b) clipped to the run; ``""`` -> None (no profiling)."""
+    if not text:
+        return None
+    try:
+        a, _, b = text.partition("-")
+        first, last = int(a), int(b) if b else int(a)
+    except ValueError:
+        raise ProfilingError(f"profile_steps {text!r}: expected a-b or a") from None
+    if not 0 <= first <= last or first >= n_steps:
+        raise ProfilingError(f"profile_steps {text!r}: need 0 <= a <= b and a < steps ({n_steps})")
+    return first, min(last, n_steps - 1)
+
+
+def trace_path(run: Path, rank: int) -> Path:
+    return Path(run) / "traces" / f"rank{rank}.json.gz"
+
+
+def memory_path(run: Path, rank: int) -> Path:
+    return Path(run) / "memory" / f"rank{rank}.pickle"
+
+
+def memory_source(backend: str) -> str:
+    return "cuda" if backend == "nccl" else "profiler_events"
+
+
+def state_categories(trainer) -> dict[int, tuple[int, str]]:
+    """Storage address -> (bytes, category) of the trainer's persistent state."""
+    out: dict[int, tuple[int, str]] = {}
+
+    def add(t: torch.Tensor | None, cat: str) -> None:
+        if t is not None:
+            s = t.untyped_storage()
+            out[s.data_ptr()] = (s.nbytes(), cat)
+
+    for st in trainer.stages.values():
+        for p in st.params.values():
+            add(p, "parameter")
+    for b in trainer.optimizer.buckets.values():
+        for name in ("grad", "grad_shard", "reduced"):
+            add(getattr(b, name, None), "gradient")
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            add(getattr(b, name, None), "optimizer_state")
+    return out
+
+
+def read_trace(path: Path) -> dict[str, Any]:
+    try:
+        with gzip.open(path, "rt") if str(path).endswith(".gz") else open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ProfilingError(f"{path}: not a readable Chrome trace: {e}") from None
+
+
+def snapshot_from_trace(trace: dict[str, Any], state: dict[int, tuple[int, str]]) -> dict[str, Any]:
+    """A CUDA-format snapshot (device 0 = this rank's CPU) from a trace's ``[memory]`` events."""
+    events = trace["traceEvents"]
+    base_us = 0.0
+    fwd = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                 if e.get("ph") == "X" and (a := _compute(e)) is not None and a.phase == "fwd")
+    mem = sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Bytes")),
+                 key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))
+
+    def span_of(ts: float) -> tuple[float, float] | None:
+        for lo, hi in fwd:
+            if lo <= ts <= hi:
+                return lo, hi
+        return None
+
+    live: dict[int, dict[str, Any]] = {}
+    trace_out: list[dict[str, Any]] = []
+    for e in mem:
+        addr, nbytes, ts = int(e["args"]["Addr"]), int(e["args"]["Bytes"]), float(e["ts"])
+        if nbytes > 0:
+            cat = state[addr][1] if addr in state else "unknown"
+            r = {"action": "alloc", "addr": addr, "size": nbytes, "stream": 0, "time_us": int(ts + base_us),
+                 "frames": [], "category": cat, "_span": span_of(ts)}
+            live[addr] = r
+            trace_out.append(r)
+        else:
+            a = live.pop(addr, None)
+            size = a["size"] if a else -nbytes
+            for action in ("free_requested", "free_completed"):
+                trace_out.append({"action": action, "addr": addr, "size": size, "stream": 0,
+                                  "time_us": int(ts), "frames": []})
+            if a is not None and a["category"] == "unknown" and a["_span"] is not None:
+                a["category"] = "temporary" if ts <= a["_span"][1] else "activation"
+    for r in live.values():
+        if r["category"] == "unknown" and r["_span"] is not None:
+            r["category"] = "activation"
+    for r in trace_out:
+        r.pop("_span", None)
+    blocks = {addr: (size, cat) for addr, (size, cat) in state.items()}
+    blocks.update({addr: (r["size"], r["category"]) for addr, r in live.items()})
+    segments = [{"device": 0, "address": addr, "total_size": size, "allocated_size": size,
+                 "active_size": size, "requested_size": size, "stream": 0, "segment_type": "large",
+                 "segment_pool_id": (0, 0), "is_expandable": False, "frames": [],
+                 "blocks": [{"address": addr, "size": size, "requested_size": size,
+                             "state": "active_allocated", "frames": [], "category": cat}]}
+                for addr, (size, cat) in sorted(blocks.items())]
+    return {"segments": segments, "device_traces": [trace_out],
+            "allocator_settings": {"source": "profiler_events"}}
+
+
+def _compute(e: dict[str, Any]):
+    name = e.get("name", "")
+    return parse_compute(name) if name.startswith("tk.compute ") else None
+
+
+class RankProfiler:
+    """Profiles steps ``window`` of one rank; ``step()`` after every training step."""
+
+    def __init__(self, rank: int, run: Path, window: tuple[int, int], backend: str, trainer):
+        self.rank, self.run, self.window, self.trainer = rank, Path(run), window, trainer
+        self.cuda = backend == "nccl" and torch.cuda.is_available()
+        first, last = window
+        self._recording = False
+        self.prof = profile(
+            activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else []),
+            schedule=schedule(skip_first=max(first - 1, 0), wait=0, warmup=1 if first > 0 else 0,
+                              active=last - first + 1, repeat=1),
+            profile_memory=True, record_shapes=False,
+            on_trace_ready=self._export)
+        self.exported: Path | None = None
+
+    def start(self) -> None:
+        self.prof.start()
+        self._maybe_record_cuda(self.trainer.step_index)
+
+    def step(self) -> None:
+        self.prof.step()
+        self._maybe_record_cuda(self.trainer.step_index)
+
+    def _maybe_record_cuda(self, step: int) -> None:
+        if self.cuda and step == self.window[0] and not self._recording:
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+            self._recording = True
+
+    def _export(self, prof) -> None:
+        path = trace_path(self.run, self.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+        self.exported = path
+
+    def finish(self) -> dict[str, Any]:
+        """Stop, and write the memory snapshot. Returns {"trace": path, "memory": path, "source"}."""
+        self.prof.stop()
+        mpath = memory_path(self.run, self.rank)
+        mpath.parent.mkdir(parents=True, exist_ok=True)
+        if self.cuda:
+            torch.cuda.memory._dump_snapshot(str(mpath))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            source = "cuda"
+        elif self.exported is not None:
+            snap = snapshot_from_trace(read_trace(self.exported), state_categories(self.trainer))
+            with open(mpath, "wb") as f:
+                pickle.dump(snap, f)
+            source = "profiler_events"
+        else:
+            source = "none"
+        return {"trace": self.exported, "memory": mpath if source != "none" else None, "source": source}

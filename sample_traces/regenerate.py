@@ -1,0 +1,80 @@
+"""Regenerate the bundled sample runs (made by the reference trainer on gloo, CPU):
+
+- ``slow_rank_8``: 8 ranks, tp 2 x cp 2 x pp 2 x dp 1, rank 5's compute 2x slower; step 1 profiled.
+- ``cp_imbalance_8``: 8 ranks, tp 1 x cp 2 x pp 2 x dp 2, long documents on CP rank 1 (sequence
+  sharding); step 1 profiled.
+- ``slow_rank_16`` (``--with-16``, not bundled by default: the 16-rank check of issue 3):
+  16 ranks 2x2x2x2, rank 11 slow from step 1.
+
+Each run directory holds manifest.json (ground truth under ``faults``), traces/, fr/, memory/.
+After writing, every run is checked: torch's ``torchfrtrace`` on fr/ (no mismatch), torch's
+``_memory_viz stats`` on one snapshot; sizes per rank per profiled step are printed.
+
+    PYTHONPATH=. python sample_traces/regenerate.py [--out sample_traces] [--with-16] [--only NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from reference_trainer.config import TrainConfig  # noqa: E402
+from reference_trainer.launch import launch  # noqa: E402
+
+TINY = dict(n_layers=4, dim=32, n_heads=2, n_kv_heads=2, ffn_dim=64, seq_len=64, micro_batches=2,
+            steps=3, profile_steps="1-1", timeout_s=120)
+RUNS = {
+    "slow_rank_8": TrainConfig(tp=2, cp=2, pp=2, dp=1, faults="slow:rank=5,factor=2", **TINY),
+    "cp_imbalance_8": TrainConfig(tp=1, cp=2, pp=2, dp=2, faults="cp_imbalance:ranks=1,weight=1.0", **TINY),
+    "slow_rank_16": TrainConfig(tp=2, cp=2, pp=2, dp=2, faults="slow:rank=11,factor=2,steps=1-2", **TINY),
+}
+
+
+def sizes(run: Path, world: int, profiled: int) -> dict[str, float]:
+    kib = {}
+    for part, pattern in (("trace", "traces/rank{}.json.gz"), ("fr", "fr/rank{}"), ("memory", "memory/rank{}.pickle")):
+        total = sum((run / pattern.format(r)).stat().st_size for r in range(world))
+        kib[part] = total / world / 1024 / (profiled if part != "fr" else 1)
+    return kib
+
+
+def check(run: Path) -> None:
+    fr = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(run / "fr")],
+                        capture_output=True, text=True)
+    text = fr.stdout + fr.stderr
+    if fr.returncode != 0 or "Not all ranks" in text or "mismatch" in text.lower():
+        raise SystemExit(f"torchfrtrace on {run}/fr failed:\n{text}")
+    mv = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "stats", str(run / "memory/rank0.pickle")],
+                        capture_output=True, text=True)
+    if mv.returncode != 0:
+        raise SystemExit(f"_memory_viz stats failed on {run}: {mv.stderr}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
+    ap.add_argument("--with-16", action="store_true")
+    ap.add_argument("--only")
+    args = ap.parse_args()
+    names = [n for n in RUNS if (args.with_16 or not n.endswith("_16")) and (not args.only or n == args.only)]
+    for name in names:
+        cfg, run = RUNS[name], args.out / name
+        shutil.rmtree(run, ignore_errors=True)
+        t0 = time.perf_counter()
+        launch(cfg, run)
+        (run / "steps.jsonl").unlink(missing_ok=True)
+        check(run)
+        kib = sizes(run, cfg.world_size, 1)
+        print(f"{name}: {cfg.world_size} ranks in {time.perf_counter() - t0:.0f} s; per rank per profiled step: "
+              f"trace {kib['trace']:.0f} KiB (gz), memory {kib['memory']:.0f} KiB; FR dump (all "
+              f"{cfg.steps} steps) {kib['fr']:.0f} KiB; torchfrtrace ok, _memory_viz stats ok")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""Run directories of real 4-rank gloo runs (tp 2 x pp 2), read back: Chrome traces, flight-recorder
+dumps checked by torch's own ``torchfrtrace``, memory snapshots read by ``torch.cuda._memory_viz``,
+the manifest's ground truth, and the measured effect of the injected faults.
+
+One spawned world runs two jobs: a slow rank (profiled) and a slow link. A second world runs a
+hang, which must end in a LaunchError and leave dumps naming the stalled collective.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from statistics import median
+
+import pytest
+
+pytest.importorskip("reference_trainer.train", reason="needs reference_trainer")
+
+from reference_trainer.config import TrainConfig  # noqa: E402
+from reference_trainer.flight_recorder import fr_path, load_dump  # noqa: E402
+from reference_trainer.launch import LaunchError, launch, launch_many  # noqa: E402
+from reference_trainer.profiling import memory_path, read_trace, trace_path  # noqa: E402
+from tracekit.conventions import parse_comm  # noqa: E402
+
+BASE = TrainConfig(tp=2, pp=2, n_layers=2, dim=32, n_heads=2, n_kv_heads=2, ffn_dim=64, seq_len=64,
+                   micro_batches=2, steps=3, timeout_s=120)
+SLOW_RANK, SLOW_FACTOR = 3, 3.0
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("obs")
+    jobs = [(BASE.replace(profile_steps="1-2", faults=f"slow:rank={SLOW_RANK},factor={SLOW_FACTOR}"),
+             root / "slow"),
+            (BASE.replace(steps=2, faults="link:a=0,b=1,delay_ms=150,steps=1"), root / "link"),
+            (BASE.replace(profile_steps="1-2", faults="moving:ranks=1+2+3,factor=4"), root / "moving")]
+    results = launch_many(jobs)
+    return {"slow": results[0], "link": results[1], "moving": results[2]}
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+
+def _torchfrtrace(fr_dir: Path) -> subprocess.CompletedProcess:
+    exe = shutil.which("torchfrtrace")
+    cmd = [exe] if exe else [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace"]
+    return subprocess.run(cmd + [str(fr_dir)], capture_output=True, text=True, timeout=300, env=_env())
+
+
+def test_run_directory_is_complete(runs):
+    out = runs["slow"].out
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["artifacts"]["memory_source"] == "profiler_events"
+    assert m["artifacts"]["profiled_steps"] == [1, 2]
+    for r in range(WORLD):
+        assert trace_path(out, r).stat().st_size > 0
+        assert fr_path(out, r).stat().st_size > 0
+        assert memory_path(out, r).stat().st_size > 0
+
+
+def test_traces_are_chrome_json_with_profiler_steps(runs):
+    for r in range(WORLD):
+        t = read_trace(trace_path(runs["slow"].out, r))
+        assert isinstance(t["traceEvents"], list) and t["distributedInfo"]["rank"] == r
+        for e in t["traceEvents"]:
+            assert {"ph", "name"} <= set(e) or e.get("ph") == "M"
+            if e["ph"] == "X":
+                assert e["dur"] >= 0 and "ts" in e
+        steps = {e["name"] for e in t["traceEvents"] if e["name"].startswith("ProfilerStep#")}
+        assert steps == {"ProfilerStep#1", "ProfilerStep#2"}
+        assert any(e["name"] == "[memory]" for e in t["traceEvents"])
+
+
+def _fr_ops(out: Path) -> dict[int, list[dict]]:
+    return {r: load_dump(fr_path(out, r))["entries"] for r in range(WORLD)}
+
+
+def test_every_comm_op_recorded_once_per_participant_with_matching_group_and_seq(runs):
+    dumps = {r: load_dump(fr_path(runs["slow"].out, r)) for r in range(WORLD)}
+    coll = collections.defaultdict(list)
+    p2p = collections.defaultdict(list)
+    for r, d in dumps.items():
+        assert d["dump_reason"] == "end"
+        for e in d["entries"]:
+            assert e["state"] == "completed" and e["duration_ms"] >= 0
+            assert e["time_created_ns"] <= e["time_discovered_completed_ns"]
+            name = e["process_group"][0]
+            members = json.loads(d["pg_config"][name]["ranks"])
+            assert r in members
+            if e["is_p2p"]:
+                p2p[(name, e["collective_seq_id"])].append((r, e["profiling_name"].split()[0]))
+            else:
+                coll[(name, e["collective_seq_id"])].append((r, e["profiling_name"]))
+    for (name, seq), seen in coll.items():
+        members = json.loads(dumps[seen[0][0]]["pg_config"][name]["ranks"])
+        assert sorted(r for r, _ in seen) == sorted(members), (name, seq, seen)  # once per member
+        assert len({op for _, op in seen}) == 1
+    for key, seen in p2p.items():
+        assert sorted(op for _, op in seen) == ["gloo:recv", "gloo:send"], (key, seen)
+    # 3 steps x 2 micro-batches x (activation forward + gradient backward) on each of 2 PP pairs
+    assert len(p2p) == 3 * 2 * 2 * 2
+    # the trace's tk.comm spans of the profiled steps are the same ops (group, seq) as in the dumps
+    for r in range(WORLD):
+        anns = [a for e in read_trace(trace_path(runs["slow"].out, r))["traceEvents"]
+                if (a := parse_comm(e.get("name", ""))) is not None and e["ph"] == "X"]
+        fr = {(e["process_group"][0].split(":")[0], e["seq"], e["profiling_name"].split(":")[1].split()[0])
+              for e in dumps[r]["entries"] if e["step"] in (1, 2)}
+        assert anns and {(a.pg, a.seq, a.op) for a in anns} == fr
+
+
+def test_torchfrtrace_accepts_clean_run(runs):
+    res = _torchfrtrace(runs["slow"].out / "fr")
+    text = res.stdout + res.stderr
+    assert res.returncode == 0, text
+    assert "Not all ranks joining" not in text and "mismatch" not in text.lower(), text
+
+
+def test_memory_snapshots_load_in_torch_memory_viz(runs):
+    for r in (0, SLOW_RANK):
+        path = memory_path(runs["slow"].out, r)
+        for cmd in ("stats", "trace"):
+            res = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", cmd, str(path)],
+                                 capture_output=True, text=True, timeout=120)
+            assert res.returncode == 0, res.stderr
+        assert "TOTAL MEM" in res.stdout
+        snap = pickle.loads(path.read_bytes())
+        cats = collections.Counter(e.get("category") for e in snap["device_traces"][0] if e["action"] == "alloc")
+        block_cats = {b["category"] for s in snap["segments"] for b in s["blocks"]}
+        assert {"parameter", "gradient", "optimizer_state"} <= block_cats
+        assert cats["activation"] > 0 and cats["temporary"] > 0, cats
+
+
+def _exclusive_compute_ms(trace: dict) -> float:
+    """Compute spans minus the comm spans nested in them, on the main thread."""
+    ev = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    comp = [e for e in ev if e["name"].startswith("tk.compute ")]
+    comm = [e for e in ev if e["name"].startswith("tk.comm ")]
+    inner = sum(c["dur"] for c in comm for s in comp
+                if s["tid"] == c["tid"] and s["ts"] <= c["ts"] and c["ts"] + c["dur"] <= s["ts"] + s["dur"])
+    return (sum(s["dur"] for s in comp) - inner) / 1e3
+
+
+def test_slow_rank_compute_is_measurably_longer(runs):
+    ms = {r: _exclusive_compute_ms(read_trace(trace_path(runs["slow"].out, r))) for r in range(WORLD)}
+    others = [v for r, v in ms.items() if r != SLOW_RANK]
+    assert ms[SLOW_RANK] > 1.5 * median(others), ms
+    truth = runs["slow"].manifest["faults"]
+    assert truth == [{"kind": "slow", "spec": f"slow:rank={SLOW_RANK},factor={SLOW_FACTOR}", "steps": [0, 1, 2],
+                      "ranks": [SLOW_RANK], "magnitude": {"compute_factor": SLOW_FACTOR}}]
+
+
+def test_slow_link_delays_ops_between_its_ranks_only(runs):
+    out = runs["link"].out
+    ents = _fr_ops(out)
+    dur = collections.defaultdict(list)  # (rank, step, in-link-group) -> durations
+    for r, es in ents.items():
+        for e in es:
+            members = set(json.loads(load_dump(fr_path(out, r))["pg_config"][e["process_group"][0]]["ranks"]))
+            dur[(r, e["step"], {0, 1} <= members)].append(e["duration_ms"])
+    assert min(dur[(0, 1, True)]) >= 150 and min(dur[(1, 1, True)]) >= 150
+    assert median(dur[(0, 0, True)]) < 150  # step 0 not faulted
+    assert median(dur[(2, 1, False)]) < 150  # ranks 2,3's TP group is not on the link
+    assert runs["link"].manifest["faults"][0]["ranks"] == [0, 1]
+
+
+def test_moving_straggler_is_the_slowest_rank_of_each_step(runs):
+    run = runs["moving"]
+    by_step = run.manifest["faults"][0]["rank_by_step"]
+    assert by_step == {"0": 1, "1": 2, "2": 3}
+    for step in (1, 2):
+        ms = {}
+        for r in range(WORLD):
+            t = read_trace(trace_path(run.out, r))
+            (span,) = [e for e in t["traceEvents"] if e["name"] == f"ProfilerStep#{step}"]
+            lo, hi = span["ts"], span["ts"] + span["dur"]
+            ms[r] = _exclusive_compute_ms({"traceEvents": [e for e in t["traceEvents"]
+                                                           if e.get("ph") == "X" and lo <= e["ts"] <= hi]})
+        assert max(ms, key=ms.get) == by_step[str(step)], (step, ms)
+
+
+@pytest.fixture(scope="module")
+def hang_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hang") / "run"
+    cfg = BASE.replace(steps=3, timeout_s=15, fr_watchdog_s=3,
+                       faults="hang:rank=2,step=1,op=all_reduce,dim=pp")
+    with pytest.raises(LaunchError):
+        launch(cfg, out)
+    return out
+
+
+def test_hang_dumps_name_the_stalled_collective(hang_run):
+    dumps = {r: load_dump(fr_path(hang_run, r)) for r in range(WORLD)}
+    assert dumps[2]["dump_reason"] == "timeout"  # the stalled rank's watchdog
+    pending = [e for e in dumps[0]["entries"] if e["state"] != "completed"]
+    assert len(pending) == 1
+    stuck = pending[0]
+    assert stuck["profiling_name"] == "gloo:all_reduce" and stuck["step"] == 1
+    members = json.loads(dumps[0]["pg_config"][stuck["process_group"][0]]["ranks"])
+    assert members == [0, 2] and stuck["process_group"][1] == "pp"
+    # rank 2 never issued it
+    assert not any(e["process_group"][0] == stuck["process_group"][0]
+                   and e["collective_seq_id"] == stuck["collective_seq_id"] for e in dumps[2]["entries"])
+    manifest = json.loads((hang_run / "manifest.json").read_text())
+    assert manifest["faults"][0]["kind"] == "hang" and manifest["faults"][0]["ranks"] == [2]
+
+
+def test_torchfrtrace_names_the_missing_rank(hang_run):
+    res = _torchfrtrace(hang_run / "fr")
+    text = res.stdout + res.stderr
+    assert "Not all ranks joining collective" in text, text
+    assert "{2}" in text or "missing ranks: 2" in text.lower() or "[2]" in text, text
