@@ -50,9 +50,9 @@ def read_manifest(path: Path) -> Manifest:
             m.sizes = {d: holder[d] for d in DIMS}
             break
     try:
-        for r, pid in (data.get("pids") or {}).items():
+        for r, pid in _by_rank(data.get("pids")):
             m.pid_rank[int(pid)] = int(r)
-        for r, host in (data.get("hosts") or {}).items():
+        for r, host in _by_rank(data.get("hosts")):
             m.hosts[int(r)] = str(host)
         for item in data.get("ranks") or []:
             if isinstance(item, dict) and "rank" in item:
@@ -66,6 +66,14 @@ def read_manifest(path: Path) -> Manifest:
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise IngestError(f"{path}: malformed per-rank or group entries in manifest ({e})") from None
     return m
+
+
+def _by_rank(entries: object) -> list[tuple[object, object]]:
+    """(rank, value) pairs of a per-rank manifest entry: a {rank: value} object, or a list
+    indexed by rank (the trainer writes lists)."""
+    if entries is None:
+        return []
+    return list(enumerate(entries)) if isinstance(entries, list) else list(entries.items())
 
 
 def find_manifest(file: Path, stop: Path | None = None) -> Path | None:
