@@ -208,10 +208,10 @@ class DashboardData:
                                            THEN -size ELSE 0 END) OVER (ORDER BY seq) AS allocated
                        FROM memory_events WHERE run_id = $r AND rank = $k),
                  b AS (SELECT *, ntile($n) OVER (ORDER BY seq) AS bucket FROM d)
-            SELECT min(seq) AS seq, max(allocated) / 2^30 AS allocated_gib FROM b GROUP BY bucket ORDER BY seq""",
+            SELECT min(seq) AS seq, max(allocated) / 2^20 AS allocated_mib FROM b GROUP BY bucket ORDER BY seq""",
                         {"r": run_id, "k": rank, "n": MEMORY_POINTS_PER_RANK})
 
-    def memory_estimate_gib(self, run_id: str, rank: int) -> float | None:
+    def memory_estimate_mib(self, run_id: str, rank: int) -> float | None:
         """The estimator's total for this rank from the trainer manifest, when the run has one."""
         from tracekit.llama_dims import EstimateError
         from tracekit.memory_trainer import trainer_estimate
@@ -220,7 +220,7 @@ class DashboardData:
         if "config" not in manifest:
             return None
         try:
-            return trainer_estimate(manifest, rank).total / 2**30
+            return trainer_estimate(manifest, rank).total / 2**20
         except (EstimateError, KeyError, TypeError, ValueError):
             return None
 

@@ -36,11 +36,18 @@ def store(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def page(store, tmp_path_factory):
-    with D.served(store) as url, D.chromium(tmp_path_factory.mktemp("chromium-profile")) as pg:
-        pg.goto(url)
-        D.wait_rendered(pg)
+def browser(tmp_path_factory):
+    """One headless Chromium for the module (Playwright's sync API allows one at a time)."""
+    with D.chromium(tmp_path_factory.mktemp("chromium-profile")) as pg:
         yield pg
+
+
+@pytest.fixture(scope="module")
+def page(store, browser):
+    with D.served(store) as url:
+        browser.goto(url)
+        D.wait_rendered(browser)
+        yield browser
 
 
 def _colours(png: bytes) -> int:
@@ -103,3 +110,35 @@ def test_switching_runs(page, shots):
     page.screenshot(path=str(shots / "06-run-ST.png"), full_page=True)
     assert "pipeline stage 3 holds every replica back" in D.text(page, ".tk-verdict")
     assert "world size 8" in D.text(page, ".tk-overview")
+
+
+SAMPLE = Path(__file__).resolve().parents[1] / "sample_traces" / "slow_rank_8"
+
+
+@pytest.mark.skipif(not (SAMPLE / "manifest.json").is_file(), reason=f"bundled sample run not found at {SAMPLE}")
+def test_trainer_sample_run_dir_ingested_on_the_fly(tmp_path_factory, browser, shots):
+    """`tracekit dashboard <run dir>` on the bundled trainer run with an injected slow rank: its
+    verdict names the injected rank, and memory and CP-wait views draw the run's own data."""
+    import json
+    import shutil
+
+    run = tmp_path_factory.mktemp("sample") / "slow_rank_8"
+    shutil.copytree(SAMPLE, run)  # the store is written next to the run; keep the repo clean
+    injected = json.loads((run / "manifest.json").read_text())["faults"][0]["ranks"]
+    with D.served(run) as url:
+        pg = browser
+        pg.goto(url)
+        D.wait_rendered(pg)
+        for _ in range(300):  # the memory and CP views render after the verdict
+            if "measured peak" in D.text(pg, ".tk-memory"):
+                break
+            pg.wait_for_timeout(100)
+        pg.screenshot(path=str(shots / "07-sample-slow_rank_8.png"), full_page=True)
+        assert (run / "tracekit.duckdb").is_file()
+        verdict = D.text(pg, ".tk-verdict")
+        assert f"rank {injected[0]} (dp 0, pp 1, cp 0, tp 1) is the straggler" in verdict
+        assert "world size 8" in D.text(pg, ".tk-overview") and "slow:rank=5" in D.text(pg, ".tk-overview")
+        memory = D.text(pg, ".tk-memory")
+        assert f"rank {injected[0]}: measured peak" in memory and "estimate" in memory
+        assert "was the last arrival behind" in D.text(pg, ".tk-cpwait")
+        assert _colours(pg.locator(".tk-memory canvas").first.screenshot()) > 5
