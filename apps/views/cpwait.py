@@ -14,7 +14,17 @@ from apps.selection import Selection
 def cpwait_view(data: DashboardData, sel: Selection) -> pn.viewable.Viewable:
     only_step = pn.widgets.Checkbox(name="selected step only", value=False)
 
+    shown: dict[tuple, pn.viewable.Viewable] = {}
+
     def plot(run_id: str, step: int, only: bool) -> pn.viewable.Viewable:
+        # all-steps view: a new step changes nothing, so hand back the same object (no redraw)
+        key = (run_id, step if only else None)
+        if key not in shown:
+            shown.clear()
+            shown[key] = draw(run_id, step, only)
+        return shown[key]
+
+    def draw(run_id: str, step: int, only: bool) -> pn.viewable.Viewable:
         df = data.cp_wait(run_id, step if only else None)
         if not df.height:
             return pn.pane.Markdown("no context-parallel collectives in this run (cp = "

@@ -1,6 +1,7 @@
 """Top-down drill-down DP -> PP -> CP -> TP: at each level the candidates' scores (how long peers
 waited on them), the member chosen, and the evidence (effect, noise, margin, persistence); then
-the cause with its evidence. The selected rank's coordinate is outlined at every level."""
+the cause with its evidence. The selected rank's coordinates are listed above the levels (the bar
+charts stay as they are on a click, which keeps clicks quick)."""
 
 from __future__ import annotations
 
@@ -22,20 +23,17 @@ def _level_md(lv) -> str:
 
 
 def drilldown_view(data: DashboardData, sel: Selection) -> pn.viewable.Viewable:
-    def levels(run_id: str, rank: int) -> pn.viewable.Viewable:
+    def levels(run_id: str) -> pn.viewable.Viewable:
         d = data.diagnosis(run_id)
-        mine = data.layout(run_id).coords(rank)
         rows: list[pn.viewable.Viewable] = []
         for lv in d.localization.levels:
             rows.append(pn.pane.Markdown(_level_md(lv), sizing_mode="stretch_width"))
             if lv.scores_ns:
                 df = pl.DataFrame({"member": [str(k) for k in lv.scores_ns],
                                    "score_ms": [v / 1e6 for v in lv.scores_ns.values()],
-                                   "role": ["chosen" if k == lv.chosen else
-                                            "selected rank" if k == getattr(mine, lv.level) else "other"
-                                            for k in lv.scores_ns]})
+                                   "role": ["chosen" if k == lv.chosen else "other" for k in lv.scores_ns]})
                 bars = hv.Bars(df.to_pandas(), kdims=["member"], vdims=["score_ms", "role"]).opts(
-                    color="role", cmap={"chosen": "crimson", "selected rank": "darkorange", "other": "grey"},
+                    color="role", cmap={"chosen": "crimson", "other": "grey"},
                     height=150, width=90 + 40 * len(lv.scores_ns), tools=["hover"], toolbar=None,
                     xlabel=lv.level, ylabel="waited on (ms)", show_legend=False)
                 rows.append(pn.pane.HoloViews(bars))
@@ -46,6 +44,14 @@ def drilldown_view(data: DashboardData, sel: Selection) -> pn.viewable.Viewable:
                                      + (f"\n\nevidence: {ev}" if ev else ""), sizing_mode="stretch_width"))
         return pn.Column(*rows, sizing_mode="stretch_width")
 
+    def mine(run_id: str, rank: int) -> pn.viewable.Viewable:
+        c = data.layout(run_id).coords(rank)
+        chosen = {lv.level: lv.chosen for lv in data.diagnosis(run_id).localization.levels}
+        marks = ", ".join(f"{d} {getattr(c, d)}" + (" (chosen)" if chosen.get(d) == getattr(c, d) else "")
+                          for d in ("dp", "pp", "cp", "tp"))
+        return pn.pane.Markdown(f"selected rank {rank}: {marks}")
+
     return pn.Column(pn.pane.Markdown("## Top-down drill-down: DP -> PP -> CP -> TP"),
-                     pn.bind(levels, sel.param.run_id, sel.param.rank),
+                     pn.bind(mine, sel.param.run_id, sel.param.rank),
+                     pn.bind(levels, sel.param.run_id),
                      sizing_mode="stretch_width", css_classes=["tk-drilldown"])
