@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "hangs": ("tracekit.analysis_cli", "hangs_command"),
     "report": ("tracekit.analysis_cli", "report_command"),
     "demo": ("tracekit.analysis_cli", "demo_command"),
+    "dashboard": ("tracekit.dashboard_cli", "dashboard_command"),
 }
 
 

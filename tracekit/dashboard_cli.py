@@ -1,0 +1,59 @@
+"""`tracekit dashboard`: serve the Panel dashboard (apps/dashboard.py) over a store or a run dir."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+
+@click.command("dashboard")
+@click.argument("path", type=click.Path(exists=True, path_type=Path))
+@click.option("--store", "store_path", type=click.Path(path_type=Path), default=None,
+              help="Store to ingest a run directory into (default: <run dir>/tracekit.duckdb).")
+@click.option("--port", type=int, default=5006, show_default=True)
+@click.option("--address", default="127.0.0.1", show_default=True)
+@click.option("--show/--no-show", default=False, help="Open a browser tab.")
+def dashboard_command(path: Path, store_path: Path | None, port: int, address: str, show: bool) -> None:
+    """Serve the dashboard for a tracekit store, or for a run directory (ingested on the fly)."""
+    from rich.console import Console
+
+    from tracekit.ingest.common import IngestError
+    from tracekit.store import StoreError
+
+    err = Console(stderr=True)
+    if path.is_dir():
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        from tracekit.ingest import ingest
+
+        store = store_path or path / "tracekit.duckdb"
+        with Progress(TextColumn("ingest"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                      console=err, transient=True, disable=not err.is_terminal) as bar:
+            task = bar.add_task("", total=None)
+            try:
+                report = ingest([path], store, progress=lambda done, total, p, status: bar.update(
+                    task, completed=done, total=total, description=p.name))
+            except IngestError as e:
+                err.print(f"[red]error:[/red] {e}")
+                sys.exit(2)
+        for f in report.failed:
+            err.print(f"[yellow]warning:[/yellow] not ingested: {f.error}")
+    else:
+        store = path
+    try:
+        from apps.dashboard import serve
+        from apps.data import DashboardData
+    except ImportError as e:
+        err.print(f"[red]error:[/red] the dashboard needs its extra ({e.name} missing): "
+                  "pip install 'tracekit[dashboard]'")
+        sys.exit(2)
+
+    try:
+        DashboardData(store).close()  # fail here, clearly, before the server starts
+    except StoreError as e:
+        err.print(f"[red]error:[/red] {e}")
+        sys.exit(2)
+    err.print(f"tracekit dashboard: http://{address}:{port}/dashboard  (store {store})")
+    serve(store, port=port, address=address, show=show)
