@@ -132,6 +132,9 @@ def check(out, as_json, **fields) -> None:
         click.echo(f"error: the parallel run failed: {exc}", err=True)
         sys.exit(3)
     first = report.first_divergent
+    if out is not None:
+        # Kept beside the run so the dashboard's numerics view (and later readers) find the report.
+        (out / "numerics.json").write_text(json.dumps(report.table().to_dicts(), default=str))
     if as_json:
         hist = report.ulp_histogram()
         if first is not None:

@@ -98,6 +98,10 @@ def test_check_cli_exit_codes_and_json(tmp_path):
     assert report["first_divergent"] == {"step": 0, "buffer": "grad/layers.1.mlp_norm.weight"}
     assert sum(r["count"] for r in report["first_divergent_ulp_histogram"]) == 64
     assert report["diagnosis"].startswith("backward")
+    kept = json.loads((tmp_path / "bad" / "numerics.json").read_text())
+    bad_rows = [r for r in kept if r["mismatches"] > 0]
+    assert any(r["buffer"] == "grad/layers.1.mlp_norm.weight" for r in bad_rows)
+    assert all(r["mismatches"] == 0 for r in json.loads((tmp_path / "ok" / "numerics.json").read_text()))
 
 
 def test_precision_model_config_flags_real_buffers(tmp_path):
