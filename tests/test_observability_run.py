@@ -27,6 +27,7 @@ from reference_trainer.flight_recorder import fr_path, load_dump  # noqa: E402
 from reference_trainer.launch import LaunchError, launch, launch_many  # noqa: E402
 from reference_trainer.profiling import memory_path, read_trace, trace_path  # noqa: E402
 from tracekit.conventions import parse_comm  # noqa: E402
+from _trainer_trace import exclusive_compute_ms
 
 BASE = TrainConfig(tp=2, pp=2, n_layers=2, dim=32, n_heads=2, n_kv_heads=2, ffn_dim=64, seq_len=64,
                    micro_batches=2, steps=3, timeout_s=120)
@@ -152,18 +153,9 @@ def test_memory_snapshots_load_in_torch_memory_viz(runs):
         assert cats["activation"] > 0 and cats["temporary"] > 0, cats
 
 
-def _exclusive_compute_ms(trace: dict) -> float:
-    """Compute spans minus the comm spans nested in them, on the main thread."""
-    ev = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-    comp = [e for e in ev if e["name"].startswith("tk.compute ")]
-    comm = [e for e in ev if e["name"].startswith("tk.comm ")]
-    inner = sum(c["dur"] for c in comm for s in comp
-                if s["tid"] == c["tid"] and s["ts"] <= c["ts"] and c["ts"] + c["dur"] <= s["ts"] + s["dur"])
-    return (sum(s["dur"] for s in comp) - inner) / 1e3
-
 
 def test_slow_rank_compute_is_measurably_longer(runs):
-    ms = {r: _exclusive_compute_ms(read_trace(trace_path(runs["slow"].out, r))) for r in range(WORLD)}
+    ms = {r: exclusive_compute_ms(read_trace(trace_path(runs["slow"].out, r))) for r in range(WORLD)}
     others = [v for r, v in ms.items() if r != SLOW_RANK]
     assert ms[SLOW_RANK] > 1.5 * median(others), ms
     truth = runs["slow"].manifest["faults"]
@@ -195,7 +187,7 @@ def test_moving_straggler_is_the_slowest_rank_of_each_step(runs):
             t = read_trace(trace_path(run.out, r))
             (span,) = [e for e in t["traceEvents"] if e["name"] == f"ProfilerStep#{step}"]
             lo, hi = span["ts"], span["ts"] + span["dur"]
-            ms[r] = _exclusive_compute_ms({"traceEvents": [e for e in t["traceEvents"]
+            ms[r] = exclusive_compute_ms({"traceEvents": [e for e in t["traceEvents"]
                                                            if e.get("ph") == "X" and lo <= e["ts"] <= hi]})
         assert max(ms, key=ms.get) == by_step[str(step)], (step, ms)
 

@@ -14,18 +14,11 @@ from statistics import median
 import pytest
 
 from reference_trainer.profiling import read_trace, trace_path
+from _trainer_trace import exclusive_compute_ms
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "sample_traces"
 
-
-def _exclusive_compute_ms(trace: dict) -> float:
-    ev = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-    comp = [e for e in ev if e["name"].startswith("tk.compute ")]
-    comm = [e for e in ev if e["name"].startswith("tk.comm ")]
-    inner = sum(c["dur"] for c in comm for s in comp
-                if s["tid"] == c["tid"] and s["ts"] <= c["ts"] and c["ts"] + c["dur"] <= s["ts"] + s["dur"])
-    return (sum(s["dur"] for s in comp) - inner) / 1e3
 
 
 def _run(name: str) -> tuple[Path, dict]:
@@ -51,7 +44,7 @@ def test_sample_dumps_pass_torchfrtrace_and_snapshots_load(name):
 def test_slow_rank_sample_matches_its_ground_truth():
     run, m = _run("slow_rank_8")
     (fault,) = m["faults"]
-    ms = {r: _exclusive_compute_ms(read_trace(trace_path(run, r))) for r in range(m["world_size"])}
+    ms = {r: exclusive_compute_ms(read_trace(trace_path(run, r))) for r in range(m["world_size"])}
     slow = fault["ranks"][0]
     assert max(ms, key=ms.get) == slow, ms
     assert ms[slow] > 1.4 * median(v for r, v in ms.items() if r != slow), ms
@@ -61,7 +54,7 @@ def test_cp_imbalance_sample_loaded_ranks_are_slower_than_their_cp_peers():
     run, m = _run("cp_imbalance_8")
     (fault,) = m["faults"]
     assert fault["sharding"] == "sequence" and fault["cp_ranks"] == [1]
-    ms = {r: _exclusive_compute_ms(read_trace(trace_path(run, r))) for r in range(m["world_size"])}
+    ms = {r: exclusive_compute_ms(read_trace(trace_path(run, r))) for r in range(m["world_size"])}
     loaded = set(fault["ranks"])
     for r in loaded:
         peer = r ^ 1  # tp = 1: the CP partner differs in the lowest bit
@@ -76,5 +69,5 @@ def test_sixteen_rank_slow_run_regenerates_and_checks(tmp_path):
     run = tmp_path / "slow_rank_16"
     m = json.loads((run / "manifest.json").read_text())
     assert m["world_size"] == 16 and m["faults"][0]["ranks"] == [11]
-    ms = {r: _exclusive_compute_ms(read_trace(trace_path(run, r))) for r in range(16)}
+    ms = {r: exclusive_compute_ms(read_trace(trace_path(run, r))) for r in range(16)}
     assert max(ms, key=ms.get) == 11, ms
