@@ -29,6 +29,8 @@ _HELP = {
     "dump_state": "write unsharded loss, gradients and parameters per step to <out>/state/",
     "timeout_s": "collective timeout per rank, seconds",
     "plant_bug": "debug: plant a known bug (cp-chunk, tp-bwd-reduce, dp-double-scale, doc-mask-off-by-one)",
+    "emulated_device": "each compute span lasts this many times its own CPU time (0 = off): a dedicated "
+                       "device, so that ranks sharing CPU cores do not slow each other (see faults.py)",
     "profile_steps": "profile steps a-b: <out>/traces/rank<R>.json.gz and <out>/memory/rank<R>.pickle",
     "flight_recorder": "write <out>/fr/rank<R> (end of run, stall, SIGUSR1)",
     "fr_watchdog_s": "flight-recorder dump after this long without progress (0 = timeout/2)",

@@ -70,6 +70,9 @@ class TrainConfig:
     plant_bug: str = ""  # debug: plant a known bug (reference_trainer.bugs.BUGS) to test numerics checks
     # observability and faults (reference_trainer/observe.py)
     faults: str = ""  # fault specs separated by ';' (reference_trainer/faults.py)
+    # > 0: every compute span lasts this many times its own CPU time (an emulated dedicated device;
+    # ranks then mostly wait instead of competing for shared CPU cores; reference_trainer/faults.py)
+    emulated_device: float = 0.0
     profile_steps: str = ""  # "a-b": torch.profiler trace + memory snapshot of steps a..b
     flight_recorder: bool = True  # <out>/fr/rank<R> at the end, on a stall and on SIGUSR1
     fr_watchdog_s: float = 0.0  # dump after this long without progress; 0 = timeout_s / 2
@@ -140,6 +143,8 @@ class TrainConfig:
         if errors:
             raise ConfigError("; ".join(errors))
         need(self.consecutive >= 0, f"consecutive (N) must be >= 0 (0 means pp), got {self.consecutive}")
+        need(self.emulated_device == 0 or self.emulated_device >= 1,
+             f"emulated_device must be 0 (off) or >= 1, got {self.emulated_device}")
         need(self.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         need(self.zero_stage in (1, 2), f"zero_stage must be 1 or 2, got {self.zero_stage}")
         for name in ("compute_dtype", "grad_accum_dtype", "reduce_dtype"):

@@ -11,8 +11,19 @@
 Lists use ``+`` (``ranks=1+5``); steps are ``a-b`` (inclusive) or ``a+b+c``; no steps = every step.
 ``ground_truth`` is what the manifest's ``faults`` list records: kind, ranks, steps, magnitude.
 
-How the injectors act (so analyses know what to expect): slow compute sleeps at the end of each
-compute span, so the ``tk.compute`` span itself is longer. The link delay runs after the flight
+How the injectors act (so analyses know what to expect): slow compute burns ``factor - 1`` times the
+span's own CPU time (process CPU time, comm excluded) at the end of each compute span, so the
+``tk.compute`` span itself is longer. It spins rather than sleeps because ranks share CPU cores: the
+kernel's fair scheduler repays a sleeping process with a larger share afterwards, which cancelled
+most of a sleep's slowdown (a 5% sleep measured +1-2% on 4 ranks over 2 cores); a device that
+needs more work for the same step is what the fault stands for.
+
+Even so, ranks that share cores trade CPU: a rank that computes longer leaves its waiting peers'
+share to be used, and the scheduler's noise (a rank descheduled for tens of ms) dwarfs a 5%
+slowdown. ``emulated_device = k`` (config) models what a GPU job has, a dedicated device per rank:
+each compute span is padded with a sleep until it lasts ``k x factor x`` its own CPU time (CPU time
+does not grow when the core is shared; wall time does). With k large enough that ranks mostly
+sleep, the cores are free when a rank needs them, and a 5% slower device is 5% slower. The link delay runs after the flight
 recorder stamped the op's start, so it lies inside the op's recorded duration, before the op is
 issued (outside its ``tk.comm`` span). The hang stalls before the flight recorder sees the op, so
 the stalled rank is missing from that collective in every dump. The trainer's attention is dense (a
@@ -234,24 +245,29 @@ class _Clock:
 
     def __init__(self) -> None:
         self.comm_s = 0.0
+        self.comm_cpu_s = 0.0
 
     def before(self, record: CommRecord) -> None:
         record.extra["fault_t0"] = time.perf_counter()
+        record.extra["fault_c0"] = time.process_time()
 
     def after(self, record: CommRecord) -> None:
         if not record.is_async and "fault_t0" in record.extra:
             self.comm_s += time.perf_counter() - record.extra["fault_t0"]
+            self.comm_cpu_s += time.process_time() - record.extra["fault_c0"]
 
 
 class ComputeStretch:
-    """ComputeHook: after a span, sleeps (factor - 1) x the span's own compute time."""
+    """ComputeHook: pads each compute span to emulated_device x factor x its own CPU time, or (no
+    emulation) burns (factor - 1) x its own CPU time (comm excluded)."""
 
     def __init__(self, rank: int, faults: list[Fault], step_of, clock: _Clock,
-                 cp_factor_by_step: dict[int, float] | None = None):
+                 cp_factor_by_step: dict[int, float] | None = None, emulated_device: float = 0.0):
         self.rank, self.faults, self.step_of, self.clock = rank, faults, step_of, clock
         self.cp_factor_by_step = cp_factor_by_step or {}
-        self._t0 = self._c0 = 0.0
-        self.slept_s = 0.0
+        self.emulated_device = emulated_device
+        self._cpu0 = self._comm0 = self._t0 = self._wall0 = 0.0
+        self.burnt_s = 0.0
 
     def factor(self, phase: str) -> float:
         step = self.step_of()
@@ -264,15 +280,25 @@ class ComputeStretch:
         return f
 
     def before(self, ann: ComputeAnnotation) -> None:
-        self._t0, self._c0 = time.perf_counter(), self.clock.comm_s
+        self._cpu0, self._comm0 = time.process_time(), self.clock.comm_cpu_s
+        self._t0, self._wall0 = time.perf_counter(), self.clock.comm_s
 
     def after(self, ann: ComputeAnnotation) -> None:
         f = self.factor(ann.phase)
-        if f > 1.0:
-            own = (time.perf_counter() - self._t0) - (self.clock.comm_s - self._c0)
+        if self.emulated_device:
+            cpu = (time.process_time() - self._cpu0) - (self.clock.comm_cpu_s - self._comm0)
+            wall = (time.perf_counter() - self._t0) - (self.clock.comm_s - self._wall0)
+            pad = self.emulated_device * f * max(0.0, cpu) - wall
+            if pad > 0:
+                time.sleep(pad)
+                self.burnt_s += pad
+        elif f > 1.0:
+            own = (time.process_time() - self._cpu0) - (self.clock.comm_cpu_s - self._comm0)
             extra = max(0.0, own) * (f - 1.0)
-            time.sleep(extra)
-            self.slept_s += extra
+            end = time.process_time() + extra
+            while time.process_time() < end:
+                pass
+            self.burnt_s += extra
 
 
 class Stall:
@@ -336,7 +362,7 @@ def install(trainer, faults: list[Fault]) -> dict[str, Any]:
                 counts = np.array(cp_pair_counts(cfg, mine), dtype=float)
                 cp_factors[s] = stretch(float(counts[me.cp] / counts.mean()), weight)
     clock = _Clock()
-    stretch_hook = ComputeStretch(rank, faults, step_of, clock, cp_factors)
+    stretch_hook = ComputeStretch(rank, faults, step_of, clock, cp_factors, cfg.emulated_device)
     comm.add_hook(clock)
     comm.add_hook(Stall(rank, faults, step_of))
     trainer.spans.add_hook(stretch_hook)

@@ -55,7 +55,7 @@ def observed_training(cfg: TrainConfig, comm: Comm, out: Path) -> list[StepResul
     parts: dict[str, Any] = {}
 
     def setup(trainer: Trainer) -> None:
-        late = install(trainer, faults)["late_hooks"] if faults else []
+        late = install(trainer, faults)["late_hooks"] if faults or cfg.emulated_device else []
         if cfg.flight_recorder:
             ctx = trainer.ctx
             groups = [g for g in (ctx.tp, ctx.cp, ctx.pp, ctx.dp, ctx.dp_cp, ctx.pp_bwd, comm.world)

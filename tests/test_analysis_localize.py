@@ -143,7 +143,7 @@ def test_thresholds_live_in_tunables_and_results_serialize():
     blob = json.loads(json.dumps(d.to_dict()))
     assert blob["localization"]["culprit_rank"] == 6 and blob["cause"]["kind"] == "slow_compute"
     assert {lv["level"] for lv in blob["localization"]["levels"]} == {"dp", "pp", "cp", "tp"}
-    strict = replace(Tunables(), margin_min=1e6)
+    strict = replace(Tunables(), margin_min=1e6, compute_margin_min=1e6)
     assert localize(tables, strict).verdict == "no_straggler"
 
 

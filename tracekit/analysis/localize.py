@@ -14,6 +14,12 @@ resolved by each remaining rank's lateness in its own inner groups). An outer le
 member changes from step to step (data imbalance) ends the search with "moving". A plain descent
 (no group search) also runs on each step alone, so transient and moving stragglers show in
 ``per_step``.
+
+Waits carry every kind of timing noise, so the descent is checked against each rank's compute speed
+(``compute_speed.py``: the same compute spans compared among the ranks of a stage). A rank that
+computes persistently slower than its peers names the culprit when the waits alone stayed open,
+narrows a late group to its slow member, and a "moving" straggler needs, step by step, a rank whose
+compute stood out (or no compute records to check against): moving wait noise is not a finding.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import numpy as np
 import polars as pl
 
 from tracekit.analysis.collectives import match_collectives
+from tracekit.analysis.compute_speed import ComputeFinding, compute_outlier, compute_speed
 from tracekit.analysis.scores import collective_scores, level_matrix, pipeline_scores
 from tracekit.analysis.tables import RunTables
 from tracekit.analysis.tunables import Tunables
@@ -71,12 +78,17 @@ class Localization:
     step_time_ns: float
     levels: list[LevelFinding] = field(default_factory=list)
     per_step: pl.DataFrame = field(default_factory=pl.DataFrame)  # step, dp, pp, cp, tp, culprit_rank, effect_ns
+    compute: ComputeFinding | None = None  # the compute-speed check (None: not run)
+    # what named the culprit: waits (the top-down descent), compute (the compute-speed check, the
+    # waits having stayed open or named a group), or both (they agree)
+    basis: str = "waits"
 
     def to_dict(self) -> dict:
         return {"verdict": self.verdict, "culprit_rank": self.culprit_rank,
                 "culprit_ranks": list(self.culprit_ranks), "coords": self.coords,
-                "confidence": self.confidence, "step_time_ns": self.step_time_ns,
-                "levels": [lv.to_dict() for lv in self.levels], "per_step": self.per_step.to_dicts()}
+                "confidence": self.confidence, "step_time_ns": self.step_time_ns, "basis": self.basis,
+                "levels": [lv.to_dict() for lv in self.levels], "per_step": self.per_step.to_dicts(),
+                "compute": self.compute.to_dict() if self.compute else None}
 
 
 def step_time_ns(tables: RunTables) -> float:
@@ -163,6 +175,7 @@ def localize(tables: RunTables, tunables: Tunables = Tunables()) -> Localization
     matched = match_collectives(tables)
     scores = {lv: collective_scores(tables, lv, matched) for lv in COLLECTIVE_LEVELS}
     scores["pp"] = pipeline_scores(tables)
+    speed = compute_speed(tables)
     rng: dict[str, int] = {}
     levels: list[LevelFinding] = []
     for level in OUTER_TO_INNER:
@@ -177,6 +190,9 @@ def localize(tables: RunTables, tunables: Tunables = Tunables()) -> Localization
         # A stage is only blamed across every replica if the effect is large (pipelines are uneven).
         eff_min = tunables.stage_effect_min_frac if _stage_wide(level, rng, lay) else tunables.effect_min_frac
         finding = _evaluate(level, mat, step_ns, tunables, eff_min, rng)
+        if finding.verdict == "moving" and not _moving_supported(level, steps, mat, speed, coords, rng, step_ns,
+                                                                 tunables):
+            finding = replace(finding, verdict="none")  # moving wait noise: no compute stood out
         if finding.verdict == "none":
             finding = _search_open(level, scores[level], coords, rng, lay, step_ns, tunables) or finding
         levels.append(finding)
@@ -186,7 +202,71 @@ def localize(tables: RunTables, tunables: Tunables = Tunables()) -> Localization
     _revisit_open(levels, scores, coords, rng, lay, step_ns, tunables)
     _resolve_last_open(levels, scores, rng, lay, step_ns, tunables)
     per_step = _per_step(scores, coords, lay, step_ns, tunables)
-    return _conclude(lay, rng, levels, step_ns, per_step, tunables)
+    waits = _conclude(lay, rng, levels, step_ns, per_step, tunables)
+    return _with_compute(waits, compute_outlier(speed, tunables), lay)
+
+
+def _with_compute(loc: Localization, cf: ComputeFinding, lay) -> Localization:
+    """Combine the wait-based verdict with the compute-speed check (see the module docstring)."""
+    loc = replace(loc, compute=cf)
+    if cf.verdict != "culprit":
+        return loc
+    r = cf.rank
+    if loc.verdict == "straggler":
+        return replace(loc, basis="both") if loc.culprit_rank == r else loc
+    if loc.verdict in ("group", "no_straggler", "moving", "transient") and (loc.verdict != "group"
+                                                                           or r in loc.culprit_ranks):
+        conf = (cf.steps_slower / max(cf.steps_total, 1)) * (1 - math.exp(-cf.margin / cf.bar))
+        return replace(loc, verdict="straggler", culprit_rank=r, culprit_ranks=(r,), coords=lay.coords(r).as_dict(),
+                       confidence=float(conf), basis="compute" if loc.verdict != "group" else "both")
+    return loc
+
+
+def _moving_supported(level: str, steps: list, mat: np.ndarray, speed: pl.DataFrame, coords: pl.DataFrame,
+                      rng: dict[str, int], step_ns: float, tun: Tunables) -> bool:
+    """A moving straggler (more work landing on a different member each step) shows in compute as
+    well as in waits: in most steps where a member stood out, its extra compute over the other
+    members (its ranks' mean, ns) explains at least ``moving_explained_min`` of the wait it caused.
+    Waits that move while compute does not are timing noise. Only DP replicas and CP ranks see
+    different data; at the TP and PP levels a moving straggler is a moving slow device, whose
+    compute speed must also stand out each time (beyond ``compute_margin_min`` spreads of the
+    step-to-step scatter of every rank's speed). Without compute records there is nothing to check
+    against, and the waits stand."""
+    if not speed.height:
+        return True
+    sel = coords
+    for d, v in rng.items():
+        sel = sel.filter(pl.col(d) == v)
+    per = speed.join(sel.select("rank", level), on="rank").group_by("step", level).agg(
+        pl.col("excess_ns").mean(), pl.col("log_ratio").mean())
+    extra = {(int(t), int(m)): float(v) for t, m, v in per.select("step", level, "excess_ns").iter_rows()}
+    speed_of = {(int(t), int(m)): float(v) for t, m, v in per.select("step", level, "log_ratio").iter_rows()}
+    need_speed = level not in ("dp", "cp")
+    if need_speed:
+        resid = per.with_columns((pl.col("log_ratio") - pl.col("log_ratio").median().over("step")).alias("r"))
+        resid = resid.filter(pl.col("log_ratio") < pl.col("log_ratio").max().over("step"))["r"].to_numpy()
+        spread = float(1.4826 * np.median(np.abs(resid - np.median(resid)))) if resid.size > 1 else 0.0
+        speed_bar = max(tun.compute_margin_min * max(spread, tun.compute_noise_floor),
+                        math.log(tun.compute_effect_min_ratio))
+    standout = explained = 0
+    for t, row in zip(steps, mat):
+        top, effect, ok = _standout(row, step_ns, tun, tun.effect_min_frac)
+        if not ok:
+            continue
+        standout += 1
+        vals = [extra.get((int(t), m)) for m in range(row.size)]
+        if vals[top] is None or effect <= 0:
+            continue
+        others = [v for m, v in enumerate(vals) if m != top and v is not None]
+        if not others or vals[top] - float(np.median(others)) < tun.moving_explained_min * effect:
+            continue
+        if need_speed:
+            sp = [speed_of.get((int(t), m)) for m in range(row.size)]
+            rest = [v for m, v in enumerate(sp) if m != top and v is not None]
+            if sp[top] is None or not rest or sp[top] - float(np.median(rest)) < speed_bar:
+                continue
+        explained += 1
+    return standout > 0 and explained / standout >= tun.moving_compute_agree_min
 
 
 def _revisit_open(levels: list[LevelFinding], scores, coords, rng: dict[str, int], lay, step_ns: float,

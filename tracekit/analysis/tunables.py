@@ -26,6 +26,9 @@ class Tunables:
     # it is data imbalance when the late member had more compute in this share of those steps.
     moving_min_share: float = 0.5
     moving_explained_min: float = 0.5
+    # ... and, where compute spans were recorded, the standout member's extra compute explains
+    # moving_explained_min of the wait it caused in this share of those steps (else: noise).
+    moving_compute_agree_min: float = 0.7
     # "Transient": nothing persists, but at least two steps name one rank, and it is this share of
     # all the steps that name a rank.
     transient_share_min: float = 0.8
@@ -55,6 +58,17 @@ class Tunables:
     # CP wait: a member's wait counts as explained by compute imbalance up to the compute it lacked
     # against the CP group's slowest member; the imbalance is called the cause above this share.
     cp_explained_min: float = 0.5
+
+    # Compute speed (compute_speed.py): a rank computes persistently slower than its same-stage
+    # peers when the median per-step excess of its log compute ratio reaches this many noise units
+    # (bar rising with the ranks compared, as margin_per_log), is at least this ratio, and holds in
+    # persist_min of the steps; fewer steps than compute_min_steps are not evidence. The noise unit
+    # is never taken below compute_noise_floor (log ratio).
+    compute_margin_min: float = 3.0
+    compute_margin_per_log: float = 1.0
+    compute_effect_min_ratio: float = 1.02
+    compute_min_steps: int = 4
+    compute_noise_floor: float = 0.003
 
     def to_dict(self) -> dict:
         return asdict(self)

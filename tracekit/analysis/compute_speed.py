@@ -1,0 +1,136 @@
+"""Compute speed: each rank's own compute against the ranks that do the same work.
+
+Waits (``scores.py``) say who held the others up; they carry every source of timing noise at once
+(a preempted process, a late launch, a busy link), so a small but persistent slowdown can drown in
+them. A slow device, though, is slow in *every* compute span. So the same spans are compared across
+ranks: a span's own compute is its duration minus the communication nested in it (a TP peer that
+waits inside a span is not computing), and spans are matched by (step, phase, virtual stage,
+micro-batch, occurrence) among the ranks of the same pipeline stage (same layers, same shapes).
+Each rank's per-step speed is the median over its spans of log(own / peers' median), so one
+preempted span moves nothing; a culprit must then stand out over the steps, the step being the unit
+of independent evidence (spans within a step share the machine's state).
+
+Kernels of GPU traces without annotations are matched by (step, kernel name, occurrence) instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import polars as pl
+
+from tracekit.analysis.tables import RunTables, compute_events, prefer_profiler
+from tracekit.analysis.tunables import Tunables
+
+_SCHEMA = {"step": pl.Int64, "rank": pl.Int32, "log_ratio": pl.Float64, "log_total": pl.Float64,
+           "excess_ns": pl.Float64, "spans": pl.UInt32}
+
+
+@dataclass(frozen=True)
+class ComputeFinding:
+    verdict: str  # culprit | none | no_data
+    rank: int | None  # the culprit (or the slowest rank, for the record, when verdict is none)
+    ratio: float  # its compute over its peers' (exp of the mean per-step log ratio difference)
+    margin: float  # effect in noise units
+    bar: float  # the margin it had to reach
+    steps_total: int
+    steps_slower: int  # steps in which it computed slower than its peers' median
+    ratios: dict[int, float] = field(default_factory=dict)  # every rank's compute over its peers'
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["ratios"] = {str(k): v for k, v in self.ratios.items()}
+        return d
+
+
+def own_compute_spans(tables: RunTables) -> pl.DataFrame:
+    """(rank, step, key, own_ns): compute spans with the communication nested in them removed."""
+    comp = compute_events(tables.events).filter(pl.col("step").is_not_null())
+    if not comp.height:
+        return pl.DataFrame(schema={"rank": pl.Int32, "step": pl.Int64, "key": pl.Utf8, "own_ns": pl.Float64})
+    comp = comp.with_columns(pl.col("rank").cast(pl.Int32), pl.col("step").cast(pl.Int64)).sort("rank", "ts_ns")
+    comp = comp.with_row_index("sid").with_columns(
+        pl.col("ts_ns").cast(pl.Int64).alias("s0"), (pl.col("ts_ns") + pl.col("dur_ns")).cast(pl.Int64).alias("e0"))
+    comm = pl.concat([prefer_profiler(tables.collectives).select("rank", "start_ns", "end_ns"),
+                      tables.p2p.select("rank", "start_ns", "end_ns")], how="vertical_relaxed")
+    ops = comm.select(pl.col("rank").cast(pl.Int32), pl.col("start_ns").cast(pl.Int64).alias("s"),
+                      pl.col("end_ns").cast(pl.Int64).alias("e")).drop_nulls().sort("rank", "s")
+    nested = pl.DataFrame(schema={"sid": pl.UInt32, "nested": pl.Int64})
+    if ops.height:
+        hit = ops.join_asof(comp.select("rank", "sid", "s0", "e0").sort("rank", "s0"), left_on="s", right_on="s0",
+                            by="rank", strategy="backward", check_sortedness=False)
+        hit = hit.filter(pl.col("e0").is_not_null() & (pl.col("s") >= pl.col("s0")) & (pl.col("e") <= pl.col("e0")))
+        # overlapping ops (a comm span and its nested transport op) count once: merge per span
+        hit = hit.sort("sid", "s").with_columns(pl.col("e").cum_max().shift(1).over("sid").alias("prev"))
+        hit = hit.with_columns((pl.col("e") - pl.max_horizontal("s", pl.col("prev").fill_null(pl.col("s"))))
+                               .clip(lower_bound=0).alias("c"))
+        nested = hit.group_by("sid").agg(pl.col("c").sum().cast(pl.Int64).alias("nested"))
+    annotated = pl.col("phase").is_not_null()
+    base = pl.when(annotated).then(pl.format("{}|{}|{}", pl.col("phase"), pl.col("vstage").fill_null(-1),
+                                             pl.col("microbatch").fill_null(-1))).otherwise(pl.col("name"))
+    comp = comp.join(nested, on="sid", how="left").with_columns(base.alias("base"))
+    comp = comp.with_columns(pl.int_range(pl.len()).over("rank", "step", "base").alias("occ"))
+    return comp.select("rank", "step", pl.format("{}#{}", "base", "occ").alias("key"),
+                       (pl.col("dur_ns") - pl.col("nested").fill_null(0)).clip(lower_bound=0)
+                       .cast(pl.Float64).alias("own_ns"))
+
+
+def compute_speed(tables: RunTables) -> pl.DataFrame:
+    """(step, rank, log_ratio, log_total, excess_ns, spans): per step, the median over the rank's compute spans
+    of log(own compute / median of the same span among the ranks of its pipeline stage), which a
+    slow device moves and a few preempted spans do not; and log(its total own compute / the peers'
+    medians summed), which more work (long documents in some micro-batches) moves as well; and
+    that excess in ns (own total minus the peers' medians summed)."""
+    spans = own_compute_spans(tables)
+    if not spans.height:
+        return pl.DataFrame(schema=_SCHEMA)
+    spans = spans.join(tables.coords().select("rank", "pp"), on="rank")
+    peers = ["pp", "step", "key"]
+    spans = spans.with_columns(pl.col("own_ns").median().over(peers).alias("ref"), pl.len().over(peers).alias("n"))
+    spans = spans.filter((pl.col("n") > 1) & (pl.col("own_ns") > 0) & (pl.col("ref") > 0))
+    return spans.group_by("step", "rank").agg(
+        (pl.col("own_ns") / pl.col("ref")).log().median().alias("log_ratio"),
+        (pl.col("own_ns").sum() / pl.col("ref").sum()).log().alias("log_total"),
+        (pl.col("own_ns").sum() - pl.col("ref").sum()).alias("excess_ns"), pl.len().alias("spans")
+    ).sort("step", "rank").cast(_SCHEMA)
+
+
+def _robust_sd(x: np.ndarray) -> float:
+    return float(1.4826 * np.median(np.abs(x - np.median(x)))) if x.size > 1 else 0.0
+
+
+def compute_outlier(speed: pl.DataFrame, tunables: Tunables = Tunables()) -> ComputeFinding:
+    """The rank whose compute is persistently slower than its peers', if any stands out.
+
+    Per step, the top rank's log ratio minus the median of the others' is one sample of its effect;
+    the noise unit is the larger of the samples' standard error (robust spread / sqrt(steps)) and the
+    spread of the other ranks' own means (ranks differ a little for reasons that are not a fault).
+    The bar rises with the number of ranks competing for the top (``compute_margin_*``)."""
+    tun = tunables
+    if not speed.height or speed["rank"].n_unique() < 2:
+        return ComputeFinding("no_data", None, 1.0, 0.0, 0.0, 0, 0)
+    wide = speed.pivot(on="rank", index="step", values="log_ratio").sort("step")
+    ranks = [int(c) for c in wide.columns if c != "step"]
+    mat = wide.select([str(r) for r in ranks]).to_numpy().astype(float)
+    mat = mat[np.isfinite(mat).sum(axis=1) >= 2]
+    T, n = mat.shape
+    means = np.nanmedian(mat, axis=0)  # robust: a step of heavy preemption moves nothing
+    ratios = {r: float(math.exp(m)) for r, m in zip(ranks, means) if np.isfinite(m)}
+    bar = tun.compute_margin_min + tun.compute_margin_per_log * math.log(max(1.0, n / 2))
+    if T < tun.compute_min_steps:
+        return ComputeFinding("none", None, 1.0, 0.0, bar, T, 0, ratios)
+    top = int(np.nanargmax(means))
+    others = np.delete(mat, top, axis=1)
+    diffs = mat[:, top] - np.nanmedian(others, axis=1)
+    diffs = diffs[np.isfinite(diffs)]
+    effect = float(np.median(diffs))
+    sem = 1.2533 * _robust_sd(diffs) / math.sqrt(diffs.size)  # standard error of a median
+    noise = max(sem, _robust_sd(np.delete(means, top)), tun.compute_noise_floor)
+    margin = effect / noise
+    slower = int((diffs > 0).sum())
+    ok = (margin >= bar and effect >= math.log(tun.compute_effect_min_ratio)
+          and slower / diffs.size >= tun.persist_min)
+    return ComputeFinding("culprit" if ok else "none", ranks[top], float(math.exp(effect)), float(margin), float(bar),
+                          int(diffs.size), slower, ratios)
