@@ -74,7 +74,9 @@ class CommRecord:
 
 class CommHook(Protocol):
     """Observer of the comm layer. ``before`` runs just before the op is issued (a fault injector
-    may sleep or block here); ``after`` runs once the op has completed on this rank."""
+    may sleep or block here); ``after`` runs once the op has completed on this rank. A hook may also
+    define ``during(record)``: it runs inside the op's profiler span, just before the transfer (a
+    slow-link injector delays the transfer there, so that the rank arrives on time)."""
 
     def before(self, record: CommRecord) -> None: ...
 
@@ -190,6 +192,9 @@ class Comm:
         for h in self.hooks:
             h.before(record)
         with record_function(ann.span_name()):
+            for h in self.hooks:
+                if hasattr(h, "during"):
+                    h.during(record)
             result = run()
         if not is_async:
             for h in self.hooks:

@@ -23,10 +23,12 @@ share to be used, and the scheduler's noise (a rank descheduled for tens of ms) 
 slowdown. ``emulated_device = k`` (config) models what a GPU job has, a dedicated device per rank:
 each compute span is padded with a sleep until it lasts ``k x factor x`` its own CPU time (CPU time
 does not grow when the core is shared; wall time does). With k large enough that ranks mostly
-sleep, the cores are free when a rank needs them, and a 5% slower device is 5% slower. The link delay runs after the flight
-recorder stamped the op's start, so it lies inside the op's recorded duration, before the op is
-issued (outside its ``tk.comm`` span). The hang stalls before the flight recorder sees the op, so
-the stalled rank is missing from that collective in every dump. The trainer's attention is dense (a
+sleep, the cores are free when a rank needs them, and a 5% slower device is 5% slower.
+
+The link delay runs after the flight recorder stamped the op's start, inside the op's ``tk.comm``
+span and before the transfer: both ranks arrive on time and the transfer takes ``delay_ms`` longer,
+which is what a slow link looks like. The hang stalls before the flight recorder sees the op, so the
+stalled rank is missing from that collective in every dump. The trainer's attention is dense (a
 masked softmax), so CP data imbalance does not change its real cost; ``cp_imbalance`` emulates a
 kernel whose cost follows the unmasked (query, key) pairs: fwd/bwd compute of a CP rank is
 stretched by ``1 + weight * (pairs / mean pairs of its CP group - 1)`` when that exceeds 1.
@@ -329,6 +331,9 @@ class LinkDelay:
         self.faults = [f for f in faults if f.kind == "link" and rank in (f.params["a"], f.params["b"])]
 
     def before(self, record: CommRecord) -> None:
+        pass
+
+    def during(self, record: CommRecord) -> None:
         step = self.step_of()
         for f in self.faults:
             a, b = f.params["a"], f.params["b"]

@@ -12,7 +12,8 @@ from typing import Any
 
 from .comm import Comm
 from .config import ConfigError, TrainConfig
-from .faults import FaultError, check_faults, ground_truth, install, parse_faults
+from .data import Corpus
+from .faults import FaultError, ImbalancedCorpus, check_faults, cp_pair_counts, ground_truth, install, parse_faults
 from .flight_recorder import FlightRecorder
 from .profiling import ProfilingError, RankProfiler, memory_source, parse_steps
 from .train import StepResult, Trainer, run_training
@@ -32,11 +33,29 @@ def check_observability(cfg: TrainConfig) -> None:
         raise ConfigError(str(e)) from None
 
 
+def attention_work(cfg: TrainConfig, steps: list[int]) -> dict[str, dict[str, int]]:
+    """{step: {rank: unmasked causal (query, key) pairs of the tokens the rank attends for}} over
+    its micro-batches: the attention work its documents give it (TP ranks share their replica's
+    and CP rank's tokens). tracekit compares it with compute to tell more work from a slow rank."""
+    faults = [f for f in parse_faults(cfg.faults) if f.kind == "cp_imbalance"]
+    corpus = (ImbalancedCorpus(cfg, faults[0].params["ranks"], faults[0].params.get("short", 4)) if faults
+              else Corpus(cfg))
+    lay = cfg.layout
+    out: dict[str, dict[str, int]] = {}
+    for s in steps:
+        per_dp = [[sum(v) for v in zip(*(cp_pair_counts(cfg, mb) for mb in corpus.micro_batches(s, d)))]
+                  for d in range(cfg.dp)]
+        out[str(s)] = {str(r): int(per_dp[lay.coords(r).dp][lay.coords(r).cp]) for r in range(cfg.world_size)}
+    return out
+
+
 def manifest_fields(cfg: TrainConfig, backend: str) -> dict[str, Any]:
     """What the manifest says about faults (ground truth) and the artifacts of the run."""
     window = parse_steps(cfg.profile_steps, cfg.steps)
+    profiled = list(range(window[0], window[1] + 1)) if window else []
     return {
         "faults": [ground_truth(f, cfg) for f in parse_faults(cfg.faults)],
+        "attention_work": attention_work(cfg, profiled),
         "artifacts": {
             "traces": "traces/rank<R>.json.gz" if window else None,
             "profiled_steps": list(range(window[0], window[1] + 1)) if window else [],

@@ -79,16 +79,20 @@ def own_compute_spans(tables: RunTables) -> pl.DataFrame:
 
 def compute_speed(tables: RunTables) -> pl.DataFrame:
     """(step, rank, log_ratio, log_total, excess_ns, spans): per step, the median over the rank's compute spans
-    of log(own compute / median of the same span among the ranks of its pipeline stage), which a
-    slow device moves and a few preempted spans do not; and log(its total own compute / the peers'
-    medians summed), which more work (long documents in some micro-batches) moves as well; and
-    that excess in ns (own total minus the peers' medians summed)."""
+    of log(own compute / mean of the same span on the other ranks of its pipeline stage), which a
+    slow device moves and a few preempted spans do not; and log(its total own compute / those
+    references summed), which more work (long documents in some micro-batches) moves as well; and
+    that excess in ns (own total minus the references summed)."""
     spans = own_compute_spans(tables)
     if not spans.height:
         return pl.DataFrame(schema=_SCHEMA)
     spans = spans.join(tables.coords().select("rank", "pp"), on="rank")
     peers = ["pp", "step", "key"]
-    spans = spans.with_columns(pl.col("own_ns").median().over(peers).alias("ref"), pl.len().over(peers).alias("n"))
+    # the reference is the mean of the *other* ranks' same span: with two ranks per stage, a median
+    # that includes the rank itself would halve its own slowdown and mirror it onto its peer
+    n = pl.len().over(peers)
+    spans = spans.with_columns(((pl.col("own_ns").sum().over(peers) - pl.col("own_ns")) / (n - 1)).alias("ref"),
+                               n.alias("n"))
     spans = spans.filter((pl.col("n") > 1) & (pl.col("own_ns") > 0) & (pl.col("ref") > 0))
     return spans.group_by("step", "rank").agg(
         (pl.col("own_ns") / pl.col("ref")).log().median().alias("log_ratio"),
@@ -105,7 +109,7 @@ def compute_outlier(speed: pl.DataFrame, tunables: Tunables = Tunables()) -> Com
     """The rank whose compute is persistently slower than its peers', if any stands out.
 
     Per step, the top rank's log ratio minus the median of the others' is one sample of its effect;
-    the noise unit is the larger of the samples' standard error (robust spread / sqrt(steps)) and the
+    the noise unit is the larger of its standard error (pooled step-to-step scatter / sqrt(steps)) and the
     spread of the other ranks' own means (ranks differ a little for reasons that are not a fault).
     The bar rises with the number of ranks competing for the top (``compute_margin_*``)."""
     tun = tunables
@@ -126,7 +130,12 @@ def compute_outlier(speed: pl.DataFrame, tunables: Tunables = Tunables()) -> Com
     diffs = mat[:, top] - np.nanmedian(others, axis=1)
     diffs = diffs[np.isfinite(diffs)]
     effect = float(np.median(diffs))
-    sem = 1.2533 * _robust_sd(diffs) / math.sqrt(diffs.size)  # standard error of a median
+    # step-to-step scatter pooled over every rank (two-way residuals: rank and step effects removed):
+    # the top rank's own few differences would estimate it too low by chance as often as not
+    resid = mat - np.nanmedian(mat, axis=0, keepdims=True)
+    resid = resid - np.nanmedian(resid, axis=1, keepdims=True)
+    scatter = _robust_sd(resid[np.isfinite(resid)])
+    sem = 1.2533 * scatter / math.sqrt(diffs.size)  # standard error of a median
     noise = max(sem, _robust_sd(np.delete(means, top)), tun.compute_noise_floor)
     margin = effect / noise
     slower = int((diffs > 0).sum())

@@ -214,11 +214,13 @@ def _with_compute(loc: Localization, cf: ComputeFinding, lay) -> Localization:
     r = cf.rank
     if loc.verdict == "straggler":
         return replace(loc, basis="both") if loc.culprit_rank == r else loc
-    if loc.verdict in ("group", "no_straggler", "moving", "transient") and (loc.verdict != "group"
-                                                                           or r in loc.culprit_ranks):
+    # a stage blamed in every replica while one rank of a stage computes slower than its peers: the
+    # pipeline waits came from that rank (a heavier stage would slow all its ranks alike)
+    if loc.verdict in ("group", "no_straggler", "moving", "transient", "stage") and (loc.verdict != "group"
+                                                                                    or r in loc.culprit_ranks):
         conf = (cf.steps_slower / max(cf.steps_total, 1)) * (1 - math.exp(-cf.margin / cf.bar))
         return replace(loc, verdict="straggler", culprit_rank=r, culprit_ranks=(r,), coords=lay.coords(r).as_dict(),
-                       confidence=float(conf), basis="compute" if loc.verdict != "group" else "both")
+                       confidence=float(conf), basis="both" if loc.verdict == "group" else "compute")
     return loc
 
 

@@ -264,13 +264,25 @@ def _explain_rank(tables, loc, metrics, links, tun: Tunables, step_ns: float, wo
           "stage_compute_ratio": stage_ratio, "peers": len(peers),
           "worst_link": link["name"] if link else None, "worst_link_ratio": link["ratio"] if link else None}
     work_ratio = _work_ratio(work, r, peers, steps) if work is not None else None
+    explained = None
     ev["work_ratio"] = work_ratio
+    stage_peers = [q for q in range(tables.layout.world_size) if q != r and tables.layout.coords(q).pp == stage]
+    if work is not None:
+        stage_compute_ratio = _ratio_to_peers(metrics, r, stage_peers, "compute_ns", steps)
+        explained = _work_explains(work, m, r, stage_peers, tun)
+        ev.update(stage_peers_compute_ratio=stage_compute_ratio, work_explained_share=explained)
+        if (max(compute_ratio, stage_compute_ratio) >= tun.slow_compute_ratio and explained is not None
+                and explained >= tun.work_explains_share):
+            return Cause("data_imbalance", (r,), f"rank {r} computes {stage_compute_ratio:.2f}x the other ranks of its "
+                         f"stage, and its attention work accounts for {min(explained, 1.0):.0%} of that "
+                         f"(compute follows work over the stage's ranks and steps): more work, not a slower device", ev)
     slow = compute_ratio >= tun.slow_compute_ratio
     if link and link["ratio"] >= tun.slow_link_ratio and not slow:
         return Cause("slow_link", tuple(link["ranks"]), f"rank {r} arrives on time but its link {link['name']} "
                      f"transfers {link['ratio']:.1f}x slower than the same kind elsewhere", ev)
     if slow:
-        if work_ratio is not None and work_ratio - 1 >= tun.work_explains_share * (compute_ratio - 1):
+        if (explained is None and work_ratio is not None
+                and work_ratio - 1 >= tun.work_explains_share * (compute_ratio - 1)):
             return Cause("data_imbalance", (r,), f"rank {r} had {work_ratio:.2f}x the attention work of its peers "
                          f"(compute {compute_ratio:.2f}x)", ev)
         if cv == cv and cv - (cv_peers if cv_peers == cv_peers else 0.0) >= tun.data_cv_min:
@@ -285,6 +297,28 @@ def _explain_rank(tables, loc, metrics, links, tun: Tunables, step_ns: float, wo
         return Cause("stage_imbalance", (r,),
                      f"rank {r}'s stage {stage} computes {stage_ratio:.2f}x the median stage", ev)
     return Cause("unexplained", (r,), f"rank {r} is late but its compute, gaps and links look normal", ev)
+
+
+def _work_explains(work: pl.DataFrame, metrics: pl.DataFrame, rank: int, peers: list[int],
+                   tun: Tunables) -> float | None:
+    """How much of the rank's extra compute its extra attention work predicts, from how compute
+    follows work over its peers' (rank, step) cells (least squares). A kernel whose cost ignores
+    the mask (dense attention) gives a flat fit and explains nothing, however uneven the documents.
+    None when the peers' work hardly varies (nothing to learn the relation from)."""
+    w = work.group_by("rank", "step").agg(pl.col("work").sum())
+    cells = w.join(metrics.select("rank", "step", "compute_ns"), on=["rank", "step"])
+    peer = cells.filter(pl.col("rank").is_in(peers))
+    own = cells.filter(pl.col("rank") == rank)
+    if peer.height < 3 or not own.height:
+        return None
+    x, y = peer["work"].to_numpy().astype(float), peer["compute_ns"].to_numpy().astype(float)
+    if x.std() < 0.05 * max(abs(x.mean()), 1e-9):
+        return None
+    slope, icept = np.polyfit(x, y, 1)
+    base = float(np.median(y))
+    actual = float(own["compute_ns"].median()) - base
+    predicted = float(np.median(icept + slope * own["work"].to_numpy().astype(float))) - base
+    return max(0.0, predicted / actual) if actual > 0 else None
 
 
 def _work_ratio(work: pl.DataFrame, rank: int, peers: list[int], steps) -> float | None:
@@ -317,6 +351,13 @@ def _explain_moving(tables, loc, metrics, tun: Tunables, work) -> Cause:
         j = work.group_by("rank", "step").agg(pl.col("work").sum()).join(metrics, on=["rank", "step"])
         ev["work_compute_corr"] = float(np.corrcoef(j["work"], j["compute_ns"])[0, 1]) if j.height > 2 else None
     what = {"dp": "replica", "pp": "stage", "cp": "CP rank", "tp": "TP rank"}[level]
+    if level in ("tp", "pp") and hits.height and explained / hits.height >= tun.moving_explained_min:
+        # TP ranks share their tokens and stages share their micro-batches: no data can make one
+        # of them do more work, so a late member with more compute is a slow device, moving.
+        ranks = tuple(sorted({int(r) for r in loc.per_step["culprit_rank"].drop_nulls().to_list()}))
+        return Cause("slow_compute", ranks, f"the slowest {what} changes from step to step ({distinct} different) "
+                     f"and computes longer in {explained}/{hits.height} steps, with the same work as its peers: "
+                     f"a slow device that moves (ranks {', '.join(map(str, ranks)) or '?'})", ev)
     if hits.height and explained / hits.height >= tun.moving_explained_min:
         return Cause("data_imbalance", (), f"the slowest {what} changes from step to step ({distinct} different) "
                      f"and is the one with more compute in {explained}/{hits.height} steps; "
