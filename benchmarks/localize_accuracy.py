@@ -13,7 +13,7 @@ with a device each; reference_trainer/faults.py):
 Each run is ingested and given to
 - ours: ``tracekit`` localization + root cause. A slow/cp_imbalance run is right (top-1) when the
   named culprit is one of the fault's ranks; a link run when the named rank or group lies within the
-  pair; a moving run when the verdict says the straggler moves (no single culprit). The cause is
+  pair or the cause names the pair; a moving run when the verdict says the straggler moves (no single culprit). The cause is
   right when it is slow_compute / slow_link naming the pair / data_imbalance / a moving straggler.
 - flat: "shortest mean collective": the rank whose mean collective duration (all groups) is the
   shortest, when it is shorter than the median of the others by more than ``--flat-margin``;
@@ -102,12 +102,12 @@ def _grid(args) -> list[tuple[str, str, str, dict]]:
 def _judge(kind: str, truth: list[int], d) -> tuple[bool, bool, bool]:
     """(top-1 right, cause right, alarm raised) for one of our diagnoses."""
     loc, cause = d.localization, d.cause
-    alarm = loc.verdict not in ("no_straggler", "no_data")
+    alarm = loc.verdict not in ("no_straggler", "no_data") or cause.kind not in ("none", "insufficient_data")
     named = set(loc.culprit_ranks) if loc.verdict in ("straggler", "transient", "group") else set()
     if kind == "slow":
         return loc.culprit_rank in truth, loc.culprit_rank in truth and cause.kind == "slow_compute", alarm
-    if kind == "link":
-        top1 = bool(named) and named <= set(truth)
+    if kind == "link":  # a slow link with punctual arrivals is found by its transfers, not by lateness
+        top1 = (bool(named) and named <= set(truth)) or (cause.kind == "slow_link" and set(cause.ranks) == set(truth))
         return top1, cause.kind == "slow_link" and set(cause.ranks) == set(truth), alarm
     if kind == "cp_imbalance":
         return loc.culprit_rank in truth or loc.verdict == "moving", cause.kind == "data_imbalance", alarm

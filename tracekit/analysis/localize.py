@@ -19,7 +19,8 @@ Waits carry every kind of timing noise, so the descent is checked against each r
 (``compute_speed.py``: the same compute spans compared among the ranks of a stage). A rank that
 computes persistently slower than its peers names the culprit when the waits alone stayed open,
 narrows a late group to its slow member, and a "moving" straggler needs, step by step, a rank whose
-compute stood out (or no compute records to check against): moving wait noise is not a finding.
+compute stood out (or no compute records to check against): moving wait noise is not a finding;
+nor is a transient one whose compute did not stand out in the steps that name it.
 """
 
 from __future__ import annotations
@@ -203,12 +204,39 @@ def localize(tables: RunTables, tunables: Tunables = Tunables()) -> Localization
     _resolve_last_open(levels, scores, rng, lay, step_ns, tunables)
     per_step = _per_step(scores, coords, lay, step_ns, tunables)
     waits = _conclude(lay, rng, levels, step_ns, per_step, tunables)
-    return _with_compute(waits, compute_outlier(speed, tunables), lay)
+    return _with_compute(waits, compute_outlier(speed, tunables), lay, speed, tunables)
 
 
-def _with_compute(loc: Localization, cf: ComputeFinding, lay) -> Localization:
+def _transient_supported(loc: Localization, speed: pl.DataFrame, tun: Tunables) -> bool:
+    """A transient straggler computes slower than its stage peers in the steps that name it (beyond
+    ``compute_margin_min`` spreads of every rank's step-to-step scatter), in most of them; without
+    compute records the waits stand."""
+    if not speed.height:
+        return True
+    steps = loc.per_step.filter(pl.col("culprit_rank") == loc.culprit_rank)["step"].to_list()
+    wide = speed.pivot(on="rank", index="step", values="log_ratio").sort("step")
+    if str(loc.culprit_rank) not in wide.columns:
+        return False
+    mat = wide.drop("step").to_numpy().astype(float)
+    resid = mat - np.nanmedian(mat, axis=0, keepdims=True)
+    resid = resid - np.nanmedian(resid, axis=1, keepdims=True)
+    resid = resid[np.isfinite(resid)]
+    scatter = float(1.4826 * np.median(np.abs(resid - np.median(resid)))) if resid.size > 1 else 0.0
+    bar = max(tun.compute_margin_min * max(scatter, tun.compute_noise_floor), math.log(tun.compute_effect_min_ratio))
+    col = wide.columns.index(str(loc.culprit_rank)) - 1
+    hits = 0
+    for i, t in enumerate(wide["step"].to_list()):
+        if t in steps:
+            others = np.delete(mat[i], col)
+            hits += int(np.isfinite(mat[i, col]) and mat[i, col] - np.nanmedian(others) >= bar)
+    return bool(steps) and hits / len(steps) >= tun.moving_compute_agree_min
+
+
+def _with_compute(loc: Localization, cf: ComputeFinding, lay, speed: pl.DataFrame, tun: Tunables) -> Localization:
     """Combine the wait-based verdict with the compute-speed check (see the module docstring)."""
     loc = replace(loc, compute=cf)
+    if loc.verdict == "transient" and not _transient_supported(loc, speed, tun):
+        loc = replace(loc, verdict="no_straggler", culprit_rank=None, culprit_ranks=(), coords={}, confidence=0.5)
     if cf.verdict != "culprit":
         return loc
     r = cf.rank

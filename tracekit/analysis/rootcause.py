@@ -134,18 +134,23 @@ def link_transfers(tables: RunTables) -> pl.DataFrame:
             pl.lit("p2p").alias("link"), pl.format("{}->{}", "src", "dst").alias("name"),
             pl.concat_list("src", "dst").cast(pl.List(pl.Int32)).alias("ranks"), pl.lit("p2p").alias("kind"),
             pl.col("transfer_ns").cast(pl.Float64)))
+    if parts:
+        parts[0] = parts[0].with_columns((pl.col("transfer_ns") / pl.col("transfer_ns").median()).alias("ratio"))
     m = match_collectives(tables)
     if m.height:
-        g = m.group_by("pg_name").agg(pl.col("transfer_ns").median().cast(pl.Float64), pl.col("dim").first(),
-                                      pl.col("op").mode().first(),
-                                      pl.col("rank").unique().sort().cast(pl.Int32).alias("ranks"))
-        parts.append(g.select(pl.lit("group").alias("link"), pl.col("pg_name").alias("name"), "ranks",
-                              pl.format("{}:{}", "dim", "op").alias("kind"), "transfer_ns"))
+        # each op of a group against the same op of the other groups of its dimension (a group's
+        # all-gathers and reduce-scatters differ in cost); the group is as slow as its worst op
+        g = m.group_by("pg_name", "dim", "op").agg(pl.col("transfer_ns").median().cast(pl.Float64),
+                                                   pl.col("rank").unique().sort().cast(pl.Int32).alias("ranks"))
+        g = g.with_columns(pl.format("{}:{}", "dim", "op").alias("kind")).with_columns(
+            (pl.col("transfer_ns") / pl.col("transfer_ns").median().over("kind")).alias("ratio"))
+        g = g.sort("ratio", descending=True).group_by("pg_name", maintain_order=True).first()
+        parts.append(g.select(pl.lit("group").alias("link"), pl.col("pg_name").alias("name"), "ranks", "kind",
+                              "transfer_ns", "ratio"))
     if not parts:
         return pl.DataFrame(schema={"link": pl.Utf8, "name": pl.Utf8, "ranks": pl.List(pl.Int32), "kind": pl.Utf8,
                                     "transfer_ns": pl.Float64, "ratio": pl.Float64})
-    out = pl.concat(parts)
-    return out.with_columns((pl.col("transfer_ns") / pl.col("transfer_ns").median().over("kind")).alias("ratio"))
+    return pl.concat(parts)
 
 
 def _peers(tables: RunTables, rank: int) -> list[int]:
@@ -234,7 +239,14 @@ def explain(tables: RunTables, loc: Localization, tunables: Tunables = Tunables(
         return Cause("unexplained", loc.culprit_ranks,
                      "these ranks are late together; no link or compute explains it", {})
     if loc.verdict == "moving":
-        return _explain_moving(tables, loc, metrics, tun, work)
+        cause = _explain_moving(tables, loc, metrics, tun, work)
+        link = links.sort("ratio", descending=True).row(0, named=True) if links.height else None
+        if cause.kind == "unexplained" and link and link["ratio"] >= tun.slow_link_ratio:
+            # late members that change without computing more, and a link that transfers slowly
+            return Cause("slow_link", tuple(link["ranks"]), f"the slowest member moves without computing more, and "
+                         f"link {link['name']} is slow ({link['ratio']:.1f}x the same kind)",
+                         {**cause.evidence, "link": link["name"], "ratio": link["ratio"]})
+        return cause
     if loc.verdict == "no_data":
         return Cause("insufficient_data", (), "no collectives across ranks and no p2p records: nothing to compare", {})
     link = links.sort("ratio", descending=True).row(0, named=True) if links.height else None
@@ -321,6 +333,27 @@ def _work_explains(work: pl.DataFrame, metrics: pl.DataFrame, rank: int, peers: 
     return max(0.0, predicted / actual) if actual > 0 else None
 
 
+def _moving_work_share(work: pl.DataFrame, m: pl.DataFrame, hits: pl.DataFrame, level: str) -> float | None:
+    """Median over the standout steps of how much of the late member's extra compute (over its
+    step's mean) its extra work predicts, compute following work as fitted over all (rank, step)."""
+    cells = work.group_by("rank", "step").agg(pl.col("work").sum()).join(m, on=["rank", "step"])
+    if cells.height < 3:
+        return None
+    x, y = cells["work"].to_numpy().astype(float), cells["compute_ns"].to_numpy().astype(float)
+    if x.std() < 0.05 * max(abs(x.mean()), 1e-9):
+        return None
+    slope, _ = np.polyfit(x, y, 1)
+    cells = cells.with_columns((pl.col("work") * float(slope)).alias("pred"))
+    shares = []
+    for step, member in hits.select("step", level).iter_rows():
+        at = cells.filter(pl.col("step") == step)
+        late = at.filter(pl.col(level) == member)
+        actual = float(late["compute_ns"].mean() - at["compute_ns"].mean()) if late.height else 0.0
+        if actual > 0:
+            shares.append(max(0.0, float(late["pred"].mean() - at["pred"].mean())) / actual)
+    return float(np.median(shares)) if shares else None
+
+
 def _work_ratio(work: pl.DataFrame, rank: int, peers: list[int], steps) -> float | None:
     w = work.group_by("rank", "step").agg(pl.col("work").sum())
     if steps is not None:
@@ -351,12 +384,16 @@ def _explain_moving(tables, loc, metrics, tun: Tunables, work) -> Cause:
         j = work.group_by("rank", "step").agg(pl.col("work").sum()).join(metrics, on=["rank", "step"])
         ev["work_compute_corr"] = float(np.corrcoef(j["work"], j["compute_ns"])[0, 1]) if j.height > 2 else None
     what = {"dp": "replica", "pp": "stage", "cp": "CP rank", "tp": "TP rank"}[level]
-    if level in ("tp", "pp") and hits.height and explained / hits.height >= tun.moving_explained_min:
+    by_work = _moving_work_share(work, m, hits, level) if work is not None else None
+    ev["work_explained_share"] = by_work
+    device = level in ("tp", "pp") or (by_work is not None and by_work < tun.work_explains_share)
+    if device and hits.height and explained / hits.height >= tun.moving_explained_min:
         # TP ranks share their tokens and stages share their micro-batches: no data can make one
         # of them do more work, so a late member with more compute is a slow device, moving.
         ranks = tuple(sorted({int(r) for r in loc.per_step["culprit_rank"].drop_nulls().to_list()}))
+        same = "with the same work as its peers" if level in ("tp", "pp") else "more than its work explains"
         return Cause("slow_compute", ranks, f"the slowest {what} changes from step to step ({distinct} different) "
-                     f"and computes longer in {explained}/{hits.height} steps, with the same work as its peers: "
+                     f"and computes longer in {explained}/{hits.height} steps, {same}: "
                      f"a slow device that moves (ranks {', '.join(map(str, ranks)) or '?'})", ev)
     if hits.height and explained / hits.height >= tun.moving_explained_min:
         return Cause("data_imbalance", (), f"the slowest {what} changes from step to step ({distinct} different) "
