@@ -230,6 +230,12 @@ def explain(tables: RunTables, loc: Localization, tunables: Tunables = Tunables(
             return Cause("slow_link", tuple(link["ranks"]),
                          f"slow link {link['name']}: transfers {link['ratio']:.1f}x the same kind elsewhere",
                          {"link": link["name"], "transfer_ns": link["transfer_ns"], "ratio": link["ratio"]})
+        share = _group_work_share(work, metrics, tables, set(loc.culprit_ranks)) if work is not None else None
+        if share is not None and share >= tun.work_explains_share:
+            return Cause("data_imbalance", loc.culprit_ranks, f"ranks {list(loc.culprit_ranks)} compute more than the "
+                         f"rest of their stage, and their attention work accounts for {min(share, 1.0):.0%} of it "
+                         "(compute follows work over the stage's ranks and steps): more work, not slower devices",
+                         {"work_explained_share": share})
         ratios = {r: _ratio_to_peers(metrics, r, _peers(tables, r), "compute_ns") for r in loc.culprit_ranks}
         ratios = {r: v for r, v in ratios.items() if v == v}  # drop NaN (no peers)
         worst = max(ratios, key=lambda r: ratios[r]) if ratios else None
@@ -330,6 +336,27 @@ def _work_explains(work: pl.DataFrame, metrics: pl.DataFrame, rank: int, peers: 
     base = float(np.median(y))
     actual = float(own["compute_ns"].median()) - base
     predicted = float(np.median(icept + slope * own["work"].to_numpy().astype(float))) - base
+    return max(0.0, predicted / actual) if actual > 0 else None
+
+
+def _group_work_share(work: pl.DataFrame, metrics: pl.DataFrame, tables: RunTables, group: set[int]) -> float | None:
+    """How much of a late group's extra compute (over the rest of its stages' ranks) its extra
+    attention work predicts, compute following work as fitted over every rank of those stages and
+    every step. None without a compute excess or without work variation to fit."""
+    lay = tables.layout
+    stages = {lay.coords(r).pp for r in group}
+    ranks = [r for r in range(lay.world_size) if lay.coords(r).pp in stages]
+    cells = work.group_by("rank", "step").agg(pl.col("work").sum()).join(
+        metrics.select("rank", "step", "compute_ns"), on=["rank", "step"]).filter(pl.col("rank").is_in(ranks))
+    if cells.height < 3 or not (~cells["rank"].is_in(list(group))).any():
+        return None
+    x, y = cells["work"].to_numpy().astype(float), cells["compute_ns"].to_numpy().astype(float)
+    if x.std() < 0.05 * max(abs(x.mean()), 1e-9):
+        return None
+    slope, _ = np.polyfit(x, y, 1)
+    inside = cells["rank"].is_in(list(group)).to_numpy()
+    actual = float(np.median(y[inside]) - np.median(y[~inside]))
+    predicted = float(slope * (np.median(x[inside]) - np.median(x[~inside])))
     return max(0.0, predicted / actual) if actual > 0 else None
 
 
