@@ -27,6 +27,7 @@ _HELP = {
     "reduce_order": "backend reductions, or all-gather + rank-ordered sum (emulatable)",
     "cp_sharding": "chunks i and 2cp-1-i of the sequence, or of every document (WLB-LLM)",
     "dump_state": "write unsharded loss, gradients and parameters per step to <out>/state/",
+    "record_activations": "debug: with --dump-state, also dump every micro-batch's per-layer forward activations",
     "timeout_s": "collective timeout per rank, seconds",
     "plant_bug": "debug: plant a known bug (cp-chunk, tp-bwd-reduce, dp-double-scale, doc-mask-off-by-one)",
     "profile_steps": "profile steps a-b: <out>/traces/rank<R>.json.gz and <out>/memory/rank<R>.pickle",
