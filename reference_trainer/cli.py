@@ -36,9 +36,10 @@ _HELP = {
 }
 
 
-def _config_options(fn):
+def _config_options(fn, skip: tuple[str, ...] = ("faults",)):
+    """One click option per TrainConfig field except ``skip`` (faults: repeated --fault options instead)."""
     for f in reversed(dataclasses.fields(TrainConfig)):
-        if f.name == "faults":  # given as repeated --fault options instead
+        if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
