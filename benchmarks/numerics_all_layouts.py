@@ -1,6 +1,6 @@
 """Bit-exact check of the reference trainer against the sequential reference over all 16 layouts
 tp, cp, pp, dp in {1, 2}, in two numerics modes (bf16 gradient buffers + native gloo-ring reductions;
-fp32 buffers + canonical reductions), then the precision table of a tiny model's real gradient buffers
+fp32 buffers + canonical reductions), forward activations included, then the precision table of a tiny model's real gradient buffers
 with 8 and 32 micro-batches.
 
     PYTHONPATH=$PWD python benchmarks/numerics_all_layouts.py [--steps 2] [--out DIR]
@@ -34,9 +34,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--out", type=Path, default=None, help="keep the run directories here")
+    ap.add_argument("--no-activations", action="store_true", help="compare only loss, gradients and parameters")
     args = ap.parse_args()
     base = TrainConfig(n_layers=4, dim=64, seq_len=128, micro_batches=args.micro_batches, steps=args.steps,
-                       dump_state=True, timeout_s=600)
+                       dump_state=True, record_activations=not args.no_activations, timeout_s=600)
     root = args.out or Path(tempfile.mkdtemp(prefix="numerics-all-layouts-"))
     jobs = []
     for tp, cp, pp, dp in itertools.product((1, 2), repeat=4):
@@ -56,6 +57,7 @@ def main() -> None:
             first = report.first_divergent
             rows.append({"layout": f"tp{cfg.tp} cp{cfg.cp} pp{cfg.pp} dp{cfg.dp}", "ranks": world, "mode": mode,
                          "bit_exact": report.bit_exact, "buffers": table.height,
+                         "activations": int(table["buffer"].str.starts_with("act/").sum()),
                          "mismatching_elements": int(table["mismatches"].sum()), "max_ulp": int(table["max_ulp"].max()),
                          "first_divergent": "" if first is None else f"step {first[0]} {first[1]}",
                          "run_s": round(run_s, 1), "emulate_s": round(time.perf_counter() - t1, 1)})
@@ -64,7 +66,8 @@ def main() -> None:
     with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=200, tbl_hide_dataframe_shape=True):
         print(result)
         print(f"bit-exact: {int(result['bit_exact'].sum())}/{result.height} (layout, mode) pairs, "
-              f"{args.steps} steps each: loss, every gradient, every updated parameter")
+              f"{args.steps} steps each: {'' if args.no_activations else 'every forward activation, '}"
+              "loss, every gradient, every updated parameter")
         tiny = base.replace(n_layers=2, steps=1)
         for m in (8, 32):
             t0 = time.perf_counter()

@@ -7,6 +7,7 @@
 - ``precision``: BF16 vs FP32 gradient-buffer accumulation error and the "needs FP32" verdict.
 - ``plan``: the accumulation plan (orders, dtypes, shards, buckets) derived from a trainer config.
 - ``reference_model``: the sequential reference that follows a plan bit for bit.
+- ``activations``: forward activations reassembled from rank shards by the plan, and where they differ.
 - ``check``: parallel run vs reference (``assert_parallel_matches_reference``), with a diagnosis.
 - ``model_precision``: the FP32 verdict for a real model's gradient buffers.
 

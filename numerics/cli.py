@@ -101,17 +101,21 @@ def precision(micro_batches, dp, numel, signal, order, threshold, seed, model_co
 def _trainer_options(fn):
     from reference_trainer.cli import _config_options  # one option per TrainConfig field
 
-    return _config_options(fn)
+    return _config_options(fn, skip=("faults", "record_activations"))  # the check has --activations
 
 
 @main.command()
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Keep the parallel run here (default: a temporary directory).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--activations/--no-activations", default=True, show_default=True,
+              help="Record and compare every micro-batch's per-layer forward activations, so a forward bug is "
+                   "named by its first diverging layer (keeps all activations of a step in memory).")
 @_trainer_options
-def check(out, as_json, **fields) -> None:
+def check(out, as_json, activations, **fields) -> None:
     """Run a parallel training step of the reference trainer and its sequential emulation; exit 0 when
-    loss, every gradient and every updated parameter match bit for bit, 1 with a report otherwise."""
+    forward activations, loss, every gradient and every updated parameter match bit for bit, 1 with a
+    report otherwise."""
     from numerics.check import run_check
     from numerics.plan import PlanError
     from reference_trainer.config import ConfigError, TrainConfig
@@ -124,7 +128,7 @@ def check(out, as_json, **fields) -> None:
         sys.exit(2)
     try:
         with Console(stderr=True).status(f"running {cfg.layout} ({cfg.world_size} ranks) and the sequential reference"):
-            report = run_check(cfg, out)
+            report = run_check(cfg, out, activations)
     except (ConfigError, PlanError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
@@ -132,6 +136,8 @@ def check(out, as_json, **fields) -> None:
         click.echo(f"error: the parallel run failed: {exc}", err=True)
         sys.exit(3)
     first = report.first_divergent
+    first_step = None if first is None else report.steps[first[0]]
+    where = None if first is None else first_step.divergence.get(first[1])
     if out is not None:
         # Kept beside the run so the dashboard's numerics view (and later readers) find the report.
         (out / "numerics.json").write_text(json.dumps(report.table().to_dicts(), default=str))
@@ -142,6 +148,8 @@ def check(out, as_json, **fields) -> None:
         click.echo(json.dumps({
             "bit_exact": report.bit_exact, "layout": str(cfg.layout), "summary": report.summary(),
             "diagnosis": report.diagnosis, "first_divergent": None if first is None else {"step": first[0], "buffer": first[1]},
+            "first_divergent_where": None if where is None else asdict(where),
+            "sharding": [] if first_step is None else list(first_step.sharding),
             "buffers": report.table().to_dicts(), "first_divergent_ulp_histogram": hist.to_dicts(),
         }, indent=1, default=str))
     else:
@@ -150,13 +158,19 @@ def check(out, as_json, **fields) -> None:
         console.print(f"{cfg.layout}: {report.summary()}")
         if first is not None:
             bad = report.table().filter(pl.col("mismatches") > 0)
-            table = Table(title=f"mismatching buffers ({bad.height}), comparison order: loss, gradients in backward order, parameters")
+            table = Table(title=f"mismatching buffers ({bad.height}), comparison order: activations in forward order, "
+                                "loss, gradients in backward order, parameters")
             for col in ("step", "buffer", "mismatches", "numel", "max ulp", "max abs err", "rel err", "norm ratio"):
                 table.add_column(col, justify="left" if col == "buffer" else "right", no_wrap=True)
             for r in bad.head(25).iter_rows(named=True):
                 table.add_row(str(r["step"]), r["buffer"], str(r["mismatches"]), str(r["numel"]), str(r["max_ulp"]),
                               f"{r['max_abs_err']:.3g}", f"{r['rel_err']:.3g}", f"{r['norm_ratio']:.4g}")
             console.print(table)
+            acts = bad.filter(pl.col("buffer").str.starts_with("act/"))
+            if acts.height:
+                console.print("where the differing activations differ first, in forward order:")
+                for r in acts.head(8).iter_rows(named=True):
+                    console.print(f"  step {r['step']} {r['buffer'][4:]}: {r['where']}")
             hist = report.ulp_histogram().filter((pl.col("step") == first[0]) & (pl.col("buffer") == first[1]))
             console.print(f"ULP histogram of {first[1]} (step {first[0]}): " + ", ".join(
                 f"[{r['ulp_min']}, {r['ulp_max']}]: {r['count']}" for r in hist.iter_rows(named=True)))

@@ -91,7 +91,10 @@ class BufferDiff:
 
     @property
     def module(self) -> str:
-        """The owning module of a parameter-style name (``layers.1.attn.wq.weight`` -> ``layers.1.attn.wq``)."""
+        """The owning module of a parameter-style name (``layers.1.attn.wq.weight`` -> ``layers.1.attn.wq``);
+        an activation (``act/layers.0.attention``) names its module itself."""
+        if self.name.startswith("act/"):
+            return self.name[4:]
         return self.name.rsplit(".", 1)[0] if "." in self.name else self.name
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -162,10 +163,17 @@ class ReplicaStep:
     """The TP x CP members of every virtual stage of one DP replica. ``weights[vs][m][name]`` is member
     m's (= cp * tp + tp_rank) leaf tensor of its shard of ``name``."""
 
-    def __init__(self, plan: AccumulationPlan, weights: list[list[dict[str, torch.Tensor]]]):
+    def __init__(self, plan: AccumulationPlan, weights: list[list[dict[str, torch.Tensor]]],
+                 record: Callable[[str, Members], None] | None = None):
         self.plan, self.c, self.w = plan, plan.cfg, weights
         self.order = plan.order
         self.n = self.c.tp * self.c.cp
+        self.record = record  # (point, members' tensors) at the trainer's recording points
+
+    def _rec(self, point: str, xs: Members) -> Members:
+        if self.record is not None:
+            self.record(point, [x.detach().clone() for x in xs])
+        return xs
 
     # member m = cp_rank * tp + tp_rank
     def _tp_groups(self) -> list[list[int]]:
@@ -198,7 +206,7 @@ class ReplicaStep:
     def embed(self, vs: int, mb: MicroBatchView) -> Members:
         c, w = self.c, self.w[vs]
         if c.tp == 1:
-            return [F.embedding(mb.tokens[self._cp_of(m)], w[m]["embed.weight"]) for m in range(self.n)]
+            return self._rec("embed", [F.embedding(mb.tokens[self._cp_of(m)], w[m]["embed.weight"]) for m in range(self.n)])
         rows = c.vocab_size // c.tp
         out = []
         for m in range(self.n):
@@ -206,7 +214,7 @@ class ReplicaStep:
             outside = (local < 0) | (local >= rows)
             e = F.embedding(local.masked_fill(outside, 0), w[m]["embed.weight"])
             out.append(e.masked_fill(outside[..., None], 0.0))
-        return self.tp_reduce_scatter(out)
+        return self._rec("embed", self.tp_reduce_scatter(out))
 
     def layer(self, vs: int, i: int, xs: Members, mb: MicroBatchView) -> Members:
         c, n = self.c, range(self.n)
@@ -222,22 +230,24 @@ class ReplicaStep:
         k = [rope(k[m], pos[m], c.rope_theta) for m in n]
         k, v = self.cp_gather(k), self.cp_gather(v)
         o = [attention(q[m], k[m], v[m], mb.allowed[self._cp_of(m)]).reshape(b, s, -1) for m in n]
-        r = self.tp_reduce_scatter([F.linear(o[m], w[m]["wo"]) for m in n])
+        self._rec(f"layers.{i}.attention.heads", o)
+        r = self._rec(f"layers.{i}.attention", self.tp_reduce_scatter([F.linear(o[m], w[m]["wo"]) for m in n]))
         xs = [xs[m] + r[m] for m in n]
         hf = self.tp_gather([rms_norm(xs[m], w[m]["mlp_norm"], c.norm_eps) for m in n])
         act = [F.silu(F.linear(hf[m], w[m]["w1"])) * F.linear(hf[m], w[m]["w3"]) for m in n]
-        r = self.tp_reduce_scatter([F.linear(act[m], w[m]["w2"]) for m in n])
-        return [xs[m] + r[m] for m in n]
+        r = self._rec(f"layers.{i}.mlp", self.tp_reduce_scatter([F.linear(act[m], w[m]["w2"]) for m in n]))
+        return self._rec(f"layers.{i}", [xs[m] + r[m] for m in n])
 
     def head_loss(self, vs: int, xs: Members, mb: MicroBatchView) -> Members:
         """Each member's share of the step loss: its token losses summed / tokens of the step."""
         c, w, n = self.c, self.w[vs], range(self.n)
-        hf = self.tp_gather([rms_norm(xs[m], w[m]["norm.weight"], c.norm_eps) for m in n])
-        logits = [F.linear(hf[m], w[m]["head.weight"]).float() for m in n]
+        hf = self.tp_gather(self._rec("norm", [rms_norm(xs[m], w[m]["norm.weight"], c.norm_eps) for m in n]))
+        logits = [lg.float() for lg in self._rec("logits", [F.linear(hf[m], w[m]["head.weight"]) for m in n])]
         losses: list[torch.Tensor | None] = [None] * self.n
         for g in self._tp_groups():
             for m, loss in zip(g, _CrossEntropy.apply(self.order, mb.targets[self._cp_of(g[0])], *(logits[m] for m in g))):
                 losses[m] = loss
+        self._rec("token_loss", losses)  # type: ignore[arg-type]
         return [losses[m].sum() / c.tokens_per_step for m in n]
 
     def stage_forward(self, vs: int, xs: Members | None, mb: MicroBatchView) -> Members:

@@ -14,6 +14,7 @@ import torch
 
 from numerics.plan import AccumulationPlan, BucketPlan
 from numerics.reference_model import ReplicaStep, micro_batch_view
+from reference_trainer.activations import positions_key, shard_key
 from reference_trainer.data import Corpus
 
 
@@ -79,7 +80,8 @@ class ReferenceRun:
 
     def step(self, term_hook: Callable[[int, int, list[list[dict[str, torch.Tensor]]]], None] | None = None) -> dict:
         """One training step of every DP replica; returns {"loss", "grads", "params"} like the trainer's
-        ``--dump-state``. ``term_hook(dp, mb, weights)`` sees every micro-batch's leaf gradients."""
+        ``--dump-state``. ``term_hook(dp, mb, weights)`` sees every micro-batch's leaf gradients.
+        With ``record_activations`` also ``activations`` and ``positions``, keyed like the trainer's."""
         plan, c = self.plan, self.plan.cfg
         torch.set_num_threads(1)  # the ranks run single-threaded; thread count changes GEMM bits
         batches = Corpus(c).global_batch(self.steps_taken)
@@ -91,10 +93,19 @@ class ReferenceRun:
         reduced: dict[tuple[int, int, int, int], torch.Tensor] = {}
         loss_parts = [torch.zeros((), dtype=torch.float32) for _ in range(c.dp * c.cp)]
         replicas = [batches[d * per_replica:(d + 1) * per_replica].split(c.micro_batch_size, 0) for d in range(c.dp)]
+        acts: dict[str, torch.Tensor] = {}
+        positions: dict[str, torch.Tensor] = {}
         for i in range(c.micro_batches):  # every replica runs micro-batch i before the ZeRO-2 reduction of i
             for d in range(c.dp):
                 weights = self._weights()  # fresh leaves: their .grad is this micro-batch's gradient
-                losses = ReplicaStep(plan, weights).run(micro_batch_view(plan, replicas[d][i]))
+                view = micro_batch_view(plan, replicas[d][i])
+                record = None
+                if c.record_activations:
+                    positions.update({positions_key(d, cp, i): p for cp, p in enumerate(view.positions)})
+
+                    def record(point: str, xs: list[torch.Tensor], d: int = d, i: int = i) -> None:
+                        acts.update({shard_key(point, d, m // c.tp, m % c.tp, i): x for m, x in enumerate(xs)})
+                losses = ReplicaStep(plan, weights, record).run(view)
                 for cp in range(c.cp):
                     k = plan.dp_cp_index(d, cp)
                     loss_parts[k] = loss_parts[k] + losses[cp * c.tp]
@@ -113,7 +124,10 @@ class ReferenceRun:
                 self._reduce(bp, bufs, zero2, reduced)
         loss = plan.order.all_reduce(loss_parts)
         self.steps_taken += 1
-        return self._update(reduced, float(loss))
+        out = self._update(reduced, float(loss))
+        if c.record_activations:
+            out["activations"], out["positions"] = acts, positions
+        return out
 
     def _reduce(self, bp: BucketPlan, bufs: dict, zero2: dict, reduced: dict) -> None:
         """TP all-reduce of the norm-weight slice, then reduce-scatter over DP x CP in reduce_dtype.

@@ -27,6 +27,7 @@ _HELP = {
     "reduce_order": "backend reductions, or all-gather + rank-ordered sum (emulatable)",
     "cp_sharding": "chunks i and 2cp-1-i of the sequence, or of every document (WLB-LLM)",
     "dump_state": "write unsharded loss, gradients and parameters per step to <out>/state/",
+    "record_activations": "debug: with --dump-state, also dump every micro-batch's per-layer forward activations",
     "timeout_s": "collective timeout per rank, seconds",
     "plant_bug": "debug: plant a known bug (cp-chunk, tp-bwd-reduce, dp-double-scale, doc-mask-off-by-one)",
     "emulated_device": "each compute span lasts this many times its own CPU time (0 = off): a dedicated "
@@ -37,9 +38,10 @@ _HELP = {
 }
 
 
-def _config_options(fn):
+def _config_options(fn, skip: tuple[str, ...] = ("faults",)):
+    """One click option per TrainConfig field except ``skip`` (faults: repeated --fault options instead)."""
     for f in reversed(dataclasses.fields(TrainConfig)):
-        if f.name == "faults":  # given as repeated --fault options instead
+        if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):

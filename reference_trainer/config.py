@@ -67,6 +67,7 @@ class TrainConfig:
     backend: str = "auto"
     timeout_s: float = 300.0
     dump_state: bool = False
+    record_activations: bool = False  # debug: dump every micro-batch's per-layer activations (needs dump_state)
     plant_bug: str = ""  # debug: plant a known bug (reference_trainer.bugs.BUGS) to test numerics checks
     # observability and faults (reference_trainer/observe.py)
     faults: str = ""  # fault specs separated by ';' (reference_trainer/faults.py)
@@ -173,6 +174,8 @@ class TrainConfig:
         need(self.doc_len_mean >= 1 and self.doc_len_sigma >= 0 and self.doc_len_max >= 1,
              "doc_len_mean >= 1, doc_len_sigma >= 0 and doc_len_max >= 1 required")
         need(self.plant_bug in ("",) + BUGS, f"plant_bug must be empty or one of {BUGS}, got {self.plant_bug!r}")
+        need(self.dump_state or not self.record_activations,
+             "record_activations needs dump_state (the records travel in the state dump)")
         need(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
         if errors:
             raise ConfigError("invalid trainer config: " + "; ".join(errors))

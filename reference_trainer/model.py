@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import bugs
+from .activations import ActivationRecorder
 from .config import TrainConfig
 from .context_parallel import attention, gather_kv
 from .parallel_state import ParallelContext
@@ -138,6 +139,12 @@ class Stage(nn.Module):
             self.register_parameter(f"p{i}", p)
             self.params[spec.name] = p
         self.vocab_start = tp_rank * (cfg.vocab_size // tp)
+        self.recorder: ActivationRecorder | None = None  # set only for the numerics check
+
+    def _record(self, mb: MicroBatch, point: str, x: torch.Tensor) -> torch.Tensor:
+        if self.recorder is not None:
+            self.recorder.record(mb.index, point, x)
+        return x
 
     def full_init_fp32(self) -> list[torch.Tensor]:
         """This rank's shards of the initial weights in fp32 (the master copy's start)."""
@@ -154,25 +161,28 @@ class Stage(nn.Module):
         v = F.linear(hf, w("wv")).view(b, s, -1, c.head_dim)
         q, k = rope(q, mb.positions, c.rope_theta), rope(k, mb.positions, c.rope_theta)
         k, v = gather_kv(k, comm, self.ctx.cp), gather_kv(v, comm, self.ctx.cp)
-        o = attention(q, k, v, mb.mask).reshape(b, s, -1)
-        x = x + reduce_scatter_sequence(F.linear(o, w("wo")), comm, tp)
+        o = self._record(mb, f"layers.{i}.attention.heads", attention(q, k, v, mb.mask).reshape(b, s, -1))
+        x = x + self._record(mb, f"layers.{i}.attention", reduce_scatter_sequence(F.linear(o, w("wo")), comm, tp))
         hf = gather_sequence(rms_norm(x, w("mlp_norm"), c.norm_eps), comm, tp,
                              bwd_reduce=not bugs.active("tp-bwd-reduce"))
         act = F.silu(F.linear(hf, w("w1"))) * F.linear(hf, w("w3"))
-        return x + reduce_scatter_sequence(F.linear(act, w("w2")), comm, tp)
+        x = x + self._record(mb, f"layers.{i}.mlp", reduce_scatter_sequence(F.linear(act, w("w2")), comm, tp))
+        return self._record(mb, f"layers.{i}", x)
 
     def forward(self, x: torch.Tensor | None, mb: MicroBatch) -> torch.Tensor:
         """Activation [b, S/(cp*tp), h] in and out; the last stage returns this micro-batch's
         share of the step loss (sum of token losses / tokens per step, fp32 scalar)."""
         comm, tp = self.ctx.comm, self.ctx.tp
         if self.is_first:
-            x = vocab_parallel_embedding(mb.tokens, self.params["embed.weight"], self.vocab_start, comm, tp)
+            x = self._record(mb, "embed", vocab_parallel_embedding(mb.tokens, self.params["embed.weight"],
+                                                                  self.vocab_start, comm, tp))
         assert x is not None
         for i in self.layer_ids:
             x = self._layer(i, x, mb)
         if not self.is_last:
             return x
-        hf = gather_sequence(rms_norm(x, self.params["norm.weight"], self.cfg.norm_eps), comm, tp)
-        logits = F.linear(hf, self.params["head.weight"])
-        losses = vocab_parallel_cross_entropy(logits, mb.targets, self.vocab_start, comm, tp)
+        normed = self._record(mb, "norm", rms_norm(x, self.params["norm.weight"], self.cfg.norm_eps))
+        logits = self._record(mb, "logits", F.linear(gather_sequence(normed, comm, tp), self.params["head.weight"]))
+        losses = self._record(mb, "token_loss",
+                              vocab_parallel_cross_entropy(logits, mb.targets, self.vocab_start, comm, tp))
         return losses.sum() / self.cfg.tokens_per_step

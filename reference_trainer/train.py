@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from .activations import ActivationRecorder
 from .comm import Comm
 from .compute import ComputeSpans
 from .config import TrainConfig
@@ -47,6 +48,9 @@ class Trainer:
                                      c.micro_batches, self.spans, on_backward=self.optimizer.after_backward)
         self.corpus = Corpus(c)
         self.step_index = 0
+        self.recorder = ActivationRecorder() if c.record_activations else None
+        for stage in self.stages.values():
+            stage.recorder = self.recorder
 
     def micro_batch(self, index: int, tokens: torch.Tensor) -> MicroBatch:
         """This rank's view of one micro-batch [b, S+1]: its CP positions, targets and mask."""
@@ -55,6 +59,8 @@ class Trainer:
         doc = document_ids(inputs, c.eos_id)
         pos = batch_shard_positions(doc, c.cp, c.cp_sharding)  # [b, cp, S/cp]
         q_pos = pos[:, self.ctx.coords.cp]
+        if self.recorder is not None:
+            self.recorder.record_positions(index, q_pos)
         k_pos = pos.reshape(pos.shape[0], -1)  # the order in which K/V are all-gathered
         return MicroBatch(index=index, tokens=torch.gather(inputs, 1, q_pos).to(dev),
                           targets=torch.gather(targets, 1, q_pos).to(dev), positions=q_pos.to(dev),
@@ -62,6 +68,8 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         t0 = time.perf_counter()
+        if self.recorder is not None:
+            self.recorder.clear()
         tokens = self.corpus.micro_batches(self.step_index, self.ctx.coords.dp)
         mbs = [self.micro_batch(i, t) for i, t in enumerate(tokens)]
         local_loss = self.runner.run(mbs)
@@ -76,10 +84,14 @@ class Trainer:
 
     def full_state(self, loss: float) -> dict | None:
         """Unsharded loss, reduced gradients and updated fp32 parameters by canonical name,
-        returned on global rank 0 (None elsewhere). Collective: every rank must call it."""
+        returned on global rank 0 (None elsewhere). Collective: every rank must call it.
+        With ``record_activations`` also ``activations`` (every rank's shard per point and
+        micro-batch, ``activations.shard_key``) and ``positions`` (the global positions each CP rank
+        held), left sharded: the numerics check reassembles them from its own plan."""
         grads, params = self.optimizer.local_state()
-        comm = self.ctx.comm
-        parts = comm.gather_object((self.ctx.coords.as_dict(), grads, params), comm.world)
+        comm, xy = self.ctx.comm, self.ctx.coords
+        records = ({}, {}) if self.recorder is None else self.recorder.export(xy.dp, xy.cp, xy.tp)
+        parts = comm.gather_object((xy.as_dict(), grads, params, *records), comm.world)
         if parts is None:
             return None
         c = self.cfg
@@ -90,6 +102,9 @@ class Trainer:
             for name, spec in specs.items():
                 shards = [p[idx][name] for p in owners if name in p[idx]]
                 out[key][name] = shards[0] if spec.tp_dim is None else torch.cat(shards, spec.tp_dim)
+        if self.recorder is not None:
+            out["activations"] = {k: v for p in parts for k, v in p[3].items()}
+            out["positions"] = {k: v for p in parts for k, v in p[4].items()}
         return out
 
 

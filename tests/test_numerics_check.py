@@ -1,7 +1,9 @@
 """The sequential reference reproduces real 4-rank gloo runs of the reference trainer bit for bit
-(loss, every reduced gradient, every updated parameter) over TP, CP, PP and DP layouts, bf16 and fp32
-gradient buffers, native (gloo ring) and canonical reduction orders, ZeRO-1 and ZeRO-2; each planted
-bug is detected and localized. One spawned world of 4 ranks runs every config (launch_many)."""
+(every micro-batch's per-layer forward activations, loss, every reduced gradient, every updated
+parameter) over TP, CP, PP and DP layouts, bf16 and fp32 gradient buffers, native (gloo ring) and
+canonical reduction orders, ZeRO-1 and ZeRO-2; each planted bug is detected and localized (forward
+bugs to the first diverging activation and its tokens). One spawned world of 4 ranks runs every
+config (launch_many)."""
 
 from __future__ import annotations
 
@@ -12,10 +14,13 @@ import torch
 
 from numerics.check import CheckReport, RunStateError, check_run, compare_states, load_states, reference_states
 from numerics.plan import AccumulationPlan
+from reference_trainer.activations import activation_points
 from reference_trainer.config import TrainConfig
+from reference_trainer.data import Corpus
 from reference_trainer.launch import launch_many
 
-BASE = TrainConfig(n_layers=4, dim=64, seq_len=128, micro_batches=3, steps=1, dump_state=True, timeout_s=300)
+BASE = TrainConfig(n_layers=4, dim=64, seq_len=128, micro_batches=3, steps=1, dump_state=True,
+                   record_activations=True, timeout_s=300)
 BF16_BUFFERS = dict(grad_accum_dtype="bf16", reduce_dtype="bf16")
 
 EXACT = {
@@ -51,8 +56,18 @@ def test_parallel_run_matches_reference_bit_for_bit(runs, name):
     assert report.bit_exact, report.summary()
     table = report.table()
     n_params = len(AccumulationPlan.from_config(cfg).params)
-    assert table.height == cfg.steps * (1 + 2 * n_params)  # loss, every gradient, every parameter
+    n_points = len(activation_points(cfg))  # embed, 4 per layer, norm, logits, token_loss
+    assert n_points == 3 + 4 * cfg.n_layers + 1
+    # activations, loss, every gradient, every parameter
+    assert table.height == cfg.steps * (n_points + 1 + 2 * n_params)
     assert table["mismatches"].sum() == 0 and table["max_ulp"].max() == 0
+    acts = table.filter(table["buffer"].str.starts_with("act/"))
+    assert acts.height == cfg.steps * n_points
+    # full tensors: every micro-batch of every DP replica, the whole sequence
+    per_token = cfg.dp * cfg.micro_batches * cfg.micro_batch_size * cfg.seq_len
+    sizes = dict(zip(acts["buffer"], acts["numel"]))
+    assert sizes["act/embed"] == sizes["act/layers.0.attention.heads"] == per_token * cfg.dim
+    assert sizes["act/logits"] == per_token * cfg.vocab_size and sizes["act/token_loss"] == per_token * cfg.tp
     assert report.first_divergent is None and report.diagnosis.startswith("bit-exact")
 
 
@@ -65,22 +80,52 @@ def test_reduction_order_is_not_vacuous(runs):
     report = CheckReport(cfg, compare_states(load_states(out, cfg.steps), wrong, plan))
     assert not report.bit_exact
     first = report.steps[0].comparison
-    assert first.buffers[0].name == "loss"  # the 4-way loss sum already associates differently
+    # step 0's forward does not depend on the DP reduction order: its activations stay exact
+    assert [b.name for b in first.buffers if not b.name.startswith("act/")][0] == "loss"
+    assert all(b.bit_exact for b in first.buffers if b.name.startswith("act/"))
+    assert report.first_divergent[0] == 0 and report.first_divergent[1] != "loss"
     grads = [b for b in first.buffers if b.name.startswith("grad/")]
     assert sum(not b.bit_exact for b in grads) >= len(grads) // 2
     assert max(b.rel_err for b in grads) < 1e-2  # rounding-sized, not a bug
 
 
-def test_cp_chunk_bug_changes_the_forward(runs):
-    report = check_run(*runs["bug_cp-chunk"])
-    assert report.first_divergent == (0, "loss")
-    assert report.diagnosis.startswith("forward")
+def test_cp_chunk_bug_is_localized_to_the_embedding_of_the_misassigned_chunks(runs):
+    """CP rank 0 embeds chunk 2 where the plan puts chunk 3, CP rank 1 chunk 1 twice where the plan
+    puts chunks 1 and 2: the first activation already holds wrong tokens, at positions 64..127 only."""
+    cfg, out = runs["bug_cp-chunk"]
+    report = check_run(cfg, out)
+    assert report.first_divergent == (0, "act/embed")
+    step = report.steps[0]
+    where = step.divergence["act/embed"]
+    chunk = cfg.seq_len // (2 * cfg.cp)
+    assert (where.dp, where.micro_batch, where.sequence) == (0, 0, 0)
+    assert min(where.tokens) >= 2 * chunk and len(where.tokens) > chunk  # chunks 0 and 1 are right
+    assert where.micro_batches_differing == where.micro_batches_total == cfg.dp * cfg.micro_batches
+    assert step.sharding[0] == (f"micro-batch 0 (dp 0) CP rank 0 held positions 0..{chunk - 1}, {2 * chunk}.."
+                                f"{3 * chunk - 1} of sequence 0 (repeats: 0); the plan gives 0..{chunk - 1}, "
+                                f"{3 * chunk}..{4 * chunk - 1}")
+    assert f"(repeats: {chunk})" in step.sharding[1]  # CP rank 1 holds chunk 1 twice
+    assert report.diagnosis.startswith("forward: the first diverging activation is the embed output, micro-batch 0")
+    assert "input sharding differs from the plan" in report.diagnosis
 
 
-def test_doc_mask_bug_changes_the_forward(runs):
-    report = check_run(*runs["bug_doc-mask-off-by-one"])
-    assert report.first_divergent == (0, "loss")
-    assert report.table()["mismatches"].sum() > 0
+def test_doc_mask_bug_is_localized_to_layer_0_attention_from_the_first_document_end(runs):
+    """The key's document read one position late puts every document's preceding eos into its
+    attention window (and takes an eos out of its own): attention of layer 0 is the first
+    activation to differ, from the first eos of the sequence on; the embedding is exact."""
+    cfg, out = runs["bug_doc-mask-off-by-one"]
+    report = check_run(cfg, out)
+    assert report.first_divergent == (0, "act/layers.0.attention.heads")
+    rows = {r["buffer"]: r for r in report.table().iter_rows(named=True)}
+    assert rows["act/embed"]["mismatches"] == 0
+    where = report.steps[0].divergence["act/layers.0.attention.heads"]
+    assert (where.dp, where.micro_batch, where.sequence) == (0, 0, 0)
+    first_eos = int((Corpus(cfg).global_batch(0)[0, :-1] == cfg.eos_id).nonzero()[0])
+    assert where.tokens[0] == first_eos
+    assert len(where.tokens) >= 0.9 * (cfg.seq_len - first_eos)
+    assert report.steps[0].sharding == ()  # the sharding itself is right
+    assert report.diagnosis.startswith(f"forward: the first diverging activation is the layers.0.attention.heads "
+                                       f"output, micro-batch 0 (dp 0), sequence 0: tokens {first_eos}..")
 
 
 def test_missing_tp_backward_reduction_is_localized_to_the_last_mlp(runs):
@@ -93,6 +138,7 @@ def test_missing_tp_backward_reduction_is_localized_to_the_last_mlp(runs):
     for name in ("loss", "grad/head.weight", "grad/norm.weight", f"grad/layers.{last}.w2.weight",
                  f"grad/layers.{last}.w3.weight", f"grad/layers.{last}.w1.weight"):
         assert rows[name]["mismatches"] == 0, name
+    assert all(r["mismatches"] == 0 for n, r in rows.items() if n.startswith("act/"))  # a backward bug
     assert report.diagnosis == f"backward: the loss matches; the first wrong gradient in backward order is layers.{last}.mlp_norm.weight"
 
 
@@ -104,6 +150,7 @@ def test_double_scaled_dp_gradient_is_a_reduction_bug(runs):
     # dividing by dp*cp = 2 is exact: every nonzero gradient element is exactly half
     assert set(round(r, 9) for r in grads["norm_ratio"].to_list()) == {0.5}
     assert report.first_divergent == (0, "grad/head.weight")
+    assert rows.filter(rows["buffer"].str.starts_with("act/"))["mismatches"].sum() == 0
     assert report.diagnosis.startswith("gradient reduction")
 
 
@@ -115,3 +162,15 @@ def test_missing_state_is_a_clear_error(runs, tmp_path):
     torch.save({"loss": 1.0}, tmp_path / "state" / "step0.pt")
     with pytest.raises(RunStateError, match="expected a dict with loss, grads and params"):
         check_run(cfg, tmp_path)
+    torch.save({"loss": 1.0, "grads": {}, "params": {}}, tmp_path / "state" / "step0.pt")
+    with pytest.raises(RunStateError, match="step0.pt: no activation records .*--record-activations"):
+        check_run(cfg, tmp_path)
+
+
+def test_a_missing_activation_shard_is_named(runs):
+    cfg, out = runs["tp2_dp2_bf16buf_native"]
+    plan = AccumulationPlan.from_config(cfg)
+    state = load_states(out, 1, activations=True)[0]
+    del state["activations"]["layers.1.mlp/dp1/cp0/tp1/mb2"]
+    with pytest.raises(RunStateError, match="parallel step 0: no activation record 'layers.1.mlp/dp1/cp0/tp1/mb2'"):
+        compare_states([state], reference_states(cfg), plan)

@@ -13,7 +13,8 @@ from reference_trainer.launch import launch_many
 
 pytestmark = pytest.mark.slow
 
-BASE = TrainConfig(n_layers=4, dim=64, seq_len=128, micro_batches=4, steps=2, dump_state=True, timeout_s=600)
+BASE = TrainConfig(n_layers=4, dim=64, seq_len=128, micro_batches=4, steps=2, dump_state=True,
+                   record_activations=True, timeout_s=600)
 CASES = {
     "tp2_cp2_pp2_bf16buf_native": BASE.replace(tp=2, cp=2, pp=2, grad_accum_dtype="bf16", reduce_dtype="bf16"),
     "tp2_cp2_dp2_canonical_zero2": BASE.replace(tp=2, cp=2, dp=2, reduce_order="canonical", zero_stage=2),

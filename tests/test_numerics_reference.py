@@ -57,7 +57,7 @@ def test_native_nccl_reductions_are_refused():
 
 
 @pytest.mark.parametrize("changes", [{}, {"compute_dtype": "fp32", "grad_accum_dtype": "bf16"},
-                                     {"zero_stage": 2, "reduce_dtype": "bf16"}])
+                                     {"zero_stage": 2, "reduce_dtype": "bf16", "record_activations": True}])
 def test_reference_matches_the_single_process_trainer_bit_for_bit(changes):
     cfg = TINY.replace(**changes)
     _, trainer = run_single_process(cfg)
@@ -65,6 +65,22 @@ def test_reference_matches_the_single_process_trainer_bit_for_bit(changes):
     checks = compare_states(trainer, [ours.step() for _ in range(cfg.steps)], AccumulationPlan.from_config(cfg))
     assert all(c.comparison.bit_exact for c in checks), [c.comparison.first_divergent for c in checks]
     assert trainer[1]["loss"] < trainer[0]["loss"]  # it trains
+    n_acts = sum(b.name.startswith("act/") for b in checks[0].comparison.buffers)
+    assert n_acts == (3 + 4 * cfg.n_layers + 1 if cfg.record_activations else 0)
+
+
+def test_recording_activations_changes_no_bit_of_training():
+    plain = run_single_process(TINY)[1]
+    recorded = run_single_process(TINY.replace(record_activations=True))[1]
+    for a, b in zip(plain, recorded):
+        assert a["loss"] == b["loss"] and "activations" not in a and len(b["activations"]) == 2 * (3 + 4 * 2 + 1)
+        for key in ("grads", "params"):
+            assert all(torch.equal(a[key][n].view(torch.int32), b[key][n].view(torch.int32)) for n in a[key])
+
+
+def test_record_activations_needs_dump_state():
+    with pytest.raises(ConfigError, match="record_activations needs dump_state"):
+        TINY.replace(dump_state=False, record_activations=True).validate()
 
 
 def test_gradient_terms_sum_to_the_reduced_gradient():
@@ -91,7 +107,9 @@ def test_check_cli_exit_codes_and_json(tmp_path):
     args = ["--tp", "2", "--n-layers", "2", "--steps", "1", "--micro-batches", "2", "--json"]
     ok = CliRunner().invoke(main, ["check", *args, "--out", str(tmp_path / "ok")])
     assert ok.exit_code == 0, ok.output
-    assert json.loads(ok.output)["bit_exact"] is True
+    ok_report = json.loads(ok.output)
+    assert ok_report["bit_exact"] is True and ok_report["first_divergent_where"] is None
+    assert any(r["buffer"] == "act/layers.1.attention.heads" for r in ok_report["buffers"])
     bad = CliRunner().invoke(main, ["check", *args, "--plant-bug", "tp-bwd-reduce", "--out", str(tmp_path / "bad")])
     assert bad.exit_code == 1, bad.output
     report = json.loads(bad.output)
@@ -102,6 +120,20 @@ def test_check_cli_exit_codes_and_json(tmp_path):
     bad_rows = [r for r in kept if r["mismatches"] > 0]
     assert any(r["buffer"] == "grad/layers.1.mlp_norm.weight" for r in bad_rows)
     assert all(r["mismatches"] == 0 for r in json.loads((tmp_path / "ok" / "numerics.json").read_text()))
+
+
+def test_check_cli_names_the_layer_of_a_forward_bug(tmp_path):
+    args = ["--cp", "2", "--n-layers", "2", "--steps", "1", "--micro-batches", "2", "--plant-bug", "doc-mask-off-by-one"]
+    human = CliRunner().invoke(main, ["check", *args])
+    assert human.exit_code == 1, human.output
+    assert "first diverging buffer 'act/layers.0.attention.heads'" in human.output
+    assert "where the differing activations differ first, in forward order:" in human.output
+    assert "step 0 layers.0.attention.heads: micro-batch 0 (dp 0), sequence 0: tokens 6..127 differ" in human.output
+    blind = CliRunner().invoke(main, ["check", *args, "--no-activations", "--json"])
+    assert blind.exit_code == 1, blind.output
+    report = json.loads(blind.output)  # without records only the loss can say "forward"
+    assert report["first_divergent"] == {"step": 0, "buffer": "loss"} and report["first_divergent_where"] is None
+    assert not any(r["buffer"].startswith("act/") for r in report["buffers"])
 
 
 def test_precision_model_config_flags_real_buffers(tmp_path):
@@ -128,6 +160,7 @@ def test_pytest_api_raises_with_the_first_diverging_buffer(tmp_path):
     import numerics
 
     cfg = TINY.replace(cp=2, steps=1, plant_bug="cp-chunk")
-    with pytest.raises(AssertionError, match=r"first diverging buffer 'loss'[\s\S]*forward: the loss differs"):
+    with pytest.raises(AssertionError, match=r"first diverging buffer 'act/embed'[\s\S]*"
+                                             r"forward: the first diverging activation is the embed output"):
         numerics.assert_parallel_matches_reference(cfg, tmp_path)
     assert (tmp_path / "state" / "step0.pt").exists()
