@@ -29,8 +29,12 @@ def load_config(path: str | Path) -> TrainConfig:
     """A TrainConfig from a JSON/YAML file of its fields, or from a run's manifest.json."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())  # YAML is a superset of JSON
-    except (OSError, yaml.YAMLError) as exc:
+        text = path.read_text()
+        try:  # JSON first: YAML 1.1 reads JSON's 1e-05 as the string "1e-05"
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            data = yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise ConfigError(f"{path}: cannot read a config: {exc}") from None
     if isinstance(data, dict) and isinstance(data.get("config"), dict):
         data = data["config"]

@@ -4,6 +4,7 @@ the `numerics check` / `numerics precision --model-config` command lines and the
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,6 +155,13 @@ def test_precision_model_config_flags_real_buffers(tmp_path):
     bad.write_text("n_layers: 2\nwarp: 9\n")
     result = CliRunner().invoke(main, ["precision", "--model-config", str(bad)])
     assert result.exit_code == 2 and "bad.yaml" in result.output and "warp" in result.output
+
+
+def test_a_run_manifest_is_a_model_config():
+    # a trainer manifest is JSON with floats like 1e-05, which YAML 1.1 would read as strings
+    manifest = Path(__file__).resolve().parents[1] / "sample_traces" / "slow_rank_8" / "manifest.json"
+    cfg = load_config(manifest)
+    assert isinstance(cfg.norm_eps, float) and cfg.norm_eps == 1e-5 and (cfg.tp, cfg.cp, cfg.pp) == (2, 2, 2)
 
 
 def test_pytest_api_raises_with_the_first_diverging_buffer(tmp_path):
