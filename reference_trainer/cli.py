@@ -30,9 +30,14 @@ _HELP = {
     "record_activations": "debug: with --dump-state, also dump every micro-batch's per-layer forward activations",
     "timeout_s": "collective timeout per rank, seconds",
     "plant_bug": "debug: plant a known bug (cp-chunk, tp-bwd-reduce, dp-double-scale, doc-mask-off-by-one)",
-    "emulated_device": "each compute span lasts this many times its own CPU time (0 = off): a dedicated "
-                       "device, so that ranks sharing CPU cores do not slow each other (see faults.py)",
+    "device_gflops": "emulated device per rank (0 = off): compute spans last their matmul FLOPs / this "
+                     "+ bytes written / --device-gbps, so ranks sharing CPU cores behave like ranks with "
+                     "a GPU each (reference_trainer/device.py)",
+    "device_gbps": "the emulated device's memory bandwidth, GB/s (memory-bound ops)",
+    "device_launch_us": "the emulated device's cost per kernel (op), microseconds",
+    "device_jitter": "relative sd of the emulated device's per-span time (lognormal, seeded)",
     "profile_steps": "profile steps a-b: <out>/traces/rank<R>.json.gz and <out>/memory/rank<R>.pickle",
+    "profile_memory": "record allocations in the profiled steps and write <out>/memory/rank<R>.pickle",
     "flight_recorder": "write <out>/fr/rank<R> (end of run, stall, SIGUSR1)",
     "fr_watchdog_s": "flight-recorder dump after this long without progress (0 = timeout/2)",
 }

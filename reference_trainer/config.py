@@ -71,10 +71,17 @@ class TrainConfig:
     plant_bug: str = ""  # debug: plant a known bug (reference_trainer.bugs.BUGS) to test numerics checks
     # observability and faults (reference_trainer/observe.py)
     faults: str = ""  # fault specs separated by ';' (reference_trainer/faults.py)
-    # > 0: every compute span lasts this many times its own CPU time (an emulated dedicated device;
-    # ranks then mostly wait instead of competing for shared CPU cores; reference_trainer/faults.py)
-    emulated_device: float = 0.0
+    # An emulated device per rank (reference_trainer/device.py): > 0 makes every compute span last
+    # the time a device of this speed needs for its work (matmul FLOPs / device_gflops + bytes
+    # written by other ops / device_gbps + kernels x device_launch_us), times a per-span lognormal
+    # jitter of relative sd device_jitter. Ranks then mostly wait, as on dedicated GPUs, instead of
+    # trading CPU cores.
+    device_gflops: float = 0.0
+    device_gbps: float = 1.0
+    device_launch_us: float = 0.0
+    device_jitter: float = 0.0
     profile_steps: str = ""  # "a-b": torch.profiler trace + memory snapshot of steps a..b
+    profile_memory: bool = True  # record allocations in the profiled steps and write the memory snapshot
     flight_recorder: bool = True  # <out>/fr/rank<R> at the end, on a stall and on SIGUSR1
     fr_watchdog_s: float = 0.0  # dump after this long without progress; 0 = timeout_s / 2
 
@@ -144,8 +151,10 @@ class TrainConfig:
         if errors:
             raise ConfigError("; ".join(errors))
         need(self.consecutive >= 0, f"consecutive (N) must be >= 0 (0 means pp), got {self.consecutive}")
-        need(self.emulated_device == 0 or self.emulated_device >= 1,
-             f"emulated_device must be 0 (off) or >= 1, got {self.emulated_device}")
+        need(self.device_gflops >= 0, f"device_gflops must be >= 0 (0 = off), got {self.device_gflops}")
+        need(self.device_gbps > 0, f"device_gbps must be > 0, got {self.device_gbps}")
+        need(self.device_launch_us >= 0, f"device_launch_us must be >= 0, got {self.device_launch_us}")
+        need(0 <= self.device_jitter <= 0.5, f"device_jitter must be in [0, 0.5], got {self.device_jitter}")
         need(self.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         need(self.zero_stage in (1, 2), f"zero_stage must be 1 or 2, got {self.zero_stage}")
         for name in ("compute_dtype", "grad_accum_dtype", "reduce_dtype"):

@@ -11,19 +11,14 @@
 Lists use ``+`` (``ranks=1+5``); steps are ``a-b`` (inclusive) or ``a+b+c``; no steps = every step.
 ``ground_truth`` is what the manifest's ``faults`` list records: kind, ranks, steps, magnitude.
 
-How the injectors act (so analyses know what to expect): slow compute burns ``factor - 1`` times the
-span's own CPU time (process CPU time, comm excluded) at the end of each compute span, so the
-``tk.compute`` span itself is longer. It spins rather than sleeps because ranks share CPU cores: the
-kernel's fair scheduler repays a sleeping process with a larger share afterwards, which cancelled
-most of a sleep's slowdown (a 5% sleep measured +1-2% on 4 ranks over 2 cores); a device that
-needs more work for the same step is what the fault stands for.
-
-Even so, ranks that share cores trade CPU: a rank that computes longer leaves its waiting peers'
-share to be used, and the scheduler's noise (a rank descheduled for tens of ms) dwarfs a 5%
-slowdown. ``emulated_device = k`` (config) models what a GPU job has, a dedicated device per rank:
-each compute span is padded with a sleep until it lasts ``k x factor x`` its own CPU time (CPU time
-does not grow when the core is shared; wall time does). With k large enough that ranks mostly
-sleep, the cores are free when a rank needs them, and a 5% slower device is 5% slower.
+How the injectors act (so analyses know what to expect). With an emulated device
+(``device_gflops`` > 0, reference_trainer/device.py) every compute span lasts the time a device
+needs for its work, and a slow or moving fault multiplies that time by ``factor`` (a CP imbalance
+by the rank's attention stretch, below): the rank is as much slower as the fault says, whatever
+else shares the machine's cores. Without one, slow compute burns ``factor - 1`` times the span's
+own CPU time (process CPU time, comm excluded) at the end of each compute span; it spins rather
+than sleeps because ranks share CPU cores and the fair scheduler repays a sleeper afterwards, and
+it is only as precise as the CPU time of ranks that share cores (10-30% scatter on 2 cores).
 
 The link delay runs after the flight recorder stamped the op's start, inside the op's ``tk.comm``
 span and before the transfer: both ranks arrive on time and the transfer takes ``delay_ms`` longer,
@@ -47,6 +42,7 @@ from tracekit.conventions import ComputeAnnotation
 
 from .comm import CommRecord
 from .config import TrainConfig
+from .device import EmulatedDevice
 
 KINDS = ("slow", "moving", "link", "hang", "cp_imbalance")
 
@@ -243,58 +239,53 @@ def cp_pairs_by_step(cfg: TrainConfig, cp_ranks: list[int], short: int) -> dict[
 
 # -- injectors --------------------------------------------------------------------------------
 class _Clock:
-    """Time this rank spent inside synchronous comm ops (to take it out of compute spans)."""
+    """CPU time this rank spent inside synchronous comm ops (to take it out of compute spans)."""
 
     def __init__(self) -> None:
-        self.comm_s = 0.0
         self.comm_cpu_s = 0.0
 
     def before(self, record: CommRecord) -> None:
-        record.extra["fault_t0"] = time.perf_counter()
         record.extra["fault_c0"] = time.process_time()
 
     def after(self, record: CommRecord) -> None:
-        if not record.is_async and "fault_t0" in record.extra:
-            self.comm_s += time.perf_counter() - record.extra["fault_t0"]
+        if not record.is_async and "fault_c0" in record.extra:
             self.comm_cpu_s += time.process_time() - record.extra["fault_c0"]
 
 
-class ComputeStretch:
-    """ComputeHook: pads each compute span to emulated_device x factor x its own CPU time, or (no
-    emulation) burns (factor - 1) x its own CPU time (comm excluded)."""
+class FaultFactor:
+    """How much longer this rank's compute takes at the current step, by phase: the product of the
+    slow/moving faults that name the rank, and (fwd/bwd) its CP data-imbalance stretch."""
 
-    def __init__(self, rank: int, faults: list[Fault], step_of, clock: _Clock,
-                 cp_factor_by_step: dict[int, float] | None = None, emulated_device: float = 0.0):
-        self.rank, self.faults, self.step_of, self.clock = rank, faults, step_of, clock
+    def __init__(self, rank: int, faults: list[Fault], step_of, cp_factor_by_step: dict[int, float] | None = None):
+        self.rank, self.faults, self.step_of = rank, faults, step_of
         self.cp_factor_by_step = cp_factor_by_step or {}
-        self.emulated_device = emulated_device
-        self._cpu0 = self._comm0 = self._t0 = self._wall0 = 0.0
-        self.burnt_s = 0.0
 
-    def factor(self, phase: str) -> float:
+    def __call__(self, ann: ComputeAnnotation) -> float:
         step = self.step_of()
         f = 1.0
         for fault in self.faults:
             if fault.slow_rank(step) == self.rank:
                 f *= fault.params["factor"]
-        if phase in ("fwd", "bwd"):
+        if ann.phase in ("fwd", "bwd"):
             f *= self.cp_factor_by_step.get(step, 1.0)
         return f
 
+
+class ComputeStretch:
+    """ComputeHook without an emulated device: burns (factor - 1) x the span's own CPU time (comm
+    excluded) at its end."""
+
+    def __init__(self, factor: FaultFactor, clock: _Clock):
+        self.factor, self.clock = factor, clock
+        self._cpu0 = self._comm0 = 0.0
+        self.burnt_s = 0.0
+
     def before(self, ann: ComputeAnnotation) -> None:
         self._cpu0, self._comm0 = time.process_time(), self.clock.comm_cpu_s
-        self._t0, self._wall0 = time.perf_counter(), self.clock.comm_s
 
     def after(self, ann: ComputeAnnotation) -> None:
-        f = self.factor(ann.phase)
-        if self.emulated_device:
-            cpu = (time.process_time() - self._cpu0) - (self.clock.comm_cpu_s - self._comm0)
-            wall = (time.perf_counter() - self._t0) - (self.clock.comm_s - self._wall0)
-            pad = self.emulated_device * f * max(0.0, cpu) - wall
-            if pad > 0:
-                time.sleep(pad)
-                self.burnt_s += pad
-        elif f > 1.0:
+        f = self.factor(ann)
+        if f > 1.0:
             own = (time.process_time() - self._cpu0) - (self.clock.comm_cpu_s - self._comm0)
             extra = max(0.0, own) * (f - 1.0)
             end = time.process_time() + extra
@@ -348,8 +339,9 @@ class LinkDelay:
 
 
 def install(trainer, faults: list[Fault]) -> dict[str, Any]:
-    """Attach this rank's injectors to ``trainer`` (call before registering the flight recorder,
-    then ``late_hooks`` after it). Returns {"late_hooks": [...], "stretch": ComputeStretch}."""
+    """Attach this rank's injectors (and its emulated device, if configured) to ``trainer``: call
+    before registering the flight recorder, then ``late_hooks`` after it.
+    Returns {"late_hooks": [...], "stretch": ComputeStretch | None, "device": EmulatedDevice | None}."""
     cfg, comm = trainer.cfg, trainer.ctx.comm
     rank = comm.rank
 
@@ -367,8 +359,17 @@ def install(trainer, faults: list[Fault]) -> dict[str, Any]:
                 counts = np.array(cp_pair_counts(cfg, mine), dtype=float)
                 cp_factors[s] = stretch(float(counts[me.cp] / counts.mean()), weight)
     clock = _Clock()
-    stretch_hook = ComputeStretch(rank, faults, step_of, clock, cp_factors, cfg.emulated_device)
+    factor = FaultFactor(rank, faults, step_of, cp_factors)
+    device = stretch_hook = None
+    if cfg.device_gflops > 0:
+        device = EmulatedDevice(rank, cfg.device_gflops, cfg.device_gbps, cfg.device_launch_us, cfg.device_jitter,
+                                cfg.seed, factor, step_of)
+        comm.add_hook(device.comm_hook)  # first: its wait for the device is compute, not comm
     comm.add_hook(clock)
     comm.add_hook(Stall(rank, faults, step_of))
-    trainer.spans.add_hook(stretch_hook)
-    return {"late_hooks": [LinkDelay(rank, faults, step_of)], "stretch": stretch_hook}
+    if device is not None:
+        trainer.spans.add_hook(device.compute_hook)
+    else:
+        stretch_hook = ComputeStretch(factor, clock)
+        trainer.spans.add_hook(stretch_hook)
+    return {"late_hooks": [LinkDelay(rank, faults, step_of)], "stretch": stretch_hook, "device": device}

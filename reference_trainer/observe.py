@@ -7,6 +7,7 @@ the op's recorded duration).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -59,12 +60,25 @@ def manifest_fields(cfg: TrainConfig, backend: str) -> dict[str, Any]:
         "artifacts": {
             "traces": "traces/rank<R>.json.gz" if window else None,
             "profiled_steps": list(range(window[0], window[1] + 1)) if window else [],
-            "memory": "memory/rank<R>.pickle" if window else None,
-            "memory_source": memory_source(backend) if window else None,
+            "memory": "memory/rank<R>.pickle" if window and cfg.profile_memory else None,
+            "memory_source": memory_source(backend) if window and cfg.profile_memory else None,
             "flight_recorder": "fr/rank<R>" if cfg.flight_recorder else None,
             "fr_watchdog_s": watchdog_seconds(cfg),
         },
     }
+
+
+def write_device_stats(device, out: Path, rank: int) -> None:
+    """<out>/device/rank<R>.json: how well the emulated device held (overruns: segments whose CPU
+    work took longer than the device time, so the machine, not the model, set their length)."""
+    st = device.stats
+    d = out / "device"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"rank{rank}.json").write_text(json.dumps({
+        "gflops": device.gflops, "gbps": device.gbps, "launch_us": device.launch_us,
+        "jitter": device.jitter, "spans": st.spans,
+        "segments": st.segments, "overruns": st.overruns, "slept_s": round(st.slept_s, 4),
+        "work": {k: [list(w) for w in v] for k, v in st.work.items()}}, indent=1))
 
 
 def observed_training(cfg: TrainConfig, comm: Comm, out: Path) -> list[StepResult]:
@@ -74,7 +88,10 @@ def observed_training(cfg: TrainConfig, comm: Comm, out: Path) -> list[StepResul
     parts: dict[str, Any] = {}
 
     def setup(trainer: Trainer) -> None:
-        late = install(trainer, faults)["late_hooks"] if faults or cfg.emulated_device else []
+        installed = install(trainer, faults) if faults or cfg.device_gflops else {"late_hooks": []}
+        late = installed["late_hooks"]
+        if installed.get("device") is not None:
+            parts["device"] = installed["device"]
         if cfg.flight_recorder:
             ctx = trainer.ctx
             groups = [g for g in (ctx.tp, ctx.cp, ctx.pp, ctx.dp, ctx.dp_cp, ctx.pp_bwd, comm.world)
@@ -87,7 +104,7 @@ def observed_training(cfg: TrainConfig, comm: Comm, out: Path) -> list[StepResul
         for h in late:
             comm.add_hook(h)
         if window is not None:
-            prof = RankProfiler(comm.rank, out, window, comm.backend, trainer)
+            prof = RankProfiler(comm.rank, out, window, comm.backend, trainer, cfg.profile_memory)
             prof.start()
             parts["prof"] = prof
 
@@ -106,4 +123,6 @@ def observed_training(cfg: TrainConfig, comm: Comm, out: Path) -> list[StepResul
             parts["fr"].stop()
         if "prof" in parts and reason == "end":
             parts["prof"].finish()
+        if "device" in parts:
+            write_device_stats(parts["device"], out, comm.rank)
         comm.hooks[:] = hooks_before

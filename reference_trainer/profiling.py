@@ -147,16 +147,17 @@ def _compute(e: dict[str, Any]):
 class RankProfiler:
     """Profiles steps ``window`` of one rank; ``step()`` after every training step."""
 
-    def __init__(self, rank: int, run: Path, window: tuple[int, int], backend: str, trainer):
+    def __init__(self, rank: int, run: Path, window: tuple[int, int], backend: str, trainer, memory: bool = True):
         self.rank, self.run, self.window, self.trainer = rank, Path(run), window, trainer
         self.cuda = backend == "nccl" and torch.cuda.is_available()
+        self.memory = memory
         first, last = window
         self._recording = False
         self.prof = profile(
             activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else []),
             schedule=schedule(skip_first=max(first - 1, 0), wait=0, warmup=1 if first > 0 else 0,
                               active=last - first + 1, repeat=1),
-            profile_memory=True, record_shapes=False,
+            profile_memory=memory, record_shapes=False,
             on_trace_ready=self._export)
         self.exported: Path | None = None
 
@@ -169,7 +170,7 @@ class RankProfiler:
         self._maybe_record_cuda(self.trainer.step_index)
 
     def _maybe_record_cuda(self, step: int) -> None:
-        if self.cuda and step == self.window[0] and not self._recording:
+        if self.cuda and self.memory and step == self.window[0] and not self._recording:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
             self._recording = True
 
@@ -182,6 +183,8 @@ class RankProfiler:
     def finish(self) -> dict[str, Any]:
         """Stop, and write the memory snapshot. Returns {"trace": path, "memory": path, "source"}."""
         self.prof.stop()
+        if not self.memory:
+            return {"trace": self.exported, "memory": None, "source": "none"}
         mpath = memory_path(self.run, self.rank)
         mpath.parent.mkdir(parents=True, exist_ok=True)
         if self.cuda:

@@ -1,5 +1,5 @@
 """Straggler analysis on real reference-trainer runs, one per fault kind (4 gloo ranks, tiny model,
-``emulated_device`` as in the demo): one spawned world trains every run, profiled by the trainer
+an emulated device per rank as in the demo): one spawned world trains every run, profiled by the trainer
 (``--profile-steps``); each is ingested from the trainer's run-directory layout, then analysed, and
 one is reported through the CLI. Each run's culprit and cause are checked against the fault the
 manifest records; the run without a fault must blame nothing."""

@@ -63,8 +63,11 @@ def run_scenarios(scenarios: Sequence[Scenario]) -> list[Path]:
 
 
 # The demo's embedded default: 4 ranks (tp 2, dp 2), rank 3 (dp 1, tp 1) computes 3x slower.
-# emulated_device: each rank's compute lasts 4x its CPU time, as on a dedicated device, so that
-# 4-16 ranks on a 2-core machine mostly wait instead of trading CPU (reference_trainer/faults.py).
+# device_*: every rank gets an emulated device (reference_trainer/device.py) whose compute time
+# follows the work done (0.5 GFLOP/s, 0.25 GB/s, 400 us per kernel: slow enough that 4-8 ranks on a
+# 2-core machine finish their CPU work before the device would, so they mostly wait instead of
+# trading CPU), with a 2% per-span jitter, about what kernels of the same shapes vary by on a GPU.
+DEVICE = {"device_gflops": 0.5, "device_gbps": 0.25, "device_launch_us": 400.0, "device_jitter": 0.02}
 DEMO_CONFIG = {"tp": 2, "dp": 2, "n_layers": 2, "dim": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
-               "seq_len": 128, "micro_batches": 4, "steps": 6, "emulated_device": 4.0}
+               "seq_len": 128, "micro_batches": 4, "steps": 6, **DEVICE}
 DEMO_FAULT = SlowFault(rank=3, factor=3.0)

@@ -24,7 +24,7 @@ import polars as pl
 from tracekit.analysis.tables import RunTables, compute_events, prefer_profiler
 from tracekit.analysis.tunables import Tunables
 
-_SCHEMA = {"step": pl.Int64, "rank": pl.Int32, "log_ratio": pl.Float64, "log_total": pl.Float64,
+_SCHEMA = {"step": pl.Int64, "rank": pl.Int32, "pp": pl.Int32, "log_ratio": pl.Float64, "log_total": pl.Float64,
            "excess_ns": pl.Float64, "spans": pl.UInt32}
 
 
@@ -95,7 +95,7 @@ def compute_speed(tables: RunTables) -> pl.DataFrame:
                                n.alias("n"))
     spans = spans.filter((pl.col("n") > 1) & (pl.col("own_ns") > 0) & (pl.col("ref") > 0))
     return spans.group_by("step", "rank").agg(
-        (pl.col("own_ns") / pl.col("ref")).log().median().alias("log_ratio"),
+        pl.col("pp").first(), (pl.col("own_ns") / pl.col("ref")).log().median().alias("log_ratio"),
         (pl.col("own_ns").sum() / pl.col("ref").sum()).log().alias("log_total"),
         (pl.col("own_ns").sum() - pl.col("ref").sum()).alias("excess_ns"), pl.len().alias("spans")
     ).sort("step", "rank").cast(_SCHEMA)
@@ -110,7 +110,9 @@ def compute_outlier(speed: pl.DataFrame, tunables: Tunables = Tunables()) -> Com
 
     Per step, the top rank's log ratio minus the median of the others' is one sample of its effect;
     the noise unit is the larger of its standard error (pooled step-to-step scatter / sqrt(steps)) and the
-    spread of the other ranks' own means (ranks differ a little for reasons that are not a fault).
+    spread of the other ranks' own means (ranks differ a little for reasons that are not a fault),
+    leaving out the candidate's own stage: their reference includes the candidate, so a slow rank
+    makes them look fast (with two ranks per stage, its exact mirror image) and would inflate it.
     The bar rises with the number of ranks competing for the top (``compute_margin_*``)."""
     tun = tunables
     if not speed.height or speed["rank"].n_unique() < 2:
@@ -136,7 +138,10 @@ def compute_outlier(speed: pl.DataFrame, tunables: Tunables = Tunables()) -> Com
     resid = resid - np.nanmedian(resid, axis=1, keepdims=True)
     scatter = _robust_sd(resid[np.isfinite(resid)])
     sem = 1.2533 * scatter / math.sqrt(diffs.size)  # standard error of a median
-    noise = max(sem, _robust_sd(np.delete(means, top)), tun.compute_noise_floor)
+    stage_of = dict(speed.select("rank", "pp").unique().iter_rows())
+    unaffected = [i for i, r in enumerate(ranks) if i != top and stage_of.get(r) != stage_of.get(ranks[top])]
+    others_means = means[unaffected] if len(unaffected) >= 2 else np.delete(means, top)
+    noise = max(sem, _robust_sd(others_means[np.isfinite(others_means)]), tun.compute_noise_floor)
     margin = effect / noise
     slower = int((diffs > 0).sum())
     ok = (margin >= bar and effect >= math.log(tun.compute_effect_min_ratio)

@@ -154,11 +154,13 @@ def _evaluate(level: str, mat: np.ndarray, step_ns: float, tun: Tunables, effect
     agree_out = sum(1 for t, s in zip(tops, standout) if s and t == top)
     passes = margin >= margin_min and effect >= effect_min_frac * step_ns
     persistent = agree / T >= tun.persist_min or (n_out > 0 and agree_out / n_out >= tun.persist_min)
-    winners = {t for t, s in zip(tops, standout) if s}
+    winners = [t for t, s in zip(tops, standout) if s]
+    # moving: standouts in most steps, and no member holds the top in persist_min of them
+    dominant = max((winners.count(w) for w in set(winners)), default=0) / max(len(winners), 1)
     if passes and persistent:
         verdict = "culprit"
-    elif (n_out >= max(2, math.ceil(tun.moving_min_share * T)) and len(winners) >= 2
-          and float(np.median(effects)) >= tun.episode_effect_min_frac * step_ns):
+    elif (n_out >= max(2, math.ceil(tun.moving_min_share * T)) and len(set(winners)) >= 2
+          and dominant < tun.persist_min and float(np.median(effects)) >= tun.episode_effect_min_frac * step_ns):
         verdict = "moving"
     else:
         verdict = "none"

@@ -14,12 +14,12 @@ All thresholds live in ``Tunables``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import polars as pl
 
-from tracekit.analysis.collectives import match_collectives
+from tracekit.analysis.links import link_transfers, slowest_link
 from tracekit.analysis.localize import Localization, localize
 from tracekit.analysis.tables import RunTables, compute_events
 from tracekit.analysis.tunables import Tunables
@@ -114,45 +114,6 @@ def _nested_comm(comp: pl.DataFrame, comm: pl.DataFrame) -> pl.DataFrame:
     return hit.group_by("rank", "step").agg((pl.col("e") - pl.col("s")).sum().cast(pl.Int64).alias("nested_ns"))
 
 
-def link_transfers(tables: RunTables) -> pl.DataFrame:
-    """Median transfer time per link: p2p pairs (src, dst) and collective groups.
-
-    Columns: link ("p2p" | "group"), name, ranks (list), kind (what it is compared with),
-    transfer_ns (median), ratio (to the median of its kind).
-    """
-    p2p = tables.p2p
-    parts = []
-    if p2p.height:
-        send = p2p.filter(pl.col("direction") == "send").select(
-            pl.col("rank").alias("src"), pl.col("peer").alias("dst"), "pg_name", "seq", pl.col("start_ns").alias("s0"))
-        recv = p2p.filter(pl.col("direction") == "recv").select(
-            pl.col("peer").alias("src"), pl.col("rank").alias("dst"), "pg_name", "seq",
-            pl.col("start_ns").alias("r0"), pl.col("end_ns").alias("r1"))
-        pairs = send.join(recv, on=["src", "dst", "pg_name", "seq"]).with_columns(
-            (pl.col("r1") - pl.max_horizontal("s0", "r0")).clip(lower_bound=0).alias("t"))
-        parts.append(pairs.group_by("src", "dst").agg(pl.col("t").median().alias("transfer_ns")).select(
-            pl.lit("p2p").alias("link"), pl.format("{}->{}", "src", "dst").alias("name"),
-            pl.concat_list("src", "dst").cast(pl.List(pl.Int32)).alias("ranks"), pl.lit("p2p").alias("kind"),
-            pl.col("transfer_ns").cast(pl.Float64)))
-    if parts:
-        parts[0] = parts[0].with_columns((pl.col("transfer_ns") / pl.col("transfer_ns").median()).alias("ratio"))
-    m = match_collectives(tables)
-    if m.height:
-        # each op of a group against the same op of the other groups of its dimension (a group's
-        # all-gathers and reduce-scatters differ in cost); the group is as slow as its worst op
-        g = m.group_by("pg_name", "dim", "op").agg(pl.col("transfer_ns").median().cast(pl.Float64),
-                                                   pl.col("rank").unique().sort().cast(pl.Int32).alias("ranks"))
-        g = g.with_columns(pl.format("{}:{}", "dim", "op").alias("kind")).with_columns(
-            (pl.col("transfer_ns") / pl.col("transfer_ns").median().over("kind")).alias("ratio"))
-        g = g.sort("ratio", descending=True).group_by("pg_name", maintain_order=True).first()
-        parts.append(g.select(pl.lit("group").alias("link"), pl.col("pg_name").alias("name"), "ranks", "kind",
-                              "transfer_ns", "ratio"))
-    if not parts:
-        return pl.DataFrame(schema={"link": pl.Utf8, "name": pl.Utf8, "ranks": pl.List(pl.Int32), "kind": pl.Utf8,
-                                    "transfer_ns": pl.Float64, "ratio": pl.Float64})
-    return pl.concat(parts)
-
-
 def _peers(tables: RunTables, rank: int) -> list[int]:
     """Ranks at the same position: same pp/cp/tp in other replicas (or, with dp = 1, the other
     TP/CP ranks of the same stage)."""
@@ -194,23 +155,14 @@ def _stage_ratio(metrics: pl.DataFrame, tables: RunTables, stage: int) -> float:
     return float((own["compute_ns"] / own["mid"]).median()) if own.height else float("nan")
 
 
-def _worst_link(links: pl.DataFrame, ranks: set[int], both: bool) -> dict | None:
-    if not links.height:
-        return None
-    hit = links.filter(pl.col("ranks").list.eval(pl.element().is_in(list(ranks))).list.sum()
-                       >= (pl.col("ranks").list.len() if both else 1))
-    hit = hit.filter(pl.col("ranks").list.len() >= 2).sort("ratio", descending=True)
-    return hit.row(0, named=True) if hit.height else None
-
-
 def explain(tables: RunTables, loc: Localization, tunables: Tunables = Tunables(),
             work: pl.DataFrame | None = None) -> Cause:
     """The cause behind a localization. ``work`` (rank, step, work) is optional attention work
     per rank and step (e.g. ``attention_work`` of the documents it processed)."""
     tun = tunables
     metrics = rank_step_metrics(tables)
-    links = link_transfers(tables)
     step_ns = loc.step_time_ns or 1.0
+    links = link_transfers(tables, step_ns, tun)
     if loc.verdict in ("straggler", "transient"):
         return _explain_rank(tables, loc, metrics, links, tun, step_ns, work)
     if loc.verdict == "stage":
@@ -220,13 +172,13 @@ def explain(tables: RunTables, loc: Localization, tunables: Tunables = Tunables(
         if ratio >= tun.stage_compute_ratio:
             return Cause("stage_imbalance", loc.culprit_ranks,
                          f"pipeline stage {stage} computes {ratio:.2f}x the median stage in every replica", ev)
-        link = _worst_link(links, set(loc.culprit_ranks), both=False)
-        if link and link["ratio"] >= tun.slow_link_ratio:
+        link = slowest_link(links, set(loc.culprit_ranks))
+        if link:
             return Cause("slow_link", tuple(link["ranks"]), f"slow link {link['name']} ({link['ratio']:.1f}x)", ev)
         return Cause("unexplained", loc.culprit_ranks, f"stage {stage} holds the pipeline back; compute is normal", ev)
     if loc.verdict == "group":
-        link = _worst_link(links, set(loc.culprit_ranks), both=True)
-        if link and link["ratio"] >= tun.slow_link_ratio:
+        link = slowest_link(links, set(loc.culprit_ranks), both=True)
+        if link:
             return Cause("slow_link", tuple(link["ranks"]),
                          f"slow link {link['name']}: transfers {link['ratio']:.1f}x the same kind elsewhere",
                          {"link": link["name"], "transfer_ns": link["transfer_ns"], "ratio": link["ratio"]})
@@ -246,8 +198,8 @@ def explain(tables: RunTables, loc: Localization, tunables: Tunables = Tunables(
                      "these ranks are late together; no link or compute explains it", {})
     if loc.verdict == "moving":
         cause = _explain_moving(tables, loc, metrics, tun, work)
-        link = links.sort("ratio", descending=True).row(0, named=True) if links.height else None
-        if cause.kind == "unexplained" and link and link["ratio"] >= tun.slow_link_ratio:
+        link = slowest_link(links)
+        if cause.kind == "unexplained" and link:
             # late members that change without computing more, and a link that transfers slowly
             return Cause("slow_link", tuple(link["ranks"]), f"the slowest member moves without computing more, and "
                          f"link {link['name']} is slow ({link['ratio']:.1f}x the same kind)",
@@ -255,8 +207,8 @@ def explain(tables: RunTables, loc: Localization, tunables: Tunables = Tunables(
         return cause
     if loc.verdict == "no_data":
         return Cause("insufficient_data", (), "no collectives across ranks and no p2p records: nothing to compare", {})
-    link = links.sort("ratio", descending=True).row(0, named=True) if links.height else None
-    if link and link["ratio"] >= tun.slow_link_ratio:
+    link = slowest_link(links)
+    if link:
         return Cause("slow_link", tuple(link["ranks"]), f"no rank is late, but link {link['name']} is slow "
                      f"({link['ratio']:.1f}x the same kind)", {"link": link["name"], "ratio": link["ratio"]})
     return Cause("none", (), "no straggler: no rank, stage or link stands out beyond noise", {})
@@ -276,7 +228,7 @@ def _explain_rank(tables, loc, metrics, links, tun: Tunables, step_ns: float, wo
     cv, cv_peers = _microbatch_cv(tables, r, peers, steps)
     stage = tables.layout.coords(r).pp
     stage_ratio = _stage_ratio(metrics, tables, stage)
-    link = _worst_link(links, {r}, both=False)
+    link = slowest_link(links, {r})
     ev = {"compute_ratio": compute_ratio, "microbatch_cv": cv, "peers_microbatch_cv": cv_peers,
           "gap_excess_frac": gap_excess,
           "stage_compute_ratio": stage_ratio, "peers": len(peers),
@@ -295,7 +247,7 @@ def _explain_rank(tables, loc, metrics, links, tun: Tunables, step_ns: float, wo
                          f"stage, and its attention work accounts for {min(explained, 1.0):.0%} of that "
                          f"(compute follows work over the stage's ranks and steps): more work, not a slower device", ev)
     slow = compute_ratio >= tun.slow_compute_ratio
-    if link and link["ratio"] >= tun.slow_link_ratio and not slow:
+    if link and not slow:
         return Cause("slow_link", tuple(link["ranks"]), f"rank {r} arrives on time but its link {link['name']} "
                      f"transfers {link['ratio']:.1f}x slower than the same kind elsewhere", ev)
     if slow:
@@ -461,4 +413,24 @@ class Diagnosis:
 def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFrame | None = None) -> Diagnosis:
     """Which rank made this job slow, and why."""
     loc = localize(tables, tunables)
-    return Diagnosis(loc, explain(tables, loc, tunables, work))
+    cause = explain(tables, loc, tunables, work)
+    return _unexplained_is_noise(loc, cause, tunables)
+
+
+def _unexplained_is_noise(loc: Localization, cause: Cause, tun: Tunables) -> Diagnosis:
+    """Lateness that nothing on the culprit's timeline explains (normal compute, gaps and links)
+    and that costs less than ``unexplained_effect_min_frac`` of a step is what systematic timing
+    noise looks like (ranks that share CPU cores, a busier host): reported as no straggler, with the
+    suspect and its effect kept in the cause's evidence."""
+    if cause.kind != "unexplained" or loc.verdict not in ("straggler", "group", "transient"):
+        return Diagnosis(loc, cause)
+    named = [lv for lv in loc.levels if lv.verdict == "culprit"]
+    effect = max((lv.effect_ns for lv in named), default=0.0) / (loc.step_time_ns or 1.0)
+    if effect >= tun.unexplained_effect_min_frac:
+        return Diagnosis(loc, cause)
+    quiet = replace(loc, verdict="no_straggler", culprit_rank=None, culprit_ranks=(), coords={},
+                    confidence=float(1 - effect / tun.unexplained_effect_min_frac))
+    return Diagnosis(quiet, Cause("none", (), f"no straggler: ranks {list(loc.culprit_ranks)} were late by "
+                                  f"{effect:.1%} of a step, which nothing on their timeline explains (below "
+                                  f"{tun.unexplained_effect_min_frac:.0%}: timing noise)",
+                                  {"suspects": str(list(loc.culprit_ranks)), "unexplained_effect_frac": effect}))

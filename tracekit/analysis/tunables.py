@@ -22,7 +22,8 @@ class Tunables:
     # A culprit must be the top member in at least this share of all steps, or of the steps in
     # which the level stands out.
     persist_min: float = 0.6
-    # "Moving" straggler: a standout in at least this share of steps, but not the same member;
+    # "Moving" straggler: a standout in at least this share of steps, but not the same member (none
+    # holds the top in persist_min of those steps);
     # it is data imbalance when the late member had more compute in this share of those steps.
     moving_min_share: float = 0.5
     moving_explained_min: float = 0.5
@@ -35,14 +36,22 @@ class Tunables:
     # Moving and transient stragglers are only reported when their per-step effect (median over
     # the steps concerned) is at least this share of the step: below it, it is timing noise.
     episode_effect_min_frac: float = 0.02
+    # A culprit the cause analysis cannot explain (its compute, gaps and links are normal) is only
+    # reported above this effect (share of the step): below, it is systematic timing noise.
+    unexplained_effect_min_frac: float = 0.05
     # A stage across all replicas is only called out above this effect (pipelines are uneven).
     stage_effect_min_frac: float = 0.05
     # Cause thresholds: compute slower than same-position peers by this ratio is "slow compute".
     slow_compute_ratio: float = 1.03
     # CPU gaps (time neither computing nor communicating) above peers by this share of the step.
     cpu_gap_frac: float = 0.03
-    # A transfer (end minus last arrival) this many times the same-kind median is a slow link.
+    # A link is slow when its median transfer (end minus last arrival) is this many times the same
+    # kind's elsewhere, its instances rank above the others' (one-sided Mann-Whitney) beyond the
+    # Bonferroni bar for link_alpha over all links (and at least link_z_min), and the excess costs
+    # effect_min_frac of a step (links.py).
     slow_link_ratio: float = 1.5
+    link_alpha: float = 0.001
+    link_z_min: float = 3.0
     # Spread (coefficient of variation) of a rank's per-micro-batch compute within a step, above
     # its peers' spread by this much: the extra compute is uneven work (data), not a slow device.
     data_cv_min: float = 0.10

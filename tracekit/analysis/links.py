@@ -1,0 +1,139 @@
+"""Slow links: transfers that take longer than the same kind of transfer elsewhere.
+
+A transfer is the time an operation takes once every side is ready: for a collective instance the
+completion minus the last arrival, for a p2p message the receive's end minus the later of the send
+and receive starts. Arrivals do not enter it, so a late rank does not make its links look slow, and
+a slow link (both ends on time, data slow) shows here and nowhere else.
+
+Links are compared within their kind: a collective group with the other groups of its dimension
+for the same op (a group's all-gathers and reduce-scatters cost differently), a p2p pair with the
+other pairs. Transfers on a shared CPU have heavy tails (a descheduled rank stretches one instance
+tenfold), so a link is slow only when all of these hold:
+- its median transfer is ``slow_link_ratio`` x the others' median (a real effect, not a tail);
+- its instances (each divided by its kind's median) rank above every other link's (one-sided
+  Mann-Whitney z), beyond a Bonferroni bar over the links compared (the most extreme of many links
+  is extreme by chance): z >= the normal quantile of 1 - ``link_alpha`` / links, and >= ``link_z_min``;
+- the excess costs at least ``effect_min_frac`` of a step (a slower link that costs nothing is not
+  a finding).
+"""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+import numpy as np
+import polars as pl
+
+from tracekit.analysis.collectives import match_collectives
+from tracekit.analysis.tables import RunTables
+from tracekit.analysis.tunables import Tunables
+
+SCHEMA = {"link": pl.Utf8, "name": pl.Utf8, "ranks": pl.List(pl.Int32), "kind": pl.Utf8, "instances": pl.Int64,
+          "transfer_ns": pl.Float64, "ratio": pl.Float64, "z": pl.Float64, "z_bar": pl.Float64,
+          "excess_per_step_ns": pl.Float64, "slow": pl.Boolean}
+
+
+def _transfer_instances(tables: RunTables) -> pl.DataFrame:
+    """(link, name, ranks, kind, step, t): one row per transfer instance."""
+    parts = []
+    p2p = tables.p2p
+    if p2p.height:
+        send = p2p.filter(pl.col("direction") == "send").select(
+            pl.col("rank").alias("src"), pl.col("peer").alias("dst"), "pg_name", "seq", pl.col("start_ns").alias("s0"))
+        recv = p2p.filter(pl.col("direction") == "recv").select(
+            pl.col("peer").alias("src"), pl.col("rank").alias("dst"), "pg_name", "seq", "step",
+            pl.col("start_ns").alias("r0"), pl.col("end_ns").alias("r1"))
+        pairs = send.join(recv, on=["src", "dst", "pg_name", "seq"])
+        parts.append(pairs.select(
+            pl.lit("p2p").alias("link"), pl.format("{}->{}", "src", "dst").alias("name"),
+            pl.concat_list("src", "dst").cast(pl.List(pl.Int32)).alias("ranks"), pl.lit("p2p").alias("kind"),
+            pl.col("step").cast(pl.Int64),
+            (pl.col("r1") - pl.max_horizontal("s0", "r0")).clip(lower_bound=0).cast(pl.Float64).alias("t")))
+    m = match_collectives(tables)
+    if m.height:
+        inst = m.group_by("pg_name", "seq", "dim", "op").agg(
+            pl.col("transfer_ns").median().cast(pl.Float64).alias("t"), pl.col("step").max().cast(pl.Int64),
+            pl.col("rank").unique().sort().cast(pl.Int32).alias("ranks"))
+        parts.append(inst.select(pl.lit("group").alias("link"), pl.col("pg_name").alias("name"), "ranks",
+                                 pl.format("{}:{}", "dim", "op").alias("kind"), "step", "t"))
+    if not parts:
+        return pl.DataFrame(schema={"link": pl.Utf8, "name": pl.Utf8, "ranks": pl.List(pl.Int32), "kind": pl.Utf8,
+                                    "step": pl.Int64, "t": pl.Float64})
+    return pl.concat(parts).drop_nulls("t")
+
+
+def mann_whitney_z(x: np.ndarray, y: np.ndarray) -> float:
+    """One-sided Mann-Whitney z (normal approximation, ties corrected): > 0 when x tends above y."""
+    n1, n2 = x.size, y.size
+    if n1 == 0 or n2 == 0:
+        return 0.0
+    both = np.concatenate([x, y])
+    order = both.argsort(kind="mergesort")
+    ranks = np.empty(both.size)
+    sorted_vals = both[order]
+    # average ranks over ties
+    _, first, counts = np.unique(sorted_vals, return_index=True, return_counts=True)
+    avg = first + (counts + 1) / 2.0
+    ranks[order] = np.repeat(avg, counts)
+    u = ranks[:n1].sum() - n1 * (n1 + 1) / 2.0
+    n = n1 + n2
+    tie = float((counts ** 3 - counts).sum()) / (n * (n - 1)) if n > 1 else 0.0
+    var = n1 * n2 / 12.0 * ((n + 1) - tie)
+    return float((u - n1 * n2 / 2.0) / math.sqrt(var)) if var > 0 else 0.0
+
+
+def link_transfers(tables: RunTables, step_ns: float, tunables: Tunables = Tunables()) -> pl.DataFrame:
+    """Per link (p2p pair or collective group): median transfer, its ratio to the same kind
+    elsewhere, the rank-test z and its bar, the excess per step, and whether it is slow.
+
+    Each instance is divided by the median transfer of its kind on the *other* links (with two
+    groups of a kind, each is measured against the other), so that a link's instances of every
+    kind (a group's all-gathers, reduce-scatters, all-reduces) pool into one sample that is ranked
+    against every other link's: a handful of steps then gives enough instances to tell a slow link
+    from a heavy tail."""
+    tun = tunables
+    inst = _transfer_instances(tables)
+    if not inst.height:
+        return pl.DataFrame(schema=SCHEMA)
+    n_steps = max(inst["step"].n_unique(), 1)
+    inst = inst.with_columns(pl.format("{}|{}", "link", "name").alias("key"))
+    refs = []  # (key, kind) -> median transfer of the kind on the other links
+    for (kind,), per_kind in inst.partition_by("kind", as_dict=True).items():
+        for key in per_kind["key"].unique().to_list():
+            rest = per_kind.filter(pl.col("key") != key)["t"]
+            if rest.len():
+                refs.append({"key": key, "kind": kind, "ref": float(rest.median())})
+    if not refs:  # every kind has a single link: nothing to compare with
+        return pl.DataFrame(schema=SCHEMA)
+    inst = inst.join(pl.DataFrame(refs), on=["key", "kind"]).with_columns(
+        (pl.col("t").clip(lower_bound=1.0) / pl.col("ref").clip(lower_bound=1.0)).log().alias("lr"))
+    keys = inst["key"].unique().to_list()
+    z_bar = max(tun.link_z_min, NormalDist().inv_cdf(1 - tun.link_alpha / max(len(keys), 1)))
+    rows = []
+    for key in keys:
+        own, rest = inst.filter(pl.col("key") == key), inst.filter(pl.col("key") != key)
+        x, y = own["lr"].to_numpy(), rest["lr"].to_numpy()
+        ratio = math.exp(float(np.median(x)) - float(np.median(y))) if y.size else math.exp(float(np.median(x)))
+        z = mann_whitney_z(x, y)
+        # the time it costs: per kind, its median transfer over the other links', per step
+        per_kind = own.group_by("kind").agg(pl.col("t").median().alias("med"), pl.col("ref").first(), pl.len().alias("n"),
+                                            pl.col("lr").median())
+        excess = float(((per_kind["med"] - per_kind["ref"]) * per_kind["n"]).sum()) / n_steps
+        slow = ratio >= tun.slow_link_ratio and z >= z_bar and excess >= tun.effect_min_frac * step_ns
+        rows.append({"link": own["link"][0], "name": own["name"][0], "ranks": own["ranks"][0].to_list(),
+                     "kind": per_kind.sort("lr", descending=True)["kind"][0], "instances": own.height,
+                     "transfer_ns": float(own["t"].median()), "ratio": ratio, "z": z, "z_bar": z_bar,
+                     "excess_per_step_ns": excess, "slow": slow})
+    return pl.DataFrame(rows, schema=SCHEMA).sort("z", descending=True)
+
+
+def slowest_link(links: pl.DataFrame, ranks: set[int] | None = None, both: bool = False) -> dict | None:
+    """The slow link with the highest z (among those touching ``ranks``: any end, or with ``both``
+    every end within them); None when no link is slow."""
+    hit = links.filter(pl.col("slow") & (pl.col("ranks").list.len() >= 2))
+    if ranks is not None:
+        inside = pl.col("ranks").list.eval(pl.element().is_in(list(ranks))).list.sum()
+        hit = hit.filter(inside >= (pl.col("ranks").list.len() if both else 1))
+    hit = hit.sort("z", descending=True)
+    return hit.row(0, named=True) if hit.height else None
