@@ -91,12 +91,14 @@ class EmulatedDevice:
     ComputeSpans and ``comm_hook`` on the comm layer *before* any hook that times comm ops."""
 
     def __init__(self, rank: int, gflops: float, gbps: float, launch_us: float, jitter: float, seed: int,
-                 factor_of: Callable[[ComputeAnnotation], float], step_of: Callable[[], int]):
+                 factor_of: Callable[[ComputeAnnotation], float], step_of: Callable[[], int],
+                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep):
         if gflops <= 0 or gbps <= 0 or launch_us < 0:
             raise ValueError(f"device speed must be positive, got {gflops} GFLOP/s, {gbps} GB/s, "
                              f"{launch_us} us per kernel")
         self.rank, self.gflops, self.gbps, self.launch_us = rank, gflops, gbps, launch_us
         self.jitter, self.seed, self.factor_of, self.step_of = jitter, seed, factor_of, step_of
+        self.clock, self.sleep = clock, sleep
         self.comm_s = 0.0  # time inside communication ops' spans (not compute)
         self._comm_t0 = 0.0
         self.stats = DeviceStats()
@@ -120,7 +122,7 @@ class EmulatedDevice:
     def open(self, ann: ComputeAnnotation) -> None:
         self._ann, self._key = ann, f"{ann.phase}|{ann.vstage}"
         self._scale = self.factor_of(ann) * self._jitter(ann)
-        self._t0, self._comm0 = time.perf_counter(), self.comm_s
+        self._t0, self._comm0 = self.clock(), self.comm_s
         self._seg, self._due = 0, 0.0
         self.stats.spans += 1
         if self._key not in self._costs:  # first occurrence: count its work as it runs
@@ -143,11 +145,11 @@ class EmulatedDevice:
         self._seg += 1
         self._due += cost * self._scale
         self.stats.segments += 1
-        busy = (time.perf_counter() - self._t0) - (self.comm_s - self._comm0)
+        busy = (self.clock() - self._t0) - (self.comm_s - self._comm0)
         if busy >= self._due:
             self.stats.overruns += 1
             return
-        time.sleep(self._due - busy)
+        self.sleep(self._due - busy)
         self.stats.slept_s += self._due - busy
 
     def close(self) -> None:
@@ -185,8 +187,8 @@ class _CommSide:
         self.dev.boundary()
 
     def during(self, record) -> None:
-        self.dev._comm_t0 = time.perf_counter()
+        self.dev._comm_t0 = self.dev.clock()
 
     def after(self, record) -> None:
         if not record.is_async:
-            self.dev.comm_s += time.perf_counter() - self.dev._comm_t0
+            self.dev.comm_s += self.dev.clock() - self.dev._comm_t0

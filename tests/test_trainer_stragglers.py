@@ -29,6 +29,7 @@ RUNS = {
     "cp_imbalance": (CP, FaultSpec("cp_imbalance:ranks=1")),  # CP rank 1 = ranks 1 and 3
     "moving": (CFG, FaultSpec("moving:ranks=0+3,factor=2")),
     "pp_slow": (PP, SlowFault(rank=2, factor=2.0)),  # stage 0 of replica 1
+    "transient": (CFG, SlowFault(rank=1, factor=2.0, steps=(3, 4))),  # two of the six profiled steps
 }
 
 
@@ -118,6 +119,15 @@ def test_slow_pipeline_rank_is_named_not_its_stage(runs) -> None:
     loc = d.localization
     assert loc.verdict == "straggler" and loc.culprit_rank == 2, d.headline
     assert loc.coords == {"dp": 1, "pp": 0, "cp": 0, "tp": 0}
+    assert d.cause.kind == "slow_compute", d.headline
+
+
+def test_transient_straggler_is_named_with_its_steps(runs) -> None:
+    d = diagnose(runs, "transient")
+    loc = d.localization
+    assert loc.verdict in ("transient", "straggler") and loc.culprit_rank == 1, d.headline
+    named = loc.per_step.filter(pl.col("culprit_rank") == 1)["step"].to_list()
+    assert {3, 4} <= set(named) and len(named) <= 3, loc.per_step  # the slow steps, not the others
     assert d.cause.kind == "slow_compute", d.headline
 
 

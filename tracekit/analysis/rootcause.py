@@ -418,19 +418,27 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
 
 
 def _unexplained_is_noise(loc: Localization, cause: Cause, tun: Tunables) -> Diagnosis:
-    """Lateness that nothing on the culprit's timeline explains (normal compute, gaps and links)
-    and that costs less than ``unexplained_effect_min_frac`` of a step is what systematic timing
-    noise looks like (ranks that share CPU cores, a busier host): reported as no straggler, with the
-    suspect and its effect kept in the cause's evidence."""
-    if cause.kind != "unexplained" or loc.verdict not in ("straggler", "group", "transient"):
+    """Lateness that nothing on the culprit's timeline explains (normal compute, gaps and links) is
+    not reported when it is (a) a pipeline stage blamed in every replica while it computes like the
+    others (the waits are the schedule's own warm-up and cool-down bubbles, which fall on the last
+    stage), or (b) costs less than ``unexplained_effect_min_frac`` of a step, which is what
+    systematic timing noise looks like (ranks that share CPU cores, a busier host). Either becomes
+    no straggler, with the suspects and their effect kept in the cause's evidence."""
+    if cause.kind != "unexplained" or loc.verdict not in ("straggler", "group", "transient", "stage"):
         return Diagnosis(loc, cause)
     named = [lv for lv in loc.levels if lv.verdict == "culprit"]
     effect = max((lv.effect_ns for lv in named), default=0.0) / (loc.step_time_ns or 1.0)
-    if effect >= tun.unexplained_effect_min_frac:
+    if loc.verdict == "stage":
+        why = (f"pipeline stage {loc.coords.get('pp')} draws {effect:.1%} of a step of pipeline waits in every "
+               "replica but computes like the other stages: the schedule's bubbles, not a fault")
+    elif effect < tun.unexplained_effect_min_frac:
+        why = (f"ranks {list(loc.culprit_ranks)} were late by {effect:.1%} of a step, which nothing on their "
+               f"timeline explains (below {tun.unexplained_effect_min_frac:.0%}: timing noise)")
+    else:
         return Diagnosis(loc, cause)
     quiet = replace(loc, verdict="no_straggler", culprit_rank=None, culprit_ranks=(), coords={},
-                    confidence=float(1 - effect / tun.unexplained_effect_min_frac))
-    return Diagnosis(quiet, Cause("none", (), f"no straggler: ranks {list(loc.culprit_ranks)} were late by "
-                                  f"{effect:.1%} of a step, which nothing on their timeline explains (below "
-                                  f"{tun.unexplained_effect_min_frac:.0%}: timing noise)",
-                                  {"suspects": str(list(loc.culprit_ranks)), "unexplained_effect_frac": effect}))
+                    confidence=float(max(0.0, 1 - effect / tun.unexplained_effect_min_frac)) if loc.verdict != "stage"
+                    else 0.5)
+    return Diagnosis(quiet, Cause("none", (), f"no straggler: {why}",
+                                  {**cause.evidence, "suspects": str(list(loc.culprit_ranks)),
+                                   "unexplained_effect_frac": effect}))
