@@ -1,7 +1,7 @@
 """Bit-exact check of the reference trainer against the sequential reference over all 16 layouts
-tp, cp, pp, dp in {1, 2}, in two numerics modes (bf16 gradient buffers + native gloo-ring reductions;
-fp32 buffers + canonical reductions), forward activations included, then the precision table of a tiny model's real gradient buffers
-with 8 and 32 micro-batches.
+tp, cp, pp, dp in {1, 2}, in four numerics modes (bf16 or fp32 gradient buffers and reductions, each
+with native gloo-ring or canonical reduction order; ``--modes`` picks), forward activations included,
+then the precision table of a tiny model's real gradient buffers with 8 and 32 micro-batches.
 
     PYTHONPATH=$PWD python benchmarks/numerics_all_layouts.py [--steps 2] [--out DIR]
 
@@ -25,6 +25,8 @@ from reference_trainer.launch import launch_many
 
 MODES = {
     "bf16buf+native": dict(grad_accum_dtype="bf16", reduce_dtype="bf16", reduce_order="native"),
+    "bf16buf+canonical": dict(grad_accum_dtype="bf16", reduce_dtype="bf16", reduce_order="canonical"),
+    "fp32buf+native": dict(grad_accum_dtype="fp32", reduce_dtype="fp32", reduce_order="native"),
     "fp32buf+canonical": dict(grad_accum_dtype="fp32", reduce_dtype="fp32", reduce_order="canonical"),
 }
 
@@ -35,13 +37,15 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--out", type=Path, default=None, help="keep the run directories here")
     ap.add_argument("--no-activations", action="store_true", help="compare only loss, gradients and parameters")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     args = ap.parse_args()
     base = TrainConfig(n_layers=4, dim=64, seq_len=128, micro_batches=args.micro_batches, steps=args.steps,
                        dump_state=True, record_activations=not args.no_activations, timeout_s=600)
     root = args.out or Path(tempfile.mkdtemp(prefix="numerics-all-layouts-"))
     jobs = []
     for tp, cp, pp, dp in itertools.product((1, 2), repeat=4):
-        for mode, changes in MODES.items():
+        for mode in args.modes:
+            changes = MODES[mode]
             cfg = base.replace(tp=tp, cp=cp, pp=pp, dp=dp, **changes)
             jobs.append((mode, cfg, root / f"tp{tp}_cp{cp}_pp{pp}_dp{dp}_{mode}"))
     rows = []

@@ -431,8 +431,10 @@ def _conclude(lay, rng: dict[str, int], levels: list[LevelFinding], step_ns: flo
         only_pp = [lv.level for lv in found] == ["pp"]
         verdict = "stage" if only_pp and ("dp" in open_dims or lay.dp == 1) else "group"
         return Localization(verdict, None, ranks, coords, float(conf), step_ns, levels, per_step)
-    # Nothing persistent: a rank that stands out in a few steps and only there is transient.
-    hits = per_step.filter(pl.col("culprit_rank").is_not_null())
+    # Nothing persistent: a rank that stands out in a few steps and only there is transient
+    # (steps whose standout is below the episode effect are jitter and do not compete).
+    hits = per_step.filter(pl.col("culprit_rank").is_not_null()
+                           & (pl.col("effect_ns") >= tun.episode_effect_min_frac * step_ns))
     if hits.height >= 2:
         top = hits.group_by("culprit_rank").len().sort("len", descending=True).row(0)
         burst = hits.filter(pl.col("culprit_rank") == top[0])["effect_ns"].median() or 0.0
