@@ -182,7 +182,7 @@ def explain(tables: RunTables, loc: Localization, tunables: Tunables = Tunables(
             return Cause("slow_link", tuple(link["ranks"]),
                          f"slow link {link['name']}: transfers {link['ratio']:.1f}x the same kind elsewhere",
                          {"link": link["name"], "transfer_ns": link["transfer_ns"], "ratio": link["ratio"]})
-        share = _group_work_share(work, metrics, tables, set(loc.culprit_ranks)) if work is not None else None
+        share = _group_work_share(work, metrics, tables, set(loc.culprit_ranks), tun) if work is not None else None
         if share is not None and share >= tun.work_explains_share:
             return Cause("data_imbalance", loc.culprit_ranks, f"ranks {list(loc.culprit_ranks)} compute more than the "
                          f"rest of their stage, and their attention work accounts for {min(share, 1.0):.0%} of it "
@@ -269,6 +269,23 @@ def _explain_rank(tables, loc, metrics, links, tun: Tunables, step_ns: float, wo
     return Cause("unexplained", (r,), f"rank {r} is late but its compute, gaps and links look normal", ev)
 
 
+def work_fit(x: np.ndarray, y: np.ndarray, tun: Tunables) -> tuple[float, float] | None:
+    """Least-squares compute = icept + slope * work, when compute demonstrably follows work: the
+    work varies (by 5% of its mean at least) and the slope is positive beyond ``work_fit_t_min``
+    standard errors. None otherwise: noise correlated with work by chance explains nothing."""
+    if x.size < 3 or x.std() < 0.05 * max(abs(x.mean()), 1e-9):
+        return None
+    slope, icept = np.polyfit(x, y, 1)
+    resid = y - (icept + slope * x)
+    dof = x.size - 2
+    if dof <= 0:
+        return None
+    se = float(np.sqrt((resid @ resid) / dof / ((x - x.mean()) @ (x - x.mean()))))
+    if slope <= 0 or (se > 0 and slope / se < tun.work_fit_t_min):
+        return None
+    return float(slope), float(icept)
+
+
 def _work_explains(work: pl.DataFrame, metrics: pl.DataFrame, rank: int, peers: list[int],
                    tun: Tunables) -> float | None:
     """How much of the rank's extra compute its extra attention work predicts, from how compute
@@ -282,16 +299,18 @@ def _work_explains(work: pl.DataFrame, metrics: pl.DataFrame, rank: int, peers: 
     if peer.height < 3 or not own.height:
         return None
     x, y = peer["work"].to_numpy().astype(float), peer["compute_ns"].to_numpy().astype(float)
-    if x.std() < 0.05 * max(abs(x.mean()), 1e-9):
-        return None
-    slope, icept = np.polyfit(x, y, 1)
+    fit = work_fit(x, y, tun)
+    if fit is None:
+        return None if x.std() < 0.05 * max(abs(x.mean()), 1e-9) else 0.0
+    slope, icept = fit
     base = float(np.median(y))
     actual = float(own["compute_ns"].median()) - base
     predicted = float(np.median(icept + slope * own["work"].to_numpy().astype(float))) - base
     return max(0.0, predicted / actual) if actual > 0 else None
 
 
-def _group_work_share(work: pl.DataFrame, metrics: pl.DataFrame, tables: RunTables, group: set[int]) -> float | None:
+def _group_work_share(work: pl.DataFrame, metrics: pl.DataFrame, tables: RunTables, group: set[int],
+                      tun: Tunables) -> float | None:
     """How much of a late group's extra compute (over the rest of its stages' ranks) its extra
     attention work predicts, compute following work as fitted over every rank of those stages and
     every step. None without a compute excess or without work variation to fit."""
@@ -303,25 +322,28 @@ def _group_work_share(work: pl.DataFrame, metrics: pl.DataFrame, tables: RunTabl
     if cells.height < 3 or not (~cells["rank"].is_in(list(group))).any():
         return None
     x, y = cells["work"].to_numpy().astype(float), cells["compute_ns"].to_numpy().astype(float)
-    if x.std() < 0.05 * max(abs(x.mean()), 1e-9):
-        return None
-    slope, _ = np.polyfit(x, y, 1)
+    fit = work_fit(x, y, tun)
+    if fit is None:
+        return None if x.std() < 0.05 * max(abs(x.mean()), 1e-9) else 0.0
+    slope, _ = fit
     inside = cells["rank"].is_in(list(group)).to_numpy()
     actual = float(np.median(y[inside]) - np.median(y[~inside]))
     predicted = float(slope * (np.median(x[inside]) - np.median(x[~inside])))
     return max(0.0, predicted / actual) if actual > 0 else None
 
 
-def _moving_work_share(work: pl.DataFrame, m: pl.DataFrame, hits: pl.DataFrame, level: str) -> float | None:
+def _moving_work_share(work: pl.DataFrame, m: pl.DataFrame, hits: pl.DataFrame, level: str,
+                       tun: Tunables) -> float | None:
     """Median over the standout steps of how much of the late member's extra compute (over its
     step's mean) its extra work predicts, compute following work as fitted over all (rank, step)."""
     cells = work.group_by("rank", "step").agg(pl.col("work").sum()).join(m, on=["rank", "step"])
     if cells.height < 3:
         return None
     x, y = cells["work"].to_numpy().astype(float), cells["compute_ns"].to_numpy().astype(float)
-    if x.std() < 0.05 * max(abs(x.mean()), 1e-9):
-        return None
-    slope, _ = np.polyfit(x, y, 1)
+    fit = work_fit(x, y, tun)
+    if fit is None:
+        return None if x.std() < 0.05 * max(abs(x.mean()), 1e-9) else 0.0
+    slope, _ = fit
     cells = cells.with_columns((pl.col("work") * float(slope)).alias("pred"))
     shares = []
     for step, member in hits.select("step", level).iter_rows():
@@ -363,7 +385,7 @@ def _explain_moving(tables, loc, metrics, tun: Tunables, work) -> Cause:
         j = work.group_by("rank", "step").agg(pl.col("work").sum()).join(metrics, on=["rank", "step"])
         ev["work_compute_corr"] = float(np.corrcoef(j["work"], j["compute_ns"])[0, 1]) if j.height > 2 else None
     what = {"dp": "replica", "pp": "stage", "cp": "CP rank", "tp": "TP rank"}[level]
-    by_work = _moving_work_share(work, m, hits, level) if work is not None else None
+    by_work = _moving_work_share(work, m, hits, level, tun) if work is not None else None
     ev["work_explained_share"] = by_work
     device = level in ("tp", "pp") or (by_work is not None and by_work < tun.work_explains_share)
     if device and hits.height and explained / hits.height >= tun.moving_explained_min:

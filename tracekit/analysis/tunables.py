@@ -60,6 +60,9 @@ class Tunables:
     # Known attention work explains extra compute when the work excess is at least this share of
     # the compute excess (work ratio - 1 >= share * (compute ratio - 1)).
     work_explains_share: float = 0.5
+    # ... and only when compute demonstrably follows work: the fitted slope is positive by this many
+    # standard errors (a dense kernel whose cost ignores the mask fits a slope of noise).
+    work_fit_t_min: float = 3.0
     # Steps: a step is slow when the job's step time exceeds the median step by this ratio and by
     # this many robust spreads (MAD x 1.4826) of the step times.
     slow_step_ratio: float = 1.10
