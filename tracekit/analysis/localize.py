@@ -83,9 +83,10 @@ class Localization:
     # what named the culprit: waits (the top-down descent), compute (the compute-speed check, the
     # waits having stayed open or named a group), or both (they agree)
     basis: str = "waits"
+    episode_steps: tuple[int, ...] = ()  # a transient straggler's steps
 
     def to_dict(self) -> dict:
-        return {"verdict": self.verdict, "culprit_rank": self.culprit_rank,
+        return {"verdict": self.verdict, "episode_steps": list(self.episode_steps), "culprit_rank": self.culprit_rank,
                 "culprit_ranks": list(self.culprit_ranks), "coords": self.coords,
                 "confidence": self.confidence, "step_time_ns": self.step_time_ns, "basis": self.basis,
                 "levels": [lv.to_dict() for lv in self.levels], "per_step": self.per_step.to_dicts(),
@@ -209,36 +210,62 @@ def localize(tables: RunTables, tunables: Tunables = Tunables()) -> Localization
     return _with_compute(waits, compute_outlier(speed, tunables), lay, speed, tunables)
 
 
-def _transient_supported(loc: Localization, speed: pl.DataFrame, tun: Tunables) -> bool:
-    """A transient straggler computes slower than its stage peers in the steps that name it (beyond
-    ``compute_margin_min`` spreads of every rank's step-to-step scatter), in most of them; without
-    compute records the waits stand."""
-    if not speed.height:
-        return True
-    steps = loc.per_step.filter(pl.col("culprit_rank") == loc.culprit_rank)["step"].to_list()
+def _compute_excess(speed: pl.DataFrame, tun: Tunables) -> tuple[pl.DataFrame, float]:
+    """Each rank's per-step compute excess over its stage peers (log ratio minus the others'
+    median, ``excess``), and the bar an excess must clear to stand out: ``compute_margin_min``
+    spreads of every rank's step-to-step scatter, and at least ``compute_effect_min_ratio``."""
     wide = speed.pivot(on="rank", index="step", values="log_ratio").sort("step")
-    if str(loc.culprit_rank) not in wide.columns:
-        return False
+    ranks = [int(c) for c in wide.columns[1:]]
     mat = wide.drop("step").to_numpy().astype(float)
     resid = mat - np.nanmedian(mat, axis=0, keepdims=True)
     resid = resid - np.nanmedian(resid, axis=1, keepdims=True)
     resid = resid[np.isfinite(resid)]
     scatter = float(1.4826 * np.median(np.abs(resid - np.median(resid)))) if resid.size > 1 else 0.0
     bar = max(tun.compute_margin_min * max(scatter, tun.compute_noise_floor), math.log(tun.compute_effect_min_ratio))
-    col = wide.columns.index(str(loc.culprit_rank)) - 1
-    hits = 0
+    rows = []
     for i, t in enumerate(wide["step"].to_list()):
-        if t in steps:
-            others = np.delete(mat[i], col)
-            hits += int(np.isfinite(mat[i, col]) and mat[i, col] - np.nanmedian(others) >= bar)
-    return bool(steps) and hits / len(steps) >= tun.moving_compute_agree_min
+        for j, r in enumerate(ranks):
+            others = np.delete(mat[i], j)
+            if np.isfinite(mat[i, j]) and np.isfinite(others).any():
+                rows.append({"step": t, "rank": r, "excess": float(mat[i, j] - np.nanmedian(others))})
+    return pl.DataFrame(rows, schema={"step": pl.Int64, "rank": pl.Int64, "excess": pl.Float64}), bar
+
+
+def _transient(per_step: pl.DataFrame, speed: pl.DataFrame, step_ns: float,
+               tun: Tunables) -> tuple[int, tuple[int, ...], float] | None:
+    """A transient straggler: nothing persists, but one rank holds ``transient_share_min`` of the
+    lateness of the steps that stand out (effect at least ``episode_effect_min_frac`` of a step) in
+    two or more of them, and, where compute was recorded, computed slower than its stage peers in
+    the steps that carry ``moving_compute_agree_min`` of its lateness. Weighing steps by their
+    effect keeps a two-step episode of a 2x slowdown from being outvoted by per-step jitter, which
+    names some rank in every step. Returns (rank, its episode's steps, share of the lateness)."""
+    hits = per_step.filter(pl.col("culprit_rank").is_not_null()
+                           & (pl.col("effect_ns") >= tun.episode_effect_min_frac * step_ns))
+    if hits.height < 2:
+        return None
+    by_rank = hits.group_by("culprit_rank").agg(pl.col("effect_ns").sum(), pl.len()).sort("effect_ns", descending=True)
+    rank, effect, n = by_rank.row(0)
+    share = effect / float(hits["effect_ns"].sum())
+    if n < 2 or share < tun.transient_share_min:
+        return None
+    own = hits.filter(pl.col("culprit_rank") == rank).select("step", "effect_ns")
+    if not speed.height:
+        return int(rank), tuple(sorted(own["step"].to_list())), float(share)
+    excess, bar = _compute_excess(speed, tun)
+    slow = excess.filter((pl.col("rank") == rank) & (pl.col("excess") >= bar))["step"].to_list()
+    episode = own.filter(pl.col("step").is_in(slow))
+    if episode.height < 2 or float(episode["effect_ns"].sum()) < tun.moving_compute_agree_min * effect:
+        return None
+    return int(rank), tuple(sorted(episode["step"].to_list())), float(share)
 
 
 def _with_compute(loc: Localization, cf: ComputeFinding, lay, speed: pl.DataFrame, tun: Tunables) -> Localization:
     """Combine the wait-based verdict with the compute-speed check (see the module docstring)."""
     loc = replace(loc, compute=cf)
-    if loc.verdict == "transient" and not _transient_supported(loc, speed, tun):
-        loc = replace(loc, verdict="no_straggler", culprit_rank=None, culprit_ranks=(), coords={}, confidence=0.5)
+    if loc.verdict == "no_straggler" and (episode := _transient(loc.per_step, speed, loc.step_time_ns, tun)):
+        rank, steps, share = episode
+        loc = replace(loc, verdict="transient", culprit_rank=rank, culprit_ranks=(rank,),
+                      coords=lay.coords(rank).as_dict(), confidence=share, episode_steps=steps)
     if cf.verdict != "culprit":
         return loc
     r = cf.rank
@@ -431,19 +458,8 @@ def _conclude(lay, rng: dict[str, int], levels: list[LevelFinding], step_ns: flo
         only_pp = [lv.level for lv in found] == ["pp"]
         verdict = "stage" if only_pp and ("dp" in open_dims or lay.dp == 1) else "group"
         return Localization(verdict, None, ranks, coords, float(conf), step_ns, levels, per_step)
-    # Nothing persistent: a rank that stands out in a few steps and only there is transient
-    # (steps whose standout is below the episode effect are jitter and do not compete).
-    hits = per_step.filter(pl.col("culprit_rank").is_not_null()
-                           & (pl.col("effect_ns") >= tun.episode_effect_min_frac * step_ns))
-    if hits.height >= 2:
-        top = hits.group_by("culprit_rank").len().sort("len", descending=True).row(0)
-        burst = hits.filter(pl.col("culprit_rank") == top[0])["effect_ns"].median() or 0.0
-        if (top[1] >= 2 and top[1] / hits.height >= tun.transient_share_min
-                and burst >= tun.episode_effect_min_frac * step_ns):
-            rank = int(top[0])
-            c = lay.coords(rank).as_dict()
-            return Localization("transient", rank, (rank,), c, float(top[1] / max(per_step.height, 1)),
-                                step_ns, levels, per_step)
+    # Nothing persistent; a transient straggler (a few steps only) is looked for beside the compute
+    # records (_transient).
     margins = [lv.margin for lv in active]
     conf = 1 - math.exp(-max(0.0, tun.margin_min - max(margins, default=0.0)))  # how far below the bar
     return Localization("no_straggler", None, (), {}, float(conf), step_ns, levels, per_step)

@@ -218,7 +218,7 @@ def _explain_rank(tables, loc, metrics, links, tun: Tunables, step_ns: float, wo
     r = loc.culprit_rank
     steps = None
     if loc.verdict == "transient":
-        steps = loc.per_step.filter(pl.col("culprit_rank") == r)["step"].to_list()
+        steps = list(loc.episode_steps)
     peers = _peers(tables, r)
     compute_ratio = _ratio_to_peers(metrics, r, peers, "compute_ns", steps)
     m = metrics if steps is None else metrics.filter(pl.col("step").is_in(steps))
@@ -419,7 +419,7 @@ class Diagnosis:
         who = {
             "straggler": f"rank {loc.culprit_rank} ({where}) is the straggler",
             "transient": f"rank {loc.culprit_rank} ({where}) is a transient straggler "
-                         f"({loc.per_step['culprit_rank'].to_list().count(loc.culprit_rank)} steps)",
+                         f"(steps {', '.join(map(str, loc.episode_steps))})",
             "group": f"ranks {list(loc.culprit_ranks)} ({where}) are late together",
             "stage": f"pipeline stage {loc.coords.get('pp')} holds every replica back",
             "moving": "the slowest member moves from step to step",

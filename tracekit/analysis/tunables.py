@@ -30,8 +30,9 @@ class Tunables:
     # ... and, where compute spans were recorded, the standout member's extra compute explains
     # moving_explained_min of the wait it caused in this share of those steps (else: noise).
     moving_compute_agree_min: float = 0.7
-    # "Transient": nothing persists, but at least two steps name one rank, and it is this share of
-    # all the steps that name a rank.
+    # "Transient": nothing persists, but one rank, named in at least two steps, holds this share of
+    # the lateness (effect) of all the steps that name a rank, and its compute stood out in the steps
+    # carrying moving_compute_agree_min of its lateness.
     transient_share_min: float = 0.8
     # Moving and transient stragglers are only reported when their per-step effect (median over
     # the steps concerned) is at least this share of the step: below it, it is timing noise.
