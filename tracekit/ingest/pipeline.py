@@ -1,8 +1,10 @@
 """Ingest orchestration: parallel parsing, one transaction per file, a log of what happened.
 
-Workers (a process pool) hash, sniff and parse files into Arrow tables; this process, the store's
-only writer, commits each file atomically (its rows, its groups and its ``ingest_log`` row, or
-nothing). A failure is logged with its reason and the other files still go in. Re-ingesting
+Worker threads hash, sniff and parse files, each on its own connection to the store: Kineto rows
+stay in that connection's temp tables (DuckDB works outside the GIL, so threads use every core
+without processes to start or results to copy), other formats come back as Arrow tables. This
+thread then commits each file atomically on its connection (its rows, its groups and its
+``ingest_log`` row, or nothing), while the workers parse the next files. A failure is logged with its reason and the other files still go in. Re-ingesting
 content already in a run is skipped (content hash); a second file claiming a rank that another file
 of the same format already holds is refused; ranks missing from a run are reported. After the
 files, each touched run's ``runs``, ``ranks`` and ``groups.dim`` are recomputed from the store.
@@ -10,10 +12,8 @@ files, each touched run's ``runs``, ``ranks`` and ``groups.dim`` are recomputed 
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -24,9 +24,8 @@ import pyarrow as pa
 from tracekit import schema, store
 from tracekit.ingest import parse as parse_mod
 from tracekit.ingest import rundir, topo
-from tracekit.ingest.common import IngestError, Parsed
+from tracekit.ingest.common import IngestError, Parsed, Query
 
-POOL_MIN_BYTES = 32 << 20  # below this, starting worker processes costs more than it saves
 Progress = Callable[[int, int, Path, str], None]  # (done, total, path, status)
 
 # What a re-ingest of a changed file replaces, per format: table -> extra row filter.
@@ -81,9 +80,12 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
         for rid, h in con.execute("SELECT run_id, content_hash FROM ingest_log WHERE status = 'ok'").fetchall():
             known.setdefault(rid, set()).add(h)
         batch: dict[str, topo.RunBatch] = {}
-        for done, (job, out) in enumerate(_outcomes(jobs, known, workers, optable_reader), 1):
+        for done, (job, cur, out) in enumerate(_outcomes(con, jobs, known, workers, optable_reader), 1):
             rb = batch.setdefault(job.run_id, topo.RunBatch(job.run_id, job.manifest))
-            res = _commit(con, job, out, rb)
+            try:
+                res = _commit(cur, job, out, rb)
+            finally:
+                cur.close()  # drops the file's temp tables
             if res is not None:
                 report.files.append(res)
                 if res.status == "ok":
@@ -99,43 +101,41 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
     return report
 
 
-def _outcomes(jobs: list[rundir.Job], known: dict[str, set[str]], workers: int | None,
-              reader: parse_mod.OptableReader | None) -> Iterator[tuple[rundir.Job, parse_mod.Outcome]]:
-    """Parse results in completion order, at most ``2 * workers`` in flight (bounded memory)."""
-    n = workers or min(len(jobs), os.cpu_count() or 1)
+def _outcomes(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], known: dict[str, set[str]],
+              workers: int | None, reader: parse_mod.OptableReader | None
+              ) -> Iterator[tuple[rundir.Job, duckdb.DuckDBPyConnection, parse_mod.Outcome]]:
+    """Parse results in completion order with the connection holding each; at most ``workers + 1``
+    files parsed and not yet committed (bounded memory)."""
+    n = max(1, workers or min(len(jobs), os.cpu_count() or 1))
 
-    def args(j: rundir.Job) -> tuple:
-        return (j.path, j.explicit, frozenset(known.get(j.run_id, ())), reader)
+    def parse(j: rundir.Job, cur: duckdb.DuckDBPyConnection) -> parse_mod.Outcome:
+        return parse_mod.run(j.path, j.explicit, frozenset(known.get(j.run_id, ())), cur, reader)
 
-    small = sum(j.path.stat().st_size for j in jobs if j.path.is_file()) < POOL_MIN_BYTES
-    if n <= 1 or len(jobs) <= 1 or (workers is None and small):
+    if n == 1 or len(jobs) <= 1:
         for j in jobs:
-            yield j, parse_mod.run(*args(j))
+            cur = con.cursor()
+            yield j, cur, parse(j, cur)
         return
-    ctx = multiprocessing.get_context("spawn")  # never fork a process holding a DuckDB connection
-    left = list(jobs)
-    try:
-        with ProcessPoolExecutor(max_workers=n, mp_context=ctx) as pool:
-            pending: dict[Future, rundir.Job] = {}
-            queue = iter(jobs)
-            for j in queue:
-                pending[pool.submit(parse_mod.run, *args(j))] = j
-                if len(pending) >= 2 * n:
-                    break
-            while pending:
+    queue = iter(jobs)
+    pending: dict[Future, tuple[rundir.Job, duckdb.DuckDBPyConnection]] = {}
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="tk-ingest") as pool:
+        try:
+            while True:
+                while len(pending) <= n and (j := next(queue, None)) is not None:
+                    cur = con.cursor()
+                    pending[pool.submit(parse, j, cur)] = (j, cur)
+                if not pending:
+                    return
                 finished, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for fut in finished:
-                    j = pending.pop(fut)
-                    out = fut.result()
-                    nxt = next(queue, None)
-                    if nxt is not None:
-                        pending[pool.submit(parse_mod.run, *args(nxt))] = nxt
-                    left.remove(j)
-                    yield j, out
-    except BrokenProcessPool:
-        # A worker died (killed for memory, crashed): parse what is left here, one at a time.
-        for j in left:
-            yield j, parse_mod.run(*args(j))
+                    j, cur = pending.pop(fut)
+                    yield j, cur, fut.result()
+        finally:  # the consumer stopped early: let running parses end, release their connections
+            for fut, (_, cur) in pending.items():
+                fut.cancel()
+            wait(pending)
+            for _, cur in pending.values():
+                cur.close()
 
 
 def _log(con: duckdb.DuckDBPyConnection, run_id: str, path: Path, fmt: str | None, rank: int | None,
@@ -190,16 +190,26 @@ def _commit(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outc
         return FileResult(job.path, job.run_id, out.format, rank, "failed", msg, 0, out.seconds)
 
 
-def _insert(con: duckdb.DuckDBPyConnection, table: str, tbl: pa.Table, run_id: str, rank: int | None) -> None:
+def _insert(con: duckdb.DuckDBPyConnection, table: str, src: pa.Table | Query, run_id: str,
+            rank: int | None) -> None:
+    """Append a parsed table (Arrow, or a Query over ``con``'s temp tables) with its run and rank."""
     if table not in schema.TABLES:
         raise IngestError(f"parser produced unknown table {table!r}")
-    cols = [c for c in schema.columns(table) if c in tbl.column_names]
-    fill = ["run_id"] + (["rank"] if "rank" in schema.columns(table) and "rank" not in tbl.column_names else [])
-    con.register("_tk_incoming", tbl)
+    have = src.columns if isinstance(src, Query) else src.column_names
+    cols = [c for c in schema.columns(table) if c in have]
+    fill = ["run_id"] + (["rank"] if "rank" in schema.columns(table) and "rank" not in have else [])
+    select = ", ".join([f"${c}" for c in fill] + [f'"{c}"' for c in cols])
+    params = {"run_id": run_id, "rank": rank}
+    if isinstance(src, Query):
+        if "$rank" not in src.sql and "rank" not in fill:
+            del params["rank"]
+        con.execute(f"INSERT INTO main.{table} ({', '.join(fill + cols)}) SELECT {select} FROM ({src.sql})", params)
+        return
+    if "rank" not in fill:
+        del params["rank"]
+    con.register("_tk_incoming", src)
     try:
-        select = ", ".join(["?"] * len(fill) + [f'"{c}"' for c in cols])
-        params = [run_id] + ([rank] if len(fill) == 2 else [])
-        con.execute(f"INSERT INTO {table} ({', '.join(fill + cols)}) SELECT {select} FROM _tk_incoming", params)
+        con.execute(f"INSERT INTO main.{table} ({', '.join(fill + cols)}) SELECT {select} FROM _tk_incoming", params)
     finally:
         con.unregister("_tk_incoming")
 
