@@ -58,14 +58,14 @@ def _reader(source: str) -> str:
             f"maximum_object_size={MAX_EVENT_BYTES})")
 
 
-def _load_sql(source: str) -> str:
+def _load_sql(ns: str, source: str) -> str:
     """One pass over the JSON: the X events (minus the profiler's own 'Trace' span) into ``raw``.
 
     ``ts_ns`` is relative to the trace's ``baseTimeNanoseconds``, which usually follows the event
     array and so is known only after this pass; the store's rows add it.
     """
     return f"""
-        CREATE TEMP TABLE tk_raw AS SELECT kind, name, tid, pid, ts_ns, dur_ns, correlation, is_comm,
+        CREATE TABLE {ns}.raw AS SELECT kind, name, tid, pid, ts_ns, dur_ns, correlation, is_comm,
                                         CASE WHEN is_comm THEN to_json(args) END AS comm_args
         FROM (SELECT {case('cat', KINDS)} AS kind, name, tid, TRY_CAST(pid AS BIGINT) AS pid,
                      CAST(floor(ts) AS BIGINT) * 1000 + CAST(round((ts - floor(ts)) * 1000) AS BIGINT)
@@ -89,14 +89,14 @@ def _feed(path: Path, fd: int, hasher: Hasher, result: dict) -> None:
         result["error"] = e if isinstance(e, IngestError) else TraceFormatError(f"{path}: unreadable ({e})")
 
 
-def load_events(con: duckdb.DuckDBPyConnection, path: Path, hasher: Hasher) -> dict:
-    """Create temp table ``raw`` from the trace at ``path``; return its top-level keys."""
+def load_events(con: duckdb.DuckDBPyConnection, ns: str, path: Path, hasher: Hasher) -> dict:
+    """Create table ``<ns>.raw`` from the trace at ``path``; return its top-level keys."""
     result: dict = {}
     if not os.path.isdir("/dev/fd"):  # no pipes by path (not POSIX): a temporary copy instead
         with tempfile.TemporaryDirectory(prefix="tk-kineto-") as tmp:
             copy = os.path.join(tmp, "events.json")
             _feed(path, os.open(copy, os.O_WRONLY | os.O_CREAT), hasher, result)
-            return _run_load(con, path, copy, result)
+            return _run_load(con, ns, path, copy, result)
     r, w = os.pipe()
     try:
         import fcntl
@@ -106,16 +106,16 @@ def load_events(con: duckdb.DuckDBPyConnection, path: Path, hasher: Hasher) -> d
     feeder = threading.Thread(target=_feed, args=(path, w, hasher, result), daemon=True)
     feeder.start()
     try:
-        return _run_load(con, path, f"/dev/fd/{r}", result, feeder)
+        return _run_load(con, ns, path, f"/dev/fd/{r}", result, feeder)
     finally:
         os.close(r)  # a writer still blocked on a full pipe gets EPIPE and stops
         feeder.join()
 
 
-def _run_load(con: duckdb.DuckDBPyConnection, path: Path, source: str, result: dict,
+def _run_load(con: duckdb.DuckDBPyConnection, ns: str, path: Path, source: str, result: dict,
               feeder: threading.Thread | None = None) -> dict:
     try:
-        con.execute(_load_sql(source))
+        con.execute(_load_sql(ns, source))
         failure = None
     except duckdb.Error as e:
         failure = e
@@ -128,9 +128,10 @@ def _run_load(con: duckdb.DuckDBPyConnection, path: Path, source: str, result: d
     return result["meta"]
 
 
-def parse(path: Path, con: duckdb.DuckDBPyConnection, hasher: Hasher | None = None) -> Parsed:
-    """Parse one Kineto trace file (.json or .json.gz) into temp tables of ``con``."""
-    meta = load_events(con, path, hasher or hashlib.sha256())
+def parse(path: Path, con: duckdb.DuckDBPyConnection, ns: str, hasher: Hasher | None = None) -> Parsed:
+    """Parse one Kineto trace file (.json or .json.gz) into tables of the (empty) schema ``ns``;
+    the returned Queries read them, from any connection to the same database."""
+    meta = load_events(con, ns, path, hasher or hashlib.sha256())
     base = meta.get("baseTimeNanoseconds") or 0
     if not isinstance(base, int) or isinstance(base, bool):
         raise IngestError(f"{path}: baseTimeNanoseconds is not an integer: {base!r}")
@@ -138,23 +139,27 @@ def parse(path: Path, con: duckdb.DuckDBPyConnection, hasher: Hasher | None = No
     if not isinstance(info, dict):
         raise IngestError(f"{path}: distributedInfo is not an object")
     try:
-        return _normalize(con, path, base, info)
+        return _normalize(con, ns, path, base, info)
     except duckdb.Error as e:
         raise IngestError(f"{path}: malformed trace events ({str(e).splitlines()[0]})") from None
 
 
-def _normalize(con: duckdb.DuckDBPyConnection, path: Path, base: int, info: dict) -> Parsed:
-    n_events = con.execute("SELECT count(*) FROM tk_raw").fetchall()[0][0]
-    con.execute("""
-        CREATE TEMP TABLE tk_steps AS SELECT step, min(ts_ns) AS start_ns, max(ts_ns + dur_ns) AS end_ns
+EVENT_COLUMNS = ("ts_ns", "dur_ns", "kind", "name", "tid", "step", "phase", "vstage", "microbatch", "correlation",
+                 "is_comm")
+
+
+def _normalize(con: duckdb.DuckDBPyConnection, ns: str, path: Path, base: int, info: dict) -> Parsed:
+    n_events = con.execute(f"SELECT count(*) FROM {ns}.raw").fetchall()[0][0]
+    con.execute(f"""
+        CREATE TABLE {ns}.steps AS SELECT step, min(ts_ns) AS start_ns, max(ts_ns + dur_ns) AS end_ns
         FROM (SELECT TRY_CAST(regexp_extract(name, '^ProfilerStep#(\\d+)$', 1) AS INTEGER) AS step, ts_ns, dur_ns
-              FROM tk_raw WHERE kind IN ('cpu_op', 'user_annotation') AND starts_with(name, 'ProfilerStep#'))
+              FROM {ns}.raw WHERE kind IN ('cpu_op', 'user_annotation') AND starts_with(name, 'ProfilerStep#'))
         WHERE step IS NOT NULL GROUP BY step
     """)
-    spans = con.execute("SELECT step, start_ns, end_ns FROM tk_steps ORDER BY start_ns").fetchall()
-    stepped = _stepper(con, spans)
-    ann = kineto_comm.register_annotations(con)
-    comp = ("LEFT JOIN tk_comp_ann c ON e.name = c.name" if ann.compute
+    spans = con.execute(f"SELECT step, start_ns, end_ns FROM {ns}.steps ORDER BY start_ns").fetchall()
+    stepped = _stepper(con, ns, spans)
+    ann = kineto_comm.register_annotations(con, ns)
+    comp = (f"LEFT JOIN {ns}.comp_ann c ON e.name = c.name" if ann.compute
             else "LEFT JOIN (SELECT NULL::VARCHAR AS name, NULL::VARCHAR AS phase, NULL::INTEGER AS vstage, "
                  "NULL::INTEGER AS mb) c ON false")
     events = Query(f"""
@@ -163,34 +168,33 @@ def _normalize(con: duckdb.DuckDBPyConnection, path: Path, base: int, info: dict
                     WHEN starts_with(e.name, 'tk.comm ') THEN 'comm' ELSE e.kind END AS kind,
                e.name, e.tid, e.step, c.phase, c.vstage, c.mb AS microbatch, e.correlation, e.is_comm
         FROM {stepped("true")} e {comp}
-    """, ("ts_ns", "dur_ns", "kind", "name", "tid", "step", "phase", "vstage", "microbatch", "correlation",
-          "is_comm"), n_events)
-    comm = kineto_comm.tables(con, base, stepped, spans[0][1] if spans else None, ann)
-    steps = Query(f"SELECT step, start_ns + {base} AS start_ns, end_ns + {base} AS end_ns FROM tk_steps",
+    """, EVENT_COLUMNS, n_events)
+    comm = kineto_comm.tables(con, ns, base, stepped, spans[0][1] if spans else None, ann)
+    steps = Query(f"SELECT step, start_ns + {base} AS start_ns, end_ns + {base} AS end_ns FROM {ns}.steps",
                   ("step", "start_ns", "end_ns"), len(spans))
     pids = [int(p) for (p,) in con.execute(
-        "SELECT pid FROM tk_raw WHERE kind IN ('runtime', 'cpu_op', 'user_annotation') AND pid IS NOT NULL "
+        f"SELECT pid FROM {ns}.raw WHERE kind IN ('runtime', 'cpu_op', 'user_annotation') AND pid IS NOT NULL "
         "GROUP BY pid ORDER BY count(*) DESC, pid").fetchall()]
     return Parsed(format="kineto", tables={"events": events, "steps": steps, **comm}, rank=_int(info.get("rank")),
                   world_size=_int(info.get("world_size")), backend=info.get("backend"),
-                  groups=kineto_comm.groups(con, info, path), pids=pids)
+                  groups=kineto_comm.groups(con, ns, info, path), pids=pids)
 
 
-def _stepper(con: duckdb.DuckDBPyConnection, spans: list[tuple]) -> Callable[[str], str]:
+def _stepper(con: duckdb.DuckDBPyConnection, ns: str, spans: list[tuple]) -> Callable[[str], str]:
     """``stepped(cond)``: the rows of ``raw`` matching ``cond`` with their ``step``: by launch for GPU
     events, else the profiler step whose span contains the event's start."""
     if not spans:
-        return lambda cond: f"(SELECT *, CAST(NULL AS INTEGER) AS step FROM tk_raw WHERE {cond})"
+        return lambda cond: f"(SELECT *, CAST(NULL AS INTEGER) AS step FROM {ns}.raw WHERE {cond})"
     # Steps are few: a CASE, no join.
     by_time = "(CASE " + " ".join(f"WHEN ts_ns >= {a} AND ts_ns < {b} THEN {s}" for s, a, b in spans) + " END)"
     con.execute(f"""
-        CREATE TEMP TABLE tk_rt AS SELECT correlation, min({by_time}) AS step
-        FROM tk_raw WHERE kind = 'runtime' AND correlation IS NOT NULL GROUP BY correlation
+        CREATE TABLE {ns}.rt AS SELECT correlation, min({by_time}) AS step
+        FROM {ns}.raw WHERE kind = 'runtime' AND correlation IS NOT NULL GROUP BY correlation
     """)
     by_time_e = by_time.replace("ts_ns", "e.ts_ns")
     return lambda cond: (f"(SELECT e.*, CASE WHEN e.kind IN {GPU_KINDS} AND rt.step IS NOT NULL THEN rt.step "
-                         f"ELSE {by_time_e} END AS step FROM (SELECT * FROM tk_raw WHERE {cond}) e "
-                         "LEFT JOIN tk_rt rt ON e.correlation = rt.correlation)")
+                         f"ELSE {by_time_e} END AS step FROM (SELECT * FROM {ns}.raw WHERE {cond}) e "
+                         f"LEFT JOIN {ns}.rt rt ON e.correlation = rt.correlation)")
 
 
 def _int(v: object) -> int | None:

@@ -54,10 +54,10 @@ class Annotations:
     compute: bool  # temp table comp_ann has rows
 
 
-def register_annotations(con: duckdb.DuckDBPyConnection) -> Annotations:
+def register_annotations(con: duckdb.DuckDBPyConnection, ns: str) -> Annotations:
     """Parse the distinct tk.comm / tk.compute span names with the convention's own parser."""
     names = [n for (n,) in con.execute(
-        f"SELECT DISTINCT name FROM tk_raw WHERE starts_with(name, '{COMM_PREFIX}') "
+        f"SELECT DISTINCT name FROM {ns}.raw WHERE starts_with(name, '{COMM_PREFIX}') "
         f"OR starts_with(name, '{COMPUTE_PREFIX}')").fetchall()]
     comm, comp = [], []
     for n in names:
@@ -79,8 +79,8 @@ def register_annotations(con: duckdb.DuckDBPyConnection) -> Annotations:
         ("dtype", pa.string()), ("peer", pa.int32())])))
     con.register("comp_ann_arrow", pa.Table.from_pylist(comp, schema=pa.schema([
         ("name", pa.string()), ("phase", pa.string()), ("vstage", pa.int32()), ("mb", pa.int32())])))
-    con.execute("CREATE TEMP TABLE tk_comm_ann AS SELECT * FROM comm_ann_arrow")
-    con.execute("CREATE TEMP TABLE tk_comp_ann AS SELECT * FROM comp_ann_arrow")
+    con.execute(f"CREATE TABLE {ns}.comm_ann AS SELECT * FROM comm_ann_arrow")
+    con.execute(f"CREATE TABLE {ns}.comp_ann AS SELECT * FROM comp_ann_arrow")
     con.unregister("comm_ann_arrow")
     con.unregister("comp_ann_arrow")
     return Annotations(comm=bool(comm), compute=bool(comp))
@@ -98,18 +98,18 @@ def _int(expr: str) -> str:
     return f"TRY_CAST({expr} AS BIGINT)"
 
 
-def _create_comm_tables(con: duckdb.DuckDBPyConnection, stepped: Stepped) -> None:
-    """Temp tables ``tk_comm`` (the communication events with their step and args) and ``tk_ck``
+def _create_comm_tables(con: duckdb.DuckDBPyConnection, ns: str, stepped: Stepped) -> None:
+    """Tables ``comm`` (the communication events with their step and args) and ``ck``
     (NCCL kernels with their metadata: their own args, else their record_param_comms')."""
     schema = "{" + ", ".join(f'"{k}": "VARCHAR"' for k in FIELDS.values()) + "}"
     fields = ", ".join(f'a."{k}" AS {v}' for v, k in FIELDS.items())
-    con.execute(f"CREATE TEMP TABLE tk_comm AS SELECT ts_ns, dur_ns, kind, name, tid, step, {fields} "
+    con.execute(f"CREATE TABLE {ns}.comm AS SELECT ts_ns, dur_ns, kind, name, tid, step, {fields} "
                 f"FROM (SELECT *, from_json(comm_args, '{schema}') AS a FROM {stepped('is_comm')})")
     field = {c: f"coalesce(k.{c}, r.{c})" for c in FIELDS if c not in ("coll", "ext")}
     op = (f"coalesce({classify.sql_normalize_op('k.coll')}, {classify.sql_normalize_op('r.coll')}, "
           f"{classify.sql_kernel_op('k.name')})")
     con.execute(f"""
-        CREATE TEMP TABLE tk_ck AS
+        CREATE TABLE {ns}.ck AS
         SELECT k.ts_ns, k.dur_ns, k.tid, k.step, {op} AS op, {field['pg']} AS pg,
                TRY_CAST({field['pg_ranks']} AS INTEGER[]) AS ranks,
                greatest({_int(field['in_nelems'])}, {_int(field['out_nelems'])}) AS nelems,
@@ -118,8 +118,8 @@ def _create_comm_tables(con: duckdb.DuckDBPyConnection, stepped: Stepped) -> Non
                {_int(field['dst_rank'])} AS dst_rank, {_int(field['src_rank'])} AS src_rank,
                {_int(field['rank_arg'])} AS rank_arg, {_int(field['rank_start'])} AS rank_start,
                {_int(field['rank_stride'])} AS rank_stride
-        FROM (SELECT * FROM tk_comm WHERE kind = 'kernel') k
-        LEFT JOIN (SELECT DISTINCT ON (ext) * FROM tk_comm WHERE name = '{classify.PARAM_COMMS}'
+        FROM (SELECT * FROM {ns}.comm WHERE kind = 'kernel') k
+        LEFT JOIN (SELECT DISTINCT ON (ext) * FROM {ns}.comm WHERE name = '{classify.PARAM_COMMS}'
                    AND ext IS NOT NULL ORDER BY ext, ts_ns) r ON k.ext = r.ext
     """)
 
@@ -136,10 +136,10 @@ def _ordinal(key: str, first_step_ns: int | None) -> str:
     return f"(row_number() OVER (PARTITION BY {key} ORDER BY ts_ns) - 1{before})"
 
 
-def tables(con: duckdb.DuckDBPyConnection, base: int, stepped: Stepped, first_step_ns: int | None,
+def tables(con: duckdb.DuckDBPyConnection, ns: str, base: int, stepped: Stepped, first_step_ns: int | None,
            ann: Annotations) -> dict[str, Query]:
     """collectives and p2p of the trace in ``raw`` (times relative to ``base``)."""
-    _create_comm_tables(con, stepped)
+    _create_comm_tables(con, ns, stepped)
     group = "coalesce(pg, 'stream ' || tid)"
     direction = "CASE op WHEN 'send' THEN 'send' WHEN 'recv' THEN 'recv' END"
     peer = ("coalesce(CASE op WHEN 'send' THEN dst_rank WHEN 'recv' THEN src_rank END, "
@@ -148,23 +148,23 @@ def tables(con: duckdb.DuckDBPyConnection, base: int, stepped: Stepped, first_st
     coll = [f"""
         SELECT pg, coalesce(seq, {_ordinal(group, first_step_ns)}), op, ts_ns, ts_ns + dur_ns,
                {_nbytes('nelems', 'dtype')}, dtype, step, 'kernel'
-        FROM tk_ck WHERE op IS NOT NULL AND NOT {classify.sql_is_p2p('op')}"""]
+        FROM {ns}.ck WHERE op IS NOT NULL AND NOT {classify.sql_is_p2p('op')}"""]
     p2p = [f"""
         SELECT peer, direction, pg, coalesce(seq, {_ordinal(f'{group}, peer, direction', first_step_ns)}),
                ts_ns, ts_ns + dur_ns, {_nbytes('nelems', 'dtype')}, step, NULL, 'kernel',
                CASE WHEN len(ranks) = 2 THEN ranks END
-        FROM (SELECT *, {peer} AS peer, {direction} AS direction FROM tk_ck WHERE {classify.sql_is_p2p('op')})"""]
+        FROM (SELECT *, {peer} AS peer, {direction} AS direction FROM {ns}.ck WHERE {classify.sql_is_p2p('op')})"""]
     if ann.comm:
-        spans = f"(SELECT * FROM tk_comm WHERE starts_with(name, '{COMM_PREFIX}'))"
+        spans = f"(SELECT * FROM {ns}.comm WHERE starts_with(name, '{COMM_PREFIX}'))"
         coll.append(f"""
             SELECT a.pg, a.seq, a.op, e.ts_ns, e.ts_ns + e.dur_ns, a.nbytes, a.dtype, e.step, 'annotation'
-            FROM {spans} e JOIN tk_comm_ann a ON e.name = a.name WHERE a.peer IS NULL AND a.op NOT IN ('send', 'recv')""")
+            FROM {spans} e JOIN {ns}.comm_ann a ON e.name = a.name WHERE a.peer IS NULL AND a.op NOT IN ('send', 'recv')""")
         p2p.append(f"""
             SELECT a.peer, a.op, a.pg, a.seq, e.ts_ns, e.ts_ns + e.dur_ns, a.nbytes, e.step, NULL, 'annotation',
                    NULL
-            FROM {spans} e JOIN tk_comm_ann a ON e.name = a.name WHERE a.op IN ('send', 'recv')""")
+            FROM {spans} e JOIN {ns}.comm_ann a ON e.name = a.name WHERE a.op IN ('send', 'recv')""")
     else:
-        gloo = f"(SELECT *, {classify.sql_span_op('name')} AS op FROM tk_comm WHERE starts_with(name, 'gloo:'))"
+        gloo = f"(SELECT *, {classify.sql_span_op('name')} AS op FROM {ns}.comm WHERE starts_with(name, 'gloo:'))"
         coll.append(f"""
             SELECT NULL, row_number() OVER (PARTITION BY op ORDER BY ts_ns) - 1, op, ts_ns, ts_ns + dur_ns,
                    NULL, NULL, step, 'gloo'
@@ -173,30 +173,30 @@ def tables(con: duckdb.DuckDBPyConnection, base: int, stepped: Stepped, first_st
             SELECT NULL, op, NULL, row_number() OVER (PARTITION BY op ORDER BY ts_ns) - 1,
                    ts_ns, ts_ns + dur_ns, NULL, step, NULL, 'gloo', NULL
             FROM {gloo} WHERE op IN ('send', 'recv')""")
-    _materialize(con, "collectives", coll, COLLECTIVE_COLUMNS, base)
-    _materialize(con, "p2p", p2p, P2P_COLUMNS + ("pair",), base)
+    _materialize(con, ns, "collectives", coll, COLLECTIVE_COLUMNS, base)
+    _materialize(con, ns, "p2p", p2p, P2P_COLUMNS + ("pair",), base)
     # In a two-rank group the peer is the other member: known once the file's rank is (commit).
     other = ("coalesce(peer, CASE WHEN pair[1] = $rank THEN pair[2] WHEN pair[2] = $rank THEN pair[1] END) "
              "AS peer")
-    return {"collectives": _query(con, "collectives", COLLECTIVE_COLUMNS, "*"),
-            "p2p": _query(con, "p2p", P2P_COLUMNS, ", ".join(other if c == "peer" else c for c in P2P_COLUMNS))}
+    return {"collectives": _query(con, ns, "collectives", COLLECTIVE_COLUMNS, "*"),
+            "p2p": _query(con, ns, "p2p", P2P_COLUMNS, ", ".join(other if c == "peer" else c for c in P2P_COLUMNS))}
 
 
-def _materialize(con: duckdb.DuckDBPyConnection, name: str, parts: list[str], cols: tuple[str, ...],
+def _materialize(con: duckdb.DuckDBPyConnection, ns: str, name: str, parts: list[str], cols: tuple[str, ...],
                  base: int) -> None:
-    """Temp table ``out_<name>``: the union of ``parts`` with named columns, times on the epoch."""
+    """Table ``out_<name>``: the union of ``parts`` with named columns, times on the epoch."""
     named = ", ".join(f"c{i} + {base} AS {c}" if c in ("start_ns", "end_ns") else f"c{i} AS {c}"
                       for i, c in enumerate(cols))
     aliases = ", ".join(f"c{i}" for i in range(len(cols)))
-    con.execute(f"CREATE TEMP TABLE tk_out_{name} AS SELECT {named} FROM ({' UNION ALL '.join(parts)}) AS u({aliases})")
+    con.execute(f"CREATE TABLE {ns}.out_{name} AS SELECT {named} FROM ({' UNION ALL '.join(parts)}) AS u({aliases})")
 
 
-def _query(con: duckdb.DuckDBPyConnection, name: str, cols: tuple[str, ...], select: str) -> Query:
-    rows = con.execute(f"SELECT count(*) FROM tk_out_{name}").fetchall()[0][0]
-    return Query(f"SELECT {select} FROM tk_out_{name}", cols, rows)
+def _query(con: duckdb.DuckDBPyConnection, ns: str, name: str, cols: tuple[str, ...], select: str) -> Query:
+    rows = con.execute(f"SELECT count(*) FROM {ns}.out_{name}").fetchall()[0][0]
+    return Query(f"SELECT {select} FROM {ns}.out_{name}", cols, rows)
 
 
-def groups(con: duckdb.DuckDBPyConnection, info: dict, path: Path) -> list[dict]:
+def groups(con: duckdb.DuckDBPyConnection, ns: str, info: dict, path: Path) -> list[dict]:
     """Process groups as recorded: distributedInfo.pg_config, comm event args, tk.comm spans."""
     out: list[dict] = []
     for pg in info.get("pg_config") or []:
@@ -204,7 +204,7 @@ def groups(con: duckdb.DuckDBPyConnection, info: dict, path: Path) -> list[dict]
             out.append({"pg_name": str(pg.get("pg_name")), "pg_desc": pg.get("pg_desc"),
                         "ranks": [int(r) for r in pg["ranks"]]})
     for name, desc, ranks in con.execute(
-            "SELECT DISTINCT pg, pg_desc, pg_ranks FROM tk_comm WHERE pg IS NOT NULL AND pg_ranks IS NOT NULL"
+            f"SELECT DISTINCT pg, pg_desc, pg_ranks FROM {ns}.comm WHERE pg IS NOT NULL AND pg_ranks IS NOT NULL"
             ).fetchall():
         try:
             parsed = json.loads(ranks)
@@ -212,6 +212,6 @@ def groups(con: duckdb.DuckDBPyConnection, info: dict, path: Path) -> list[dict]
             raise IngestError(f"{path}: unreadable 'Process Group Ranks' {ranks!r}") from None
         if isinstance(parsed, list) and parsed:
             out.append({"pg_name": name, "pg_desc": desc, "ranks": [int(r) for r in parsed]})
-    for name, dim, ranks in con.execute("SELECT DISTINCT pg, dim, ranks FROM tk_comm_ann").fetchall():
+    for name, dim, ranks in con.execute(f"SELECT DISTINCT pg, dim, ranks FROM {ns}.comm_ann").fetchall():
         out.append({"pg_name": name, "pg_desc": dim, "ranks": list(ranks)})
     return out

@@ -81,10 +81,10 @@ def parse_path(path: Path, format: str) -> Parsed:
     raise IngestError(f"{path}: no parser for format {format!r}")
 
 
-def run(path: Path, explicit: bool, known_hashes: frozenset[str], con: duckdb.DuckDBPyConnection,
+def run(path: Path, explicit: bool, known_hashes: frozenset[str], con: duckdb.DuckDBPyConnection, ns: str,
         optable_reader: OptableReader | None = None) -> Outcome:
-    """Everything a worker does for one file; Kineto rows are left in temp tables of ``con``.
-    Never raises for bad input: the Outcome says why."""
+    """Everything a worker does for one file; a Kineto trace's rows are left in tables of the
+    schema ``ns`` (made by ``con``). Never raises for bad input: the Outcome says why."""
     t0 = time.perf_counter()
     fmt = digest = None
     try:
@@ -110,7 +110,7 @@ def run(path: Path, explicit: bool, known_hashes: frozenset[str], con: duckdb.Du
             from tracekit.ingest import kineto
 
             hasher = hashlib.sha256()
-            parsed = kineto.parse(path, con, hasher)
+            parsed = kineto.parse(path, con, ns, hasher)
             digest = digest or hasher.hexdigest()
         else:
             digest = digest or content_hash(path)
