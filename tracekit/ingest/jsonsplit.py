@@ -2,8 +2,8 @@
 
 One pass over the file's bytes: they are hashed as read (the content hash of the ingest log),
 decompressed when gzip, and everything between the array's ``[`` and ``]`` is written through
-verbatim (with its brackets) to ``out``, typically a pipe that DuckDB's JSON reader parses in array
-mode, columnar and in bounded memory. Only the bytes before the array and a window at the end are
+verbatim (with its brackets) to ``out``, a file that DuckDB's JSON reader parses in array mode,
+columnar and in bounded memory. Only the bytes before the array and a window at the end are
 scanned in Python; the top-level keys around the array (``distributedInfo``,
 ``baseTimeNanoseconds``, ...) are parsed with ``json``.
 """

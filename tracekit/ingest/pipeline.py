@@ -40,6 +40,7 @@ SCRATCH = "_tk_scratch"
 # groups, 122880 rows each, straight to the file) or this many files (bounded memory, steady progress).
 BATCH_ROWS = 250_000
 BATCH_FILES = 8
+MEMORY_PER_WORKER_MB = 128
 
 
 @dataclass
@@ -66,6 +67,7 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
            optable_reader: parse_mod.OptableReader | None = None) -> IngestReport:
     """Ingest files and run directories into the store at ``store_path``; never raises for bad files."""
     jobs = rundir.collect([Path(p) for p in paths], run_id)
+    n_workers = max(1, workers or min(len(jobs), os.cpu_count() or 1))
     con = store.connect(store_path)
     report = IngestReport()
     try:
@@ -73,6 +75,10 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
         # own threads as well, a batch's appends were not written straight to the file: the final
         # checkpoint then compressed them again, +0.1 CPU-s per 150k-event trace.)
         con.execute("SET threads = 1")
+        # Bounded memory: DuckDB keeps what it wrote cached and the scratch tables in memory only
+        # up to this, then evicts or spills (to <store>.tmp). Each reading thread also holds about
+        # 64 MiB of JSON buffers that cannot be spilled.
+        con.execute(f"SET memory_limit = '{MEMORY_PER_WORKER_MB * (n_workers + 1)}MB'")
         con.execute(f"ATTACH ':memory:' AS {SCRATCH}")
         known: dict[str, set[str]] = {}
         for rid, h in con.execute("SELECT run_id, content_hash FROM ingest_log WHERE status = 'ok'").fetchall():
@@ -101,7 +107,7 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
             batch.clear()
 
         rows = 0
-        for job, ns, out in _outcomes(con, jobs, stored, workers, optable_reader):
+        for job, ns, out in _outcomes(con, jobs, stored, n_workers, optable_reader):
             batch.append((job, ns, _unless_known(job, out, known, batch)))
             rows += out.parsed.rows if out.parsed is not None else 0
             if rows >= BATCH_ROWS or len(batch) >= BATCH_FILES:
@@ -144,11 +150,10 @@ def _commit_batch(con: duckdb.DuckDBPyConnection,
 
 
 def _outcomes(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], known: dict[str, frozenset[str]],
-              workers: int | None, reader: parse_mod.OptableReader | None
+              n: int, reader: parse_mod.OptableReader | None
               ) -> Iterator[tuple[rundir.Job, str, parse_mod.Outcome]]:
     """(job, its scratch schema, its outcome) in completion order; at most ``workers + 1`` files
     in the workers' hands at a time (bounded memory)."""
-    n = max(1, workers or min(len(jobs), os.cpu_count() or 1))
     ids = itertools.count()
 
     def parse(j: rundir.Job, cur: duckdb.DuckDBPyConnection, ns: str) -> parse_mod.Outcome:
