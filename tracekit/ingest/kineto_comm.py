@@ -99,21 +99,25 @@ def _int(expr: str) -> str:
 
 
 def _create_comm_tables(con: duckdb.DuckDBPyConnection, ns: str, stepped: Stepped) -> None:
-    """Tables ``comm`` (the communication events with their step and args) and ``ck``
-    (NCCL kernels with their metadata: their own args, else their record_param_comms')."""
+    """Tables ``comm`` (the communication events with their step, args, op and dtype width) and
+    ``ck`` (NCCL kernels with their metadata: their own args, else their record_param_comms')."""
     schema = "{" + ", ".join(f'"{k}": "VARCHAR"' for k in FIELDS.values()) + "}"
     fields = ", ".join(f'a."{k}" AS {v}' for v, k in FIELDS.items())
-    con.execute(f"CREATE TABLE {ns}.comm AS SELECT ts_ns, dur_ns, kind, name, tid, step, {fields} "
+    con.execute(f"CREATE TABLE {ns}.comm_args AS SELECT ts_ns, dur_ns, kind, name, tid, step, {fields} "
                 f"FROM (SELECT *, from_json(comm_args, '{schema}') AS a FROM {stepped('is_comm')})")
+    _create_lookups(con, ns)
+    con.execute(f"""
+        CREATE TABLE {ns}.comm AS SELECT c.*, n.op AS name_op, o.op AS coll_op, w.width
+        FROM {ns}.comm_args c LEFT JOIN {ns}.name_ops n ON c.name = n.key
+             LEFT JOIN {ns}.coll_ops o ON c.coll = o.key LEFT JOIN {ns}.widths w ON c.dtype = w.key
+    """)
     field = {c: f"coalesce(k.{c}, r.{c})" for c in FIELDS if c not in ("coll", "ext")}
-    op = (f"coalesce({classify.sql_normalize_op('k.coll')}, {classify.sql_normalize_op('r.coll')}, "
-          f"{classify.sql_kernel_op('k.name')})")
     con.execute(f"""
         CREATE TABLE {ns}.ck AS
-        SELECT k.ts_ns, k.dur_ns, k.tid, k.step, {op} AS op, {field['pg']} AS pg,
-               TRY_CAST({field['pg_ranks']} AS INTEGER[]) AS ranks,
+        SELECT k.ts_ns, k.dur_ns, k.tid, k.step, coalesce(k.coll_op, r.coll_op, k.name_op) AS op,
+               {field['pg']} AS pg, TRY_CAST({field['pg_ranks']} AS INTEGER[]) AS ranks,
                greatest({_int(field['in_nelems'])}, {_int(field['out_nelems'])}) AS nelems,
-               {field['dtype']} AS dtype,
+               {field['dtype']} AS dtype, coalesce(k.width, r.width) AS width,
                coalesce({_int(field['seq_arg'])}, {_int(field['seq_num'])}) AS seq,
                {_int(field['dst_rank'])} AS dst_rank, {_int(field['src_rank'])} AS src_rank,
                {_int(field['rank_arg'])} AS rank_arg, {_int(field['rank_start'])} AS rank_start,
@@ -124,9 +128,33 @@ def _create_comm_tables(con: duckdb.DuckDBPyConnection, ns: str, stepped: Steppe
     """)
 
 
-def _nbytes(nelems: str, dtype: str) -> str:
-    whens = " ".join(f"WHEN '{k}' THEN {v}" for k, v in DTYPE_BYTES.items())
-    return f"{nelems} * (CASE lower({dtype}) {whens} END)"
+def _name_op(name: str) -> str | None:
+    try:
+        return classify.comm_op(name) or None
+    except ConventionError:
+        return None  # a malformed tk.comm name: a plain event
+
+
+def _create_lookups(con: duckdb.DuckDBPyConnection, ns: str) -> None:
+    """The few distinct names, op spellings and dtypes, classified by tracekit.classify (the one
+    place) in Python: tables name_ops, coll_ops and widths (a huge SQL CASE costs milliseconds
+    to plan even on one row)."""
+    def distinct(col: str) -> list[str]:
+        return [v for (v,) in con.execute(f"SELECT DISTINCT {col} FROM {ns}.comm_args WHERE {col} IS NOT NULL")
+                .fetchall()]
+
+    lookups = {
+        "name_ops": [(n, _name_op(n)) for n in distinct("name")],
+        "coll_ops": [(c, classify.normalize_op(c)) for c in distinct("coll")],
+        "widths": [(d, DTYPE_BYTES.get(d.lower())) for d in distinct("dtype")],
+    }
+    for table, rows in lookups.items():
+        value = pa.int64() if table == "widths" else pa.string()
+        arrow = pa.table({"key": pa.array([k for k, _ in rows], pa.string()),
+                          "op" if table != "widths" else "width": pa.array([v for _, v in rows], value)})
+        con.register("tk_lookup_arrow", arrow)
+        con.execute(f"CREATE TABLE {ns}.{table} AS SELECT * FROM tk_lookup_arrow")
+        con.unregister("tk_lookup_arrow")
 
 
 def _ordinal(key: str, first_step_ns: int | None) -> str:
@@ -147,11 +175,11 @@ def tables(con: duckdb.DuckDBPyConnection, ns: str, base: int, stepped: Stepped,
             "CASE WHEN rank_stride > 0 AND rank_arg >= 0 THEN rank_start + rank_arg * rank_stride END)")
     coll = [f"""
         SELECT pg, coalesce(seq, {_ordinal(group, first_step_ns)}), op, ts_ns, ts_ns + dur_ns,
-               {_nbytes('nelems', 'dtype')}, dtype, step, 'kernel'
+               nelems * width, dtype, step, 'kernel'
         FROM {ns}.ck WHERE op IS NOT NULL AND NOT {classify.sql_is_p2p('op')}"""]
     p2p = [f"""
         SELECT peer, direction, pg, coalesce(seq, {_ordinal(f'{group}, peer, direction', first_step_ns)}),
-               ts_ns, ts_ns + dur_ns, {_nbytes('nelems', 'dtype')}, step, NULL, 'kernel',
+               ts_ns, ts_ns + dur_ns, nelems * width, step, NULL, 'kernel',
                CASE WHEN len(ranks) = 2 THEN ranks END
         FROM (SELECT *, {peer} AS peer, {direction} AS direction FROM {ns}.ck WHERE {classify.sql_is_p2p('op')})"""]
     if ann.comm:
@@ -164,7 +192,7 @@ def tables(con: duckdb.DuckDBPyConnection, ns: str, base: int, stepped: Stepped,
                    NULL
             FROM {spans} e JOIN {ns}.comm_ann a ON e.name = a.name WHERE a.op IN ('send', 'recv')""")
     else:
-        gloo = f"(SELECT *, {classify.sql_span_op('name')} AS op FROM {ns}.comm WHERE starts_with(name, 'gloo:'))"
+        gloo = f"(SELECT *, name_op AS op FROM {ns}.comm WHERE starts_with(name, 'gloo:'))"
         coll.append(f"""
             SELECT NULL, row_number() OVER (PARTITION BY op ORDER BY ts_ns) - 1, op, ts_ns, ts_ns + dur_ns,
                    NULL, NULL, step, 'gloo'
