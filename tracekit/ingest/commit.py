@@ -40,6 +40,14 @@ class FileResult:
     seconds: float
 
 
+class StoreWriteError(Exception):
+    """Writing a file's rows failed in DuckDB; the enclosing transaction can only be rolled back."""
+
+    def __init__(self, message: str, rank: int | None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
 @dataclass
 class Applied:
     """What ``apply`` did with one file: its result, and for an ingested file what was parsed."""
@@ -61,8 +69,8 @@ def failed(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outco
 
 
 def apply(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcome) -> Applied:
-    """Write one file's outcome. Raises only for a failed store write (duckdb/Arrow errors), which
-    leaves the caller's transaction unusable; a bad file is logged and returned as failed."""
+    """Write one file's outcome. Raises StoreWriteError only for a failed store write, which leaves
+    the caller's transaction unusable; a bad file is logged and returned as failed."""
     if out.status == "ignored":
         return Applied(None)
     if out.status == "skipped":
@@ -82,18 +90,22 @@ def apply(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcom
         replace = _check_duplicate(con, job, parsed.format, rank)
     except IngestError as e:
         return failed(con, job, out, str(e), rank)
-    if replace:
-        for t, extra in OWNED[parsed.format].items():
-            con.execute(f"DELETE FROM {t} WHERE run_id = ? AND rank = ? {extra}", [job.run_id, rank])
-        con.execute("DELETE FROM ingest_log WHERE run_id = ? AND path = ? AND status = 'ok'",
-                    [job.run_id, str(job.path)])
-    if parsed.multi_rank:
-        for t in parsed.tables:
-            con.execute(f"DELETE FROM {t} WHERE run_id = ?", [job.run_id])
-    for t, tbl in parsed.tables.items():
-        _insert(con, t, tbl, job.run_id, rank)
-    topo.add_groups(con, job.run_id, parsed.groups)
-    _log(con, job.run_id, job.path, parsed.format, rank, out.content_hash, "ok", None, parsed.rows, out.seconds)
+    try:
+        if replace:
+            for t, extra in OWNED[parsed.format].items():
+                con.execute(f"DELETE FROM {t} WHERE run_id = ? AND rank = ? {extra}", [job.run_id, rank])
+            con.execute("DELETE FROM ingest_log WHERE run_id = ? AND path = ? AND status = 'ok'",
+                        [job.run_id, str(job.path)])
+        if parsed.multi_rank:
+            for t in parsed.tables:
+                con.execute(f"DELETE FROM {t} WHERE run_id = ?", [job.run_id])
+        for t, tbl in parsed.tables.items():
+            _insert(con, t, tbl, job.run_id, rank)
+        topo.add_groups(con, job.run_id, parsed.groups)
+        _log(con, job.run_id, job.path, parsed.format, rank, out.content_hash, "ok", None, parsed.rows,
+             out.seconds)
+    except (duckdb.Error, pa.ArrowException) as e:
+        raise StoreWriteError(f"{job.path}: store write failed ({e})", rank) from e
     return Applied(FileResult(job.path, job.run_id, parsed.format, rank, "ok", None, parsed.rows, out.seconds),
                    parsed)
 
@@ -105,7 +117,10 @@ def apply_alone(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.
         done = apply(con, job, out)
         con.execute("COMMIT")
         return done
-    except (duckdb.Error, pa.ArrowException) as e:
+    except StoreWriteError as e:
+        rollback(con)
+        return failed(con, job, out, str(e), e.rank)
+    except duckdb.Error as e:  # the COMMIT itself
         rollback(con)
         return failed(con, job, out, f"{job.path}: store write failed ({e})")
 

@@ -52,6 +52,7 @@ def case(expr: str, mapping: dict) -> str:
 
 def _reader(source: str) -> str:
     cols = "{" + ", ".join(f"{k}: '{v}'" for k, v in COLUMNS.items()) + "}"
+    source = source.replace("'", "''")
     return (f"read_json('{source}', format='array', columns={cols}, "
             f"maximum_object_size={MAX_EVENT_BYTES})")
 

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import duckdb
-import pyarrow as pa
 
 from tracekit import store
 from tracekit.ingest import commit, rundir, topo
@@ -144,7 +143,7 @@ def _commit_batch(con: duckdb.DuckDBPyConnection,
             applied = [commit.apply(con, job, out) for job, out in items]
             con.execute("COMMIT")
             return applied
-        except (duckdb.Error, pa.ArrowException):
+        except (commit.StoreWriteError, duckdb.Error):
             commit.rollback(con)  # and again one file at a time, so that only the bad one fails
     return [commit.apply_alone(con, job, out) for job, out in items]
 
