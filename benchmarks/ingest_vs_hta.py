@@ -1,15 +1,19 @@
 """Ingest the same Kineto traces with tracekit and with Holistic Trace Analysis; print MB/s and memory.
 
-    python benchmarks/ingest_vs_hta.py                 # 8 ranks
-    python benchmarks/ingest_vs_hta.py --ranks 8 64    # both sizes (64 takes a while)
+    python benchmarks/ingest_vs_hta.py                 # 8 ranks, 61 MB and 240k events each
+    python benchmarks/ingest_vs_hta.py --ranks 8 64    # both sizes (64 ranks: 3.9 GB, about 15 min)
 
 Traces (NCCL flavour, benchmarks/gen_traces.py) are cached under benchmarks/_work/. HTA 0.5.0 runs in
 its own venv (benchmarks/_work/hta-venv, pandas<3), created on first use with --no-deps and an
-explicit dependency list so that it never pulls torch. Both tools run as subprocesses on the same
-files; wall time includes interpreter start and imports for both. Memory is the peak, over the run,
-of the summed proportional set size (PSS, /proc/<pid>/smaps_rollup) of the tool's whole process
-tree, so pages shared by forked workers are not counted twice. MB/s is uncompressed JSON bytes per
-second of wall time.
+explicit dependency list so that it never pulls torch; it runs ``TraceAnalysis(trace_dir=...)`` with
+its defaults (stdlib json parser, a fork pool of min(ranks, cores) workers, and for more than 8
+ranks a first parse of rank 0 under tracemalloc to size the pool). Both tools run as subprocesses
+on the same files, one after the other; wall time includes interpreter start and imports for both.
+Memory is the peak, over the run, of the summed proportional set size (PSS,
+/proc/<pid>/smaps_rollup) of the tool's whole process tree, so pages shared by forked workers are
+not counted twice. MB/s is uncompressed JSON bytes per second of wall time; MB/CPU-s per second of
+user + system CPU of the tool and every process it waited for, which depends far less on what
+else the machine runs than wall time does (this machine is shared: read the load column).
 """
 
 from __future__ import annotations

@@ -171,20 +171,21 @@ def _outcomes(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], known: dic
             yield j, ns, parse(j, cur, ns)
         return
     queue = iter(jobs)
-    pending: dict[Future, tuple[rundir.Job, str]] = {}
+    pending: dict[Future, tuple[rundir.Job, str, duckdb.DuckDBPyConnection]] = {}
     with ThreadPoolExecutor(max_workers=n, thread_name_prefix="tk-ingest") as pool:
         try:
             while True:
                 while len(pending) <= n and (j := next(queue, None)) is not None:
                     cur, ns = start(j)
-                    pending[pool.submit(parse, j, cur, ns)] = (j, ns)
+                    pending[pool.submit(parse, j, cur, ns)] = (j, ns, cur)
                 if not pending:
                     return
                 finished, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for fut in finished:
-                    j, ns = pending.pop(fut)
+                    j, ns, _ = pending.pop(fut)
                     yield j, ns, fut.result()
-        finally:  # the consumer stopped early: let the running parses end
-            for fut in pending:
-                fut.cancel()
+        finally:  # the consumer stopped early: let the running parses end, close the unstarted
+            for fut, (_, _, cur) in pending.items():
+                if fut.cancel():
+                    cur.close()
             wait(pending)
