@@ -45,7 +45,7 @@ GPU_KINDS = "('kernel', 'memcpy', 'memset', 'gpu_annotation')"
 MAX_EVENT_BYTES = 16 << 20  # one event larger than this is not a profiler event
 
 
-def case(expr: str, mapping: dict) -> str:
+def _case(expr: str, mapping: dict) -> str:
     whens = " ".join(f"WHEN '{k}' THEN '{v}'" for k, v in mapping.items())
     return f"(CASE {expr} {whens} ELSE {expr} END)"
 
@@ -66,7 +66,7 @@ def _load_sql(ns: str, source: str) -> str:
     return f"""
         CREATE TABLE {ns}.raw AS SELECT kind, name, tid, pid, ts_ns, dur_ns, correlation, is_comm,
                                         CASE WHEN is_comm THEN to_json(args) END AS comm_args
-        FROM (SELECT {case('cat', KINDS)} AS kind, name, tid, TRY_CAST(pid AS BIGINT) AS pid,
+        FROM (SELECT {_case('cat', KINDS)} AS kind, name, tid, TRY_CAST(pid AS BIGINT) AS pid,
                      CAST(floor(ts) AS BIGINT) * 1000 + CAST(round((ts - floor(ts)) * 1000) AS BIGINT)
                          AS ts_ns,
                      CAST(round(coalesce(dur, 0) * 1000) AS BIGINT) AS dur_ns,

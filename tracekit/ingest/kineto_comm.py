@@ -14,9 +14,11 @@ order among its group's ops in this trace (the group's GPU stream when the group
 counted from the first op of the first profiler step (earlier ops get negative numbers). Every
 member of a group issues the group's ops in the same order, so these numbers match across ranks
 as long as the ranks' traces cover the same steps, which a profiler schedule does. p2p ops are
-numbered per (group, peer, direction), the order in which NCCL matches sends with receives.
+numbered per (group, peer, direction), the order in which NCCL matches sends with receives. Not
+handled: ranks whose traces start at different steps (their numbers are offset), kernels of
+unknown groups that share a stream, and a group whose ops carry ``Seq`` only in part.
 
-The p2p peer (a global rank): ``Dst Rank``/``Src Rank`` (torch >= 2.4), else the group-local
+The p2p peer (a global rank): ``Dst Rank``/``Src Rank`` (recent torch, 2.13 included), else the group-local
 ``Rank`` through the group's ranks or ``Global rank start``/``stride``, else, in a two-rank group,
 the member that is not this rank (applied at commit, when the rank is known). Kernels with no
 metadata at all (e.g. ``ncclKernel_SendRecv`` launched outside any ``record_param_comms``) keep a
@@ -186,7 +188,8 @@ def tables(con: duckdb.DuckDBPyConnection, ns: str, base: int, stepped: Stepped,
         spans = f"(SELECT * FROM {ns}.comm WHERE starts_with(name, '{COMM_PREFIX}'))"
         coll.append(f"""
             SELECT a.pg, a.seq, a.op, e.ts_ns, e.ts_ns + e.dur_ns, a.nbytes, a.dtype, e.step, 'annotation'
-            FROM {spans} e JOIN {ns}.comm_ann a ON e.name = a.name WHERE a.peer IS NULL AND a.op NOT IN ('send', 'recv')""")
+            FROM {spans} e JOIN {ns}.comm_ann a ON e.name = a.name
+            WHERE a.peer IS NULL AND a.op NOT IN ('send', 'recv')""")
         p2p.append(f"""
             SELECT a.peer, a.op, a.pg, a.seq, e.ts_ns, e.ts_ns + e.dur_ns, a.nbytes, e.step, NULL, 'annotation',
                    NULL
