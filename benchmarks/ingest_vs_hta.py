@@ -1,21 +1,26 @@
 """Ingest the same Kineto traces with tracekit and with Holistic Trace Analysis; print MB/s and memory.
 
-    python benchmarks/ingest_vs_hta.py                 # 8 ranks
-    python benchmarks/ingest_vs_hta.py --ranks 8 64    # both sizes (64 takes a while)
+    python benchmarks/ingest_vs_hta.py                 # 8 ranks, 61 MB and 240k events each
+    python benchmarks/ingest_vs_hta.py --ranks 8 64    # both sizes (64 ranks: 3.9 GB, about 15 min)
 
 Traces (NCCL flavour, benchmarks/gen_traces.py) are cached under benchmarks/_work/. HTA 0.5.0 runs in
 its own venv (benchmarks/_work/hta-venv, pandas<3), created on first use with --no-deps and an
-explicit dependency list so that it never pulls torch. Both tools run as subprocesses on the same
-files; wall time includes interpreter start and imports for both. Memory is the peak, over the run,
-of the summed proportional set size (PSS, /proc/<pid>/smaps_rollup) of the tool's whole process
-tree, so pages shared by forked workers are not counted twice. MB/s is uncompressed JSON bytes per
-second of wall time.
+explicit dependency list so that it never pulls torch; it runs ``TraceAnalysis(trace_dir=...)`` with
+its defaults (stdlib json parser, a fork pool of min(ranks, cores) workers, and for more than 8
+ranks a first parse of rank 0 under tracemalloc to size the pool). Both tools run as subprocesses
+on the same files, one after the other; wall time includes interpreter start and imports for both.
+Memory is the peak, over the run, of the summed proportional set size (PSS,
+/proc/<pid>/smaps_rollup) of the tool's whole process tree, so pages shared by forked workers are
+not counted twice. MB/s is uncompressed JSON bytes per second of wall time; MB/CPU-s per second of
+user + system CPU of the tool and every process it waited for, which depends far less on what
+else the machine runs than wall time does (this machine is shared: read the load column).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -82,8 +87,18 @@ def _pss_kb(pid: int) -> int:
     return 0
 
 
-def measure(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
-    """(wall seconds, peak summed PSS in MB, stdout) of running ``cmd`` to completion."""
+def _cpu_children() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def measure(cmd: list[str], env: dict | None = None) -> tuple[float, float, float, str]:
+    """(wall seconds, peak summed PSS in MB, CPU seconds, stdout) of running ``cmd`` to completion.
+
+    CPU is user + system time of the command and every process it waited for (HTA's pool
+    workers, for instance): unlike wall time it barely depends on what else the machine runs.
+    """
+    cpu0 = _cpu_children()
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     peak = 0
@@ -103,20 +118,23 @@ def measure(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]
     th.join()
     if proc.returncode not in (0,):
         raise SystemExit(f"{cmd[0]} failed ({proc.returncode}):\n{err[-3000:]}")
-    return wall, peak / 1024, out
+    return wall, peak / 1024, _cpu_children() - cpu0, out
 
 
 def run_case(ranks: int, events: int, workers: int, hta: bool) -> dict:
     traces = generate(WORK / f"traces-{ranks}x{events}", ranks, events)
     mb = sum(p.stat().st_size for p in traces) / 1e6
-    res = {"ranks": ranks, "raw_mb": mb}
+    res: dict = {"ranks": ranks, "raw_mb": mb}
     with tempfile.TemporaryDirectory(dir=WORK) as tmp:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         cmd = [sys.executable, "-c", "from tracekit.cli import main; main()", "ingest", str(traces[0].parent),
                "--store", str(Path(tmp) / "bench.duckdb"), "--workers", str(workers), "--json"]
-        res["tracekit"] = measure(cmd, env)[:2]
+        load = os.getloadavg()[0]
+        res["tracekit"] = (*measure(cmd, env)[:3], load)
     if hta:
-        res["hta"] = measure([str(ensure_hta()), "-c", HTA_RUN, str(traces[0].parent)])[:2]
+        py = ensure_hta()
+        load = os.getloadavg()[0]
+        res["hta"] = (*measure([str(py), "-c", HTA_RUN, str(traces[0].parent)])[:3], load)
     return res
 
 
@@ -128,19 +146,20 @@ def main() -> None:
     ap.add_argument("--skip-hta", action="store_true")
     a = ap.parse_args()
     WORK.mkdir(exist_ok=True)
-    print(f"cpus={os.cpu_count()} workers={a.workers} load={os.getloadavg()[0]:.1f}")
-    print(f"{'ranks':>5} {'raw MB':>8} {'tool':>9} {'wall s':>8} {'MB/s':>8} {'peak MB':>8} {'peak/raw':>8}")
+    print(f"cpus={os.cpu_count()} workers={a.workers}; load = 1-min load average when the tool started")
+    print(f"{'ranks':>5} {'raw MB':>7} {'tool':>8} {'load':>5} {'wall s':>7} {'MB/s':>7} {'CPU s':>7} "
+          f"{'MB/CPU-s':>8} {'peak MB':>8} {'peak/raw':>8}")
     for r in a.ranks:
         res = run_case(r, a.events, a.workers, not a.skip_hta)
         for tool in ("tracekit", "hta"):
             if tool in res:
-                wall, peak = res[tool]
-                print(f"{r:>5} {res['raw_mb']:>8.0f} {tool:>9} {wall:>8.1f} {res['raw_mb'] / wall:>8.1f} "
-                      f"{peak:>8.0f} {peak / res['raw_mb']:>8.2f}")
+                wall, peak, cpu, load = res[tool]
+                print(f"{r:>5} {res['raw_mb']:>7.0f} {tool:>8} {load:>5.1f} {wall:>7.1f} {res['raw_mb'] / wall:>7.1f} "
+                      f"{cpu:>7.1f} {res['raw_mb'] / cpu:>8.1f} {peak:>8.0f} {peak / res['raw_mb']:>8.2f}")
         if "hta" in res:
-            (tw, tp), (hw, hp) = res["tracekit"], res["hta"]
-            print(f"{r:>5} ratio: tracekit throughput = {hw / tw:.1f}x HTA, peak memory = {tp / hp:.2f}x HTA "
-                  f"(load now {os.getloadavg()[0]:.1f})")
+            (tw, tp, tc, _), (hw, hp, hc, _) = res["tracekit"], res["hta"]
+            print(f"{r:>5} ratio: tracekit throughput = {hw / tw:.1f}x HTA (wall), {hc / tc:.1f}x HTA (CPU); "
+                  f"peak memory = {tp / hp:.2f}x HTA (load now {os.getloadavg()[0]:.1f})")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -151,6 +152,12 @@ class RankProfiler:
         self.rank, self.run, self.window, self.trainer = rank, Path(run), window, trainer
         self.cuda = backend == "nccl" and torch.cuda.is_available()
         self.memory = memory
+        if not self.cuda:
+            # Kineto prints "USDT: ... profiler_start/profiler_stop" on stderr for every rank. Its
+            # levels are VERBOSE 0 .. ERROR 4, USDT 5, so only 6 hides them, and Kineto's errors with
+            # them: done for CPU-only profiling (no CUPTI, whose errors matter), and never over a
+            # level the user chose. Read once, at the process's first profiler start.
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         first, last = window
         self._recording = False
         self.prof = profile(

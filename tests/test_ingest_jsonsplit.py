@@ -33,7 +33,7 @@ def _doc(events: list[dict], order: str, indent: int | None) -> bytes:
 def _split(tmp_path: Path, data: bytes, gz: bool) -> tuple[dict, list]:
     f = tmp_path / ("t.json.gz" if gz else "t.json")
     f.write_bytes(gzip.compress(data) if gz else data)
-    with open(tmp_path / "events.json", "w+b") as out:  # a real file: the copy_file_range path
+    with open(tmp_path / "events.json", "w+b") as out:  # a real file, as ingest writes
         meta = split_trace(f, out)
     return meta, json.loads((tmp_path / "events.json").read_bytes())
 

@@ -22,7 +22,7 @@ def hta_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not HTA.is_dir():
         pytest.skip(f"real HTA samples not found at {HTA}")
     db = tmp_path_factory.mktemp("hta") / "hta.duckdb"
-    report = ingest([HTA], db, workers=2)  # exercise the process pool once
+    report = ingest([HTA], db, workers=2)  # exercise the worker threads once
     assert not report.failed, [f.error for f in report.failed]
     return db
 

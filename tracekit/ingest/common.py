@@ -13,12 +13,23 @@ class IngestError(ValueError):
     """A file that cannot be ingested; the message names the file and what is wrong with it."""
 
 
+@dataclass(frozen=True)
+class Query:
+    """A store table's rows still inside the DuckDB connection that parsed the file: a SELECT over
+    that connection's temp tables, inserted from there without a copy through Python or Arrow.
+    It may use the named parameter ``$rank`` (the file's rank, known only at commit)."""
+
+    sql: str
+    columns: tuple[str, ...]
+    rows: int
+
+
 @dataclass
 class Parsed:
     """One file, parsed. Tables lack ``run_id`` (and ``rank`` unless ``multi_rank``)."""
 
     format: str  # kineto | fr | memory | optable
-    tables: dict[str, pa.Table]
+    tables: dict[str, pa.Table | Query]
     rank: int | None = None  # the rank the file itself states (Kineto distributedInfo)
     world_size: int | None = None
     backend: str | None = None
@@ -28,7 +39,7 @@ class Parsed:
 
     @property
     def rows(self) -> int:
-        return sum(t.num_rows for t in self.tables.values())
+        return sum(t.rows if isinstance(t, Query) else t.num_rows for t in self.tables.values())
 
 
 def arrow_schema(table: str, without: tuple[str, ...] = ("run_id", "rank")) -> pa.Schema:

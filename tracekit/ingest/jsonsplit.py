@@ -1,27 +1,27 @@
-"""Split a Kineto Chrome trace into its small header and its big ``traceEvents`` array, streaming.
+"""Stream a Kineto Chrome trace into its ``traceEvents`` array (for DuckDB) and its small header.
 
-The array is copied verbatim (decompressing on the way) to a file that DuckDB's JSON reader parses
-in array mode, columnar and in bounded memory; the top-level keys around it (``distributedInfo``,
-``baseTimeNanoseconds``, ...) are parsed with ``json``. Only the bytes before the array and the
-last window of the file are scanned in Python, so the cost per byte is a copy.
+One pass over the file's bytes: they are hashed as read (the content hash of the ingest log),
+decompressed when gzip, and everything between the array's ``[`` and ``]`` is written through
+verbatim (with its brackets) to ``out``, a file that DuckDB's JSON reader parses in array mode,
+columnar and in bounded memory. Only the bytes before the array and a window at the end are
+scanned in Python; the top-level keys around the array (``distributedInfo``,
+``baseTimeNanoseconds``, ...) are parsed with ``json``.
 """
 
 from __future__ import annotations
 
-import gzip
-import io
 import json
-import os
 import re
 import zlib
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from tracekit.ingest.common import IngestError
 
-CHUNK = 8 << 20
+CHUNK = 1 << 20
 HEAD_LIMIT = 64 << 20  # the array must start within this many bytes
-TAIL_WINDOW = 256 << 10  # bytes kept from the end of the file to parse the trailing keys
+TAIL_WINDOW = 256 << 10  # bytes held back at the end to find the array's ']' and the trailing keys
+CONFIRM_WINDOW = 16 << 10  # how far back from a top-level ']' to look for its '[' (and key)
 
 _TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[{}\[\]]')
 _KEY = b'"traceEvents"'
@@ -31,19 +31,8 @@ class TraceFormatError(IngestError):
     """The file is not a complete, well-formed Kineto trace; the message names the file."""
 
 
-def open_stream(path: Path) -> BinaryIO:
-    with open(path, "rb") as f:
-        magic = f.read(2)
-    if magic == b"\x1f\x8b":
-        return gzip.open(path, "rb")  # type: ignore[return-value]
-    return open(path, "rb")
-
-
-def _read(src: BinaryIO, n: int, path: Path) -> bytes:
-    try:
-        return src.read(n)
-    except (EOFError, OSError, zlib.error) as e:
-        raise TraceFormatError(f"{path}: corrupt or truncated compressed stream ({e})") from None
+class Hasher(Protocol):
+    def update(self, data: bytes, /) -> None: ...
 
 
 def _find_array_start(head: bytes) -> int | None:
@@ -63,11 +52,13 @@ def _find_array_start(head: bytes) -> int | None:
 
 
 def _find_array_end(window: bytes) -> int | None:
-    """Offset of the ']' closing the traceEvents array within the file's last ``window``.
+    """Offset of the ']' closing the traceEvents array within ``window``, the end of the stream
+    after the array's '['.
 
     Walks backwards from the end (which is outside any string) over the trailing top-level
-    members; the first top-level array whose '[' is not in the window, or whose key is
-    traceEvents, is the event array.
+    members. A top-level array whose key is traceEvents, or whose '[' is neither in the window nor
+    within CONFIRM_WINDOW bytes of its ']', is the event array (an event array is never that
+    small unless its '[' is in the window: the window starts right after it).
     """
     i = len(window) - 1
     while i >= 0 and window[i] in b" \t\r\n":
@@ -77,6 +68,8 @@ def _find_array_end(window: bytes) -> int | None:
     depth, in_str, close_at = 1, False, None
     i -= 1
     while i >= 0:
+        if close_at is not None and close_at - i > CONFIRM_WINDOW:
+            return close_at
         c = window[i]
         if in_str:
             if c == 0x22:  # '"' ends the string unless escaped by an odd run of backslashes
@@ -104,78 +97,86 @@ def _find_array_end(window: bytes) -> int | None:
     return close_at
 
 
-def _copy_stream(src: BinaryIO, dst: BinaryIO, block: bytes, path: Path) -> tuple[int, bytes]:
-    """Copy a decompressing stream; return bytes written (with the '[') and the last window."""
-    window, written = b"", 1
-    while block:
-        dst.write(block)
-        written += len(block)
-        window = block[-TAIL_WINDOW:] if len(block) >= TAIL_WINDOW else (window + block)[-TAIL_WINDOW:]
-        block = _read(src, CHUNK, path)
-    return written, window
+class _Source:
+    """The file's decompressed bytes in blocks, hashing the raw bytes on the way."""
+
+    def __init__(self, path: Path, hasher: Hasher | None) -> None:
+        self.path, self.hasher = path, hasher
+        self.f = open(path, "rb")
+        first = self.f.read(2)
+        self.f.seek(0)
+        self.inflate = zlib.decompressobj(wbits=31) if first == b"\x1f\x8b" else None
+
+    def read(self) -> bytes:
+        """The next block; b'' at the end. Raises TraceFormatError on a corrupt or cut gzip stream."""
+        while True:
+            raw = self.f.read(CHUNK)
+            if self.hasher is not None and raw:
+                self.hasher.update(raw)
+            if self.inflate is None:
+                return raw
+            if not raw:
+                if not self.inflate.eof:
+                    raise TraceFormatError(f"{self.path}: corrupt or truncated compressed stream "
+                                           "(gzip data ends early)")
+                return b""
+            try:
+                out = self.inflate.decompress(raw)
+                while self.inflate.eof and self.inflate.unused_data:  # concatenated gzip members
+                    rest, self.inflate = self.inflate.unused_data, zlib.decompressobj(wbits=31)
+                    out += self.inflate.decompress(rest)
+            except zlib.error as e:
+                raise TraceFormatError(f"{self.path}: corrupt or truncated compressed stream ({e})") from None
+            if out:
+                return out
+
+    def close(self) -> None:
+        self.f.close()
 
 
-def _has_fd(f: BinaryIO) -> bool:
+def stream_events(path: Path, out: BinaryIO, hasher: Hasher | None = None) -> dict:
+    """Write the traceEvents array of ``path`` to ``out`` as one JSON array; return the other
+    top-level keys (``traceEvents`` itself maps to None). ``hasher`` sees every raw byte of the file.
+
+    The closing ']' is written only once the array is known to be complete, so a reader of ``out``
+    never sees a truncated file as a valid array.
+    """
+    src = _Source(path, hasher)
     try:
-        f.fileno()
-    except (AttributeError, OSError, io.UnsupportedOperation):
-        return False
-    return True
-
-
-def _copy_file(src: BinaryIO, dst: BinaryIO, start: int) -> tuple[int, bytes]:
-    """Copy a plain file from ``start`` in the kernel (no Python buffers); same return."""
-    size = os.fstat(src.fileno()).st_size
-    dst.flush()
-    offset, out_fd = start, dst.fileno()
-    while offset < size:
-        try:
-            n = os.copy_file_range(src.fileno(), out_fd, size - offset, offset)
-        except OSError:  # filesystems without it: plain reads
-            src.seek(offset)
-            n = len(block := src.read(min(CHUNK, size - offset)))
-            os.write(out_fd, block)
-        if n == 0:
-            break
-        offset += n
-    dst.seek(0, os.SEEK_END)
-    src.seek(max(start, size - TAIL_WINDOW))
-    return 1 + size - start, src.read()
-
-
-def split_trace(path: Path, events_out: BinaryIO) -> dict:
-    """Copy the traceEvents array of ``path`` (as a JSON array) to ``events_out``; return the rest."""
-    src = open_stream(path)
-    try:
-        head = b""
-        start = None
-        while start is None:
-            block = _read(src, min(CHUNK, max(1 << 20, len(head))), path)  # the key is usually near the top
+        head, start = b"", None
+        while start is None and len(head) <= HEAD_LIMIT:
+            block = src.read()
             if not block:
                 break
             head += block
             start = _find_array_start(head)
-            if len(head) > HEAD_LIMIT:
-                break
         if not head.strip():
             raise TraceFormatError(f"{path}: empty file")
         if start is None:
             raise TraceFormatError(
                 f"{path}: no top-level 'traceEvents' array in the first "
-                f"{min(len(head), HEAD_LIMIT) >> 20} MiB; not a Kineto trace or truncated"
-            )
+                f"{min(len(head), HEAD_LIMIT) >> 20} MiB; not a Kineto trace or truncated")
         prefix = head[:start - 1]
-        events_out.write(b"[")
-        if isinstance(src, gzip.GzipFile) or not _has_fd(events_out):
-            written, window = _copy_stream(src, events_out, head[start:], path)
-        else:
-            written, window = _copy_file(src, events_out, start)
+        out.write(b"[")
+        held = memoryview(head)[start:]  # the last bytes seen, not yet written
+        while block := src.read():
+            if len(held) + len(block) <= TAIL_WINDOW:
+                held = memoryview(bytes(held) + block)
+                continue
+            if len(block) >= TAIL_WINDOW:
+                out.write(held)
+                out.write(memoryview(block)[:-TAIL_WINDOW])
+                held = memoryview(block)[-TAIL_WINDOW:]
+            else:
+                keep = bytes(held[len(held) + len(block) - TAIL_WINDOW:]) + block
+                out.write(held[:len(held) + len(block) - TAIL_WINDOW])
+                held = memoryview(keep)
+        window = bytes(held)
         end = _find_array_end(window)
         if end is None:
             raise TraceFormatError(f"{path}: truncated or malformed: the traceEvents array is not closed")
-        events_out.seek(written - len(window) + end)
-        events_out.truncate()
-        events_out.write(b"]")
+        out.write(memoryview(window)[:end])
+        out.write(b"]")
         tail = window[end + 1:]
     finally:
         src.close()
@@ -187,3 +188,8 @@ def split_trace(path: Path, events_out: BinaryIO) -> dict:
     if not isinstance(meta, dict):
         raise TraceFormatError(f"{path}: top level is not a JSON object")
     return meta
+
+
+def split_trace(path: Path, events_out: BinaryIO) -> dict:
+    """Copy the traceEvents array of ``path`` (as a JSON array) to ``events_out``; return the rest."""
+    return stream_events(path, events_out)

@@ -1,4 +1,4 @@
-"""Parse one file of any format: hash, sniff, dispatch. Runs in worker processes; prints nothing."""
+"""Parse one file of any format: hash, sniff, dispatch. Runs in worker threads; prints nothing."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+import duckdb
 import pyarrow as pa
 
 from tracekit import safe_pickle
@@ -64,11 +65,9 @@ def _optable(path: Path, reader: OptableReader) -> Parsed:
 
 
 def parse_path(path: Path, format: str) -> Parsed:
-    """Dispatch a sniffed file to its parser."""
-    from tracekit.ingest import flight_recorder, kineto, memory_snapshot
+    """Dispatch a sniffed file (other than Kineto and op tables) to its parser."""
+    from tracekit.ingest import flight_recorder, memory_snapshot
 
-    if format == sn.KINETO:
-        return kineto.parse(path)
     if format == sn.FR:
         return flight_recorder.parse(path)
     if format == sn.PICKLE:
@@ -82,18 +81,20 @@ def parse_path(path: Path, format: str) -> Parsed:
     raise IngestError(f"{path}: no parser for format {format!r}")
 
 
-def run(path: Path, explicit: bool, known_hashes: frozenset[str],
+def run(path: Path, explicit: bool, known_hashes: frozenset[str], con: duckdb.DuckDBPyConnection, ns: str,
         optable_reader: OptableReader | None = None) -> Outcome:
-    """Everything a worker does for one file. Never raises for bad input: the Outcome says why."""
+    """Everything a worker does for one file; a Kineto trace's rows are left in tables of the
+    schema ``ns`` (made by ``con``). Never raises for bad input: the Outcome says why."""
     t0 = time.perf_counter()
     fmt = digest = None
     try:
         if not path.is_file():
             raise IngestError(f"{path}: no such file")
-        digest = content_hash(path)
-        if digest in known_hashes:
-            return Outcome(path, "skipped", None, digest, error="already ingested (same content)",
-                           seconds=time.perf_counter() - t0)
+        if known_hashes:  # content already in this run is skipped unread; else hash while parsing
+            digest = content_hash(path)
+            if digest in known_hashes:
+                return Outcome(path, "skipped", None, digest, error="already ingested (same content)",
+                               seconds=time.perf_counter() - t0)
         try:
             fmt = sn.sniff(path)
         except IngestError:
@@ -105,10 +106,18 @@ def run(path: Path, explicit: bool, known_hashes: frozenset[str],
                 raise IngestError(f"{path}: not a recognized trace format (Kineto JSON, flight-recorder "
                                   "dump, memory snapshot or op-table parquet)")
             return Outcome(path, "ignored", fmt, digest)
-        if fmt == sn.OPTABLE:
-            parsed = _optable(path, optable_reader or _default_optable_reader)
+        if fmt == sn.KINETO:
+            from tracekit.ingest import kineto
+
+            hasher = hashlib.sha256()
+            parsed = kineto.parse(path, con, ns, hasher)
+            digest = digest or hasher.hexdigest()
         else:
-            parsed = parse_path(path, fmt)
+            digest = digest or content_hash(path)
+            if fmt == sn.OPTABLE:
+                parsed = _optable(path, optable_reader or _default_optable_reader)
+            else:
+                parsed = parse_path(path, fmt)
         return Outcome(path, "ok", parsed.format, digest, parsed, seconds=time.perf_counter() - t0)
     except (IngestError, pickle.UnpicklingError) as e:  # includes UnsafePickleError
         err = str(e)
@@ -116,4 +125,9 @@ def run(path: Path, explicit: bool, known_hashes: frozenset[str],
         err = f"{path}: out of memory while parsing"
     except Exception as e:  # noqa: BLE001 - a parser bug must not take the other files down
         err = f"{path}: unexpected {type(e).__name__} while parsing: {e}"
+    if digest is None and path.is_file():
+        try:
+            digest = content_hash(path)
+        except OSError:
+            pass
     return Outcome(path, "failed", fmt, digest, error=err, seconds=time.perf_counter() - t0)

@@ -1,53 +1,45 @@
-"""Ingest orchestration: parallel parsing, one transaction per file, a log of what happened.
+"""Ingest orchestration: parallel parsing, atomic commits, a log of what happened.
 
-Workers (a process pool) hash, sniff and parse files into Arrow tables; this process, the store's
-only writer, commits each file atomically (its rows, its groups and its ``ingest_log`` row, or
-nothing). A failure is logged with its reason and the other files still go in. Re-ingesting
-content already in a run is skipped (content hash); a second file claiming a rank that another file
-of the same format already holds is refused; ranks missing from a run are reported. After the
-files, each touched run's ``runs``, ``ranks`` and ``groups.dim`` are recomputed from the store.
+Worker threads hash, sniff and parse files, each on its own connection to the store's database:
+a Kineto trace's rows stay in DuckDB, in tables of a scratch schema (``_tk_scratch.j<N>``, an
+attached in-memory database), other formats come back as Arrow tables. DuckDB works outside the
+GIL, so the threads use every core with no processes to start and no results to copy. This
+thread, the store's only writer, commits the parsed files (commit.py) while the workers parse the
+next ones: a few files per transaction, enough rows for DuckDB to write them straight into the
+store file rather than through its write-ahead log. A transaction holds whole files, so each file
+is in the store entirely or not at all; if a batch's write fails, its files are redone one per
+transaction so that only the bad one fails. A bad file is logged with its reason and the others
+still go in. Re-ingesting content already in a run is skipped (content hash); a second file
+claiming a rank that another file of the same format already holds is refused; ranks missing
+from a run are reported. After the files, each touched run's ``runs``, ``ranks`` and
+``groups.dim`` are recomputed from the store.
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import itertools
 import os
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
 import duckdb
-import pyarrow as pa
 
-from tracekit import schema, store
+from tracekit import store
+from tracekit.ingest import commit, rundir, topo
 from tracekit.ingest import parse as parse_mod
-from tracekit.ingest import rundir, topo
-from tracekit.ingest.common import IngestError, Parsed
+from tracekit.ingest.commit import FileResult
 
-POOL_MIN_BYTES = 32 << 20  # below this, starting worker processes costs more than it saves
+__all__ = ["FileResult", "IngestReport", "ingest"]
+
 Progress = Callable[[int, int, Path, str], None]  # (done, total, path, status)
-
-# What a re-ingest of a changed file replaces, per format: table -> extra row filter.
-OWNED: dict[str, dict[str, str]] = {
-    "kineto": {"events": "", "steps": "", "collectives": "AND source IN ('kernel', 'annotation', 'gloo')",
-               "p2p": "AND source IN ('kernel', 'annotation', 'gloo')"},
-    "fr": {"fr_entries": "", "collectives": "AND source = 'fr'", "p2p": "AND source = 'fr'"},
-    "memory": {"memory_events": "", "memory_segments": ""},
-}
-
-
-@dataclass
-class FileResult:
-    path: Path
-    run_id: str
-    format: str | None
-    rank: int | None
-    status: str  # ok | failed | skipped
-    error: str | None
-    rows: int
-    seconds: float
+SCRATCH = "_tk_scratch"
+# A transaction commits once it holds this many rows (DuckDB writes appends of two or more row
+# groups, 122880 rows each, straight to the file) or this many files (bounded memory, steady progress).
+BATCH_ROWS = 250_000
+BATCH_FILES = 8
+MEMORY_PER_WORKER_MB = 128
 
 
 @dataclass
@@ -74,23 +66,54 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
            optable_reader: parse_mod.OptableReader | None = None) -> IngestReport:
     """Ingest files and run directories into the store at ``store_path``; never raises for bad files."""
     jobs = rundir.collect([Path(p) for p in paths], run_id)
+    n_workers = max(1, workers or min(len(jobs), os.cpu_count() or 1))
     con = store.connect(store_path)
     report = IngestReport()
     try:
+        # Parallelism comes from the worker threads, each query on its own thread. (With DuckDB's
+        # own threads as well, a batch's appends were not written straight to the file: the final
+        # checkpoint then compressed them again, +0.1 CPU-s per 150k-event trace.)
+        con.execute("SET threads = 1")
+        # Bounded memory: DuckDB keeps what it wrote cached and the scratch tables in memory only
+        # up to this, then evicts or spills (to <store>.tmp). Each reading thread also holds about
+        # 64 MiB of JSON buffers that cannot be spilled.
+        con.execute(f"SET memory_limit = '{MEMORY_PER_WORKER_MB * (n_workers + 1)}MB'")
+        con.execute(f"ATTACH ':memory:' AS {SCRATCH}")
         known: dict[str, set[str]] = {}
         for rid, h in con.execute("SELECT run_id, content_hash FROM ingest_log WHERE status = 'ok'").fetchall():
             known.setdefault(rid, set()).add(h)
-        batch: dict[str, topo.RunBatch] = {}
-        for done, (job, out) in enumerate(_outcomes(jobs, known, workers, optable_reader), 1):
-            rb = batch.setdefault(job.run_id, topo.RunBatch(job.run_id, job.manifest))
-            res = _commit(con, job, out, rb)
-            if res is not None:
-                report.files.append(res)
-                if res.status == "ok":
-                    known.setdefault(job.run_id, set()).add(out.content_hash or "")
-            if progress is not None:
-                progress(done, len(jobs), job.path, res.status if res else "ignored")
-        for rid, rb in batch.items():
+        stored = {rid: frozenset(hs) for rid, hs in known.items()}  # workers skip these unread
+        runs: dict[str, topo.RunBatch] = {}
+        batch: list[tuple[rundir.Job, str, parse_mod.Outcome]] = []
+        done = 0
+
+        def flush() -> None:
+            nonlocal done
+            for (job, ns, out), applied in zip(batch, _commit_batch(con, [(j, o) for j, _, o in batch])):
+                con.execute(f"DROP SCHEMA IF EXISTS {ns} CASCADE")
+                rb = runs.setdefault(job.run_id, topo.RunBatch(job.run_id, job.manifest))
+                res = applied.result
+                if res is not None:
+                    report.files.append(res)
+                    if res.status == "skipped":
+                        rb.touched = True  # the run's tables are recomputed; its content is in the store
+                    elif res.status == "ok" and applied.parsed is not None:
+                        rb.note(applied.parsed, res.rank)
+                        known.setdefault(job.run_id, set()).add(out.content_hash or "")
+                done += 1
+                if progress is not None:
+                    progress(done, len(jobs), job.path, res.status if res else "ignored")
+            batch.clear()
+
+        rows = 0
+        for job, ns, out in _outcomes(con, jobs, stored, n_workers, optable_reader):
+            batch.append((job, ns, _unless_known(job, out, known, batch)))
+            rows += out.parsed.rows if out.parsed is not None else 0
+            if rows >= BATCH_ROWS or len(batch) >= BATCH_FILES:
+                flush()
+                rows = 0
+        flush()
+        for rid, rb in runs.items():
             if rb.touched:
                 report.missing.update(topo.finalize(con, rb))
                 report.runs.append(rid)
@@ -99,134 +122,70 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
     return report
 
 
-def _outcomes(jobs: list[rundir.Job], known: dict[str, set[str]], workers: int | None,
-              reader: parse_mod.OptableReader | None) -> Iterator[tuple[rundir.Job, parse_mod.Outcome]]:
-    """Parse results in completion order, at most ``2 * workers`` in flight (bounded memory)."""
-    n = workers or min(len(jobs), os.cpu_count() or 1)
-
-    def args(j: rundir.Job) -> tuple:
-        return (j.path, j.explicit, frozenset(known.get(j.run_id, ())), reader)
-
-    small = sum(j.path.stat().st_size for j in jobs if j.path.is_file()) < POOL_MIN_BYTES
-    if n <= 1 or len(jobs) <= 1 or (workers is None and small):
-        for j in jobs:
-            yield j, parse_mod.run(*args(j))
-        return
-    ctx = multiprocessing.get_context("spawn")  # never fork a process holding a DuckDB connection
-    left = list(jobs)
-    try:
-        with ProcessPoolExecutor(max_workers=n, mp_context=ctx) as pool:
-            pending: dict[Future, rundir.Job] = {}
-            queue = iter(jobs)
-            for j in queue:
-                pending[pool.submit(parse_mod.run, *args(j))] = j
-                if len(pending) >= 2 * n:
-                    break
-            while pending:
-                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for fut in finished:
-                    j = pending.pop(fut)
-                    out = fut.result()
-                    nxt = next(queue, None)
-                    if nxt is not None:
-                        pending[pool.submit(parse_mod.run, *args(nxt))] = nxt
-                    left.remove(j)
-                    yield j, out
-    except BrokenProcessPool:
-        # A worker died (killed for memory, crashed): parse what is left here, one at a time.
-        for j in left:
-            yield j, parse_mod.run(*args(j))
+def _unless_known(job: rundir.Job, out: parse_mod.Outcome, known: dict[str, set[str]],
+                  batch: list[tuple[rundir.Job, str, parse_mod.Outcome]]) -> parse_mod.Outcome:
+    """``out``, or 'skipped' when the same content of the same run is in the store or in the batch."""
+    if out.status != "ok":
+        return out
+    dup = out.content_hash in known.get(job.run_id, ()) or any(
+        o.status == "ok" and (j.run_id, o.content_hash) == (job.run_id, out.content_hash) for j, _, o in batch)
+    if not dup:
+        return out
+    return parse_mod.Outcome(out.path, "skipped", None, out.content_hash, error="already ingested (same content)",
+                             seconds=out.seconds)
 
 
-def _log(con: duckdb.DuckDBPyConnection, run_id: str, path: Path, fmt: str | None, rank: int | None,
-         digest: str | None, status: str, error: str | None, rows: int, seconds: float) -> None:
-    con.execute("INSERT INTO ingest_log VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, now())",
-                [run_id, str(path), fmt, rank, digest, status, error, rows, seconds])
-
-
-def _commit(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcome,
-            rb: topo.RunBatch) -> FileResult | None:
-    if out.status == "ignored":
-        return None
-    if out.status == "skipped":
-        rb.touched = True  # the run's tables are recomputed; its content is already in the store
-        prev = con.execute("SELECT format, rank FROM ingest_log WHERE run_id = ? AND content_hash = ? "
-                           "AND status = 'ok' LIMIT 1", [job.run_id, out.content_hash]).fetchall()
-        fmt, rank = prev[0] if prev else (None, None)
-        _log(con, job.run_id, job.path, fmt, rank, out.content_hash, "skipped", out.error, 0, out.seconds)
-        return FileResult(job.path, job.run_id, fmt, rank, "skipped", out.error, 0, out.seconds)
-    rank = None
-    try:
-        if out.status != "ok":
-            raise IngestError(out.error or f"{job.path}: failed")
-        parsed = out.parsed
-        assert parsed is not None
-        rank = None if parsed.multi_rank else _resolve_rank(parsed, job)
-        replace = _check_duplicate(con, job, parsed.format, rank)
+def _commit_batch(con: duckdb.DuckDBPyConnection,
+                  items: list[tuple[rundir.Job, parse_mod.Outcome]]) -> list[commit.Applied]:
+    if len(items) > 1:
         con.execute("BEGIN TRANSACTION")
         try:
-            if replace:
-                for t, extra in OWNED[parsed.format].items():
-                    con.execute(f"DELETE FROM {t} WHERE run_id = ? AND rank = ? {extra}", [job.run_id, rank])
-                con.execute("DELETE FROM ingest_log WHERE run_id = ? AND path = ? AND status = 'ok'",
-                            [job.run_id, str(job.path)])
-            if parsed.multi_rank:
-                for t in parsed.tables:
-                    con.execute(f"DELETE FROM {t} WHERE run_id = ?", [job.run_id])
-            for t, tbl in parsed.tables.items():
-                _insert(con, t, tbl, job.run_id, rank)
-            topo.add_groups(con, job.run_id, parsed.groups)
-            _log(con, job.run_id, job.path, parsed.format, rank, out.content_hash, "ok", None,
-                 parsed.rows, out.seconds)
+            applied = [commit.apply(con, job, out) for job, out in items]
             con.execute("COMMIT")
-        except BaseException:
-            con.execute("ROLLBACK")
-            raise
-        rb.note(parsed, rank)
-        return FileResult(job.path, job.run_id, parsed.format, rank, "ok", None, parsed.rows, out.seconds)
-    except (IngestError, duckdb.Error, pa.ArrowException) as e:
-        msg = str(e) if isinstance(e, IngestError) else f"{job.path}: store write failed ({e})"
-        _log(con, job.run_id, job.path, out.format, rank, out.content_hash, "failed", msg, 0, out.seconds)
-        return FileResult(job.path, job.run_id, out.format, rank, "failed", msg, 0, out.seconds)
+            return applied
+        except (commit.StoreWriteError, duckdb.Error):
+            commit.rollback(con)  # and again one file at a time, so that only the bad one fails
+    return [commit.apply_alone(con, job, out) for job, out in items]
 
 
-def _insert(con: duckdb.DuckDBPyConnection, table: str, tbl: pa.Table, run_id: str, rank: int | None) -> None:
-    if table not in schema.TABLES:
-        raise IngestError(f"parser produced unknown table {table!r}")
-    cols = [c for c in schema.columns(table) if c in tbl.column_names]
-    fill = ["run_id"] + (["rank"] if "rank" in schema.columns(table) and "rank" not in tbl.column_names else [])
-    con.register("_tk_incoming", tbl)
-    try:
-        select = ", ".join(["?"] * len(fill) + [f'"{c}"' for c in cols])
-        params = [run_id] + ([rank] if len(fill) == 2 else [])
-        con.execute(f"INSERT INTO {table} ({', '.join(fill + cols)}) SELECT {select} FROM _tk_incoming", params)
-    finally:
-        con.unregister("_tk_incoming")
+def _outcomes(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], known: dict[str, frozenset[str]],
+              n: int, reader: parse_mod.OptableReader | None
+              ) -> Iterator[tuple[rundir.Job, str, parse_mod.Outcome]]:
+    """(job, its scratch schema, its outcome) in completion order; at most ``workers + 1`` files
+    in the workers' hands at a time (bounded memory)."""
+    ids = itertools.count()
 
+    def parse(j: rundir.Job, cur: duckdb.DuckDBPyConnection, ns: str) -> parse_mod.Outcome:
+        try:
+            cur.execute(f"CREATE SCHEMA {ns}")
+            return parse_mod.run(j.path, j.explicit, known.get(j.run_id, frozenset()), cur, ns, reader)
+        finally:
+            cur.close()
 
-def _resolve_rank(parsed: Parsed, job: rundir.Job) -> int:
-    """distributedInfo, else the manifest (by pid), else the file name, in that order."""
-    if parsed.rank is not None:
-        return parsed.rank
-    if job.manifest is not None:
-        for pid in parsed.pids:
-            if pid in job.manifest.pid_rank:
-                return job.manifest.pid_rank[pid]
-    r = rundir.rank_from_name(job.path)
-    if r is None:
-        raise IngestError(f"{job.path}: cannot tell which rank this {parsed.format} file belongs to "
-                          "(no distributedInfo, no manifest pid, no rank in the file name)")
-    return r
+    def start(j: rundir.Job) -> tuple[duckdb.DuckDBPyConnection, str]:
+        return con.cursor(), f"{SCRATCH}.j{next(ids)}"
 
-
-def _check_duplicate(con: duckdb.DuckDBPyConnection, job: rundir.Job, fmt: str, rank: int | None) -> bool:
-    """True if this path replaces its own earlier version; raises if another file holds the rank."""
-    if rank is None:
-        return False
-    rows = con.execute("SELECT DISTINCT path FROM ingest_log WHERE run_id = ? AND format = ? AND rank = ? "
-                       "AND status = 'ok'", [job.run_id, fmt, rank]).fetchall()
-    others = [p for (p,) in rows if p != str(job.path)]
-    if others:
-        raise IngestError(f"{job.path}: duplicate rank {rank} in run {job.run_id!r}: "
-                          f"{fmt} data for it was already ingested from {others[0]}")
-    return bool(rows)
+    if n == 1 or len(jobs) <= 1:
+        for j in jobs:
+            cur, ns = start(j)
+            yield j, ns, parse(j, cur, ns)
+        return
+    queue = iter(jobs)
+    pending: dict[Future, tuple[rundir.Job, str, duckdb.DuckDBPyConnection]] = {}
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="tk-ingest") as pool:
+        try:
+            while True:
+                while len(pending) <= n and (j := next(queue, None)) is not None:
+                    cur, ns = start(j)
+                    pending[pool.submit(parse, j, cur, ns)] = (j, ns, cur)
+                if not pending:
+                    return
+                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    j, ns, _ = pending.pop(fut)
+                    yield j, ns, fut.result()
+        finally:  # the consumer stopped early: let the running parses end, close the unstarted
+            for fut, (_, _, cur) in pending.items():
+                if fut.cancel():
+                    cur.close()
+            wait(pending)

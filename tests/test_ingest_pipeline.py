@@ -1,0 +1,88 @@
+"""The ingest pipeline's own guarantees: content hashes taken while streaming, duplicates within one
+ingest, batched commits that fall back to one file per transaction, and threads changing nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import sys
+from pathlib import Path
+
+import duckdb
+import pytest
+
+import tracekit
+from tracekit.ingest import commit, pipeline
+from tracekit.ingest.pipeline import ingest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _traces import nccl_trace, write_trace  # noqa: E402
+
+TABLES = ("events", "steps", "collectives", "p2p", "groups")
+
+
+def _run(tmp: Path, ranks: int = 3, gz: bool = True) -> Path:
+    for r in range(ranks):
+        write_trace(tmp / "run" / f"rank{r}.json{'.gz' if gz else ''}", nccl_trace(r, world=ranks), gz=gz)
+    return tmp / "run"
+
+
+def _dump(db: Path) -> dict[str, list]:
+    with tracekit.open(db) as s:
+        return {t: s.sql(f"SELECT * EXCLUDE (run_id) FROM {t} ORDER BY ALL").rows() for t in TABLES}
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_content_hash_is_the_file_sha256(tmp_path: Path, gz: bool) -> None:
+    run = _run(tmp_path, ranks=2, gz=gz)
+    ingest([run], tmp_path / "s.duckdb")
+    with tracekit.open(tmp_path / "s.duckdb") as s:
+        logged = dict(s.sql("SELECT path, content_hash FROM ingest_log WHERE status = 'ok'").rows())
+    assert logged == {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in run.iterdir()}
+
+
+def test_same_content_twice_in_one_ingest_is_skipped(tmp_path: Path) -> None:
+    run = _run(tmp_path, ranks=2)
+    shutil.copy(run / "rank1.json.gz", run / "rank1_copy.json.gz")
+    rep = ingest([run], tmp_path / "s.duckdb", workers=2)
+    status = {f.path.name: f.status for f in rep.files}
+    assert status["rank0.json.gz"] == "ok"
+    assert sorted([status["rank1.json.gz"], status["rank1_copy.json.gz"]]) == ["ok", "skipped"]
+    with tracekit.open(tmp_path / "s.duckdb") as s:
+        assert s.sql("SELECT count(*) FROM events WHERE rank = 1").item() == 2 * 7
+
+
+def test_failed_batch_write_is_redone_file_by_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """All three files share a transaction; the store write of rank 1 fails, so the batch is rolled
+    back and redone one file per transaction: ranks 0 and 2 go in, rank 1 is logged as failed."""
+    run = _run(tmp_path)
+    monkeypatch.setattr(pipeline, "BATCH_ROWS", 10**9)
+    real = commit._insert
+    calls: list[tuple[str, int | None]] = []
+
+    def insert(con, table, src, run_id, rank):  # type: ignore[no-untyped-def]
+        calls.append((table, rank))
+        if rank == 1 and table == "collectives":
+            raise duckdb.IOException("disk full (injected)")
+        real(con, table, src, run_id, rank)
+
+    monkeypatch.setattr(commit, "_insert", insert)
+    rep = ingest([run], tmp_path / "s.duckdb", workers=1)
+    assert {(f.rank, f.status) for f in rep.files} == {(0, "ok"), (1, "failed"), (2, "ok")}
+    (bad,) = rep.failed
+    assert str(run / "rank1.json.gz") in bad.error and "disk full (injected)" in bad.error
+    assert calls.count(("events", 0)) == 2  # once in the batch, once alone
+    with tracekit.open(tmp_path / "s.duckdb") as s:
+        per_rank = s.sql("SELECT rank, count(*) FROM events GROUP BY rank ORDER BY rank").rows()
+        log = s.sql("SELECT rank, status FROM ingest_log WHERE path IS NOT NULL ORDER BY rank").rows()
+    assert per_rank == [(0, 14), (2, 14)]  # nothing of rank 1, not even its events
+    assert log == [(0, "ok"), (1, "failed"), (2, "ok")]
+
+
+def test_threads_and_batches_change_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = _run(tmp_path, ranks=4)
+    ingest([run], tmp_path / "one.duckdb", workers=1)
+    monkeypatch.setattr(pipeline, "BATCH_FILES", 1)
+    ingest([run], tmp_path / "threads.duckdb", workers=2)
+    one, threads = _dump(tmp_path / "one.duckdb"), _dump(tmp_path / "threads.duckdb")
+    assert one == threads and len(one["events"]) == 4 * 14 and len(one["collectives"]) == 4 * 2

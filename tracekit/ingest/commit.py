@@ -1,0 +1,181 @@
+"""Writing one parsed file into the store: its rows, its groups and its ``ingest_log`` row.
+
+``apply`` does the checks (which rank, is it a duplicate, does the file replace its own earlier
+version) before writing anything, so a file that fails them leaves only its ``failed`` log row; it
+runs inside the caller's transaction (several files may share one, pipeline.py). ``apply_alone``
+wraps one file in its own transaction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+from tracekit import schema
+from tracekit.ingest import parse as parse_mod
+from tracekit.ingest import rundir, topo
+from tracekit.ingest.common import IngestError, Parsed, Query
+
+# What a re-ingest of a changed file replaces, per format: table -> extra row filter.
+OWNED: dict[str, dict[str, str]] = {
+    "kineto": {"events": "", "steps": "", "collectives": "AND source IN ('kernel', 'annotation', 'gloo')",
+               "p2p": "AND source IN ('kernel', 'annotation', 'gloo')"},
+    "fr": {"fr_entries": "", "collectives": "AND source = 'fr'", "p2p": "AND source = 'fr'"},
+    "memory": {"memory_events": "", "memory_segments": ""},
+}
+
+
+@dataclass
+class FileResult:
+    path: Path
+    run_id: str
+    format: str | None
+    rank: int | None
+    status: str  # ok | failed | skipped
+    error: str | None
+    rows: int
+    seconds: float
+
+
+class StoreWriteError(Exception):
+    """Writing a file's rows failed in DuckDB; the enclosing transaction can only be rolled back."""
+
+    def __init__(self, message: str, rank: int | None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+@dataclass
+class Applied:
+    """What ``apply`` did with one file: its result, and for an ingested file what was parsed."""
+
+    result: FileResult | None  # None: the file was passed over (not a trace)
+    parsed: Parsed | None = None
+
+
+def _log(con: duckdb.DuckDBPyConnection, run_id: str, path: Path, fmt: str | None, rank: int | None,
+         digest: str | None, status: str, error: str | None, rows: int, seconds: float) -> None:
+    con.execute("INSERT INTO ingest_log VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, now())",
+                [run_id, str(path), fmt, rank, digest, status, error, rows, seconds])
+
+
+def failed(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcome, msg: str,
+           rank: int | None = None) -> Applied:
+    _log(con, job.run_id, job.path, out.format, rank, out.content_hash, "failed", msg, 0, out.seconds)
+    return Applied(FileResult(job.path, job.run_id, out.format, rank, "failed", msg, 0, out.seconds))
+
+
+def apply(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcome) -> Applied:
+    """Write one file's outcome. Raises StoreWriteError only for a failed store write, which leaves
+    the caller's transaction unusable; a bad file is logged and returned as failed."""
+    if out.status == "ignored":
+        return Applied(None)
+    if out.status == "skipped":
+        prev = con.execute("SELECT format, rank FROM ingest_log WHERE run_id = ? AND content_hash = ? "
+                           "AND status = 'ok' LIMIT 1", [job.run_id, out.content_hash]).fetchall()
+        fmt, rank = prev[0] if prev else (None, None)
+        _log(con, job.run_id, job.path, fmt, rank, out.content_hash, "skipped", out.error, 0, out.seconds)
+        return Applied(FileResult(job.path, job.run_id, fmt, rank, "skipped", out.error, 0, out.seconds))
+    if out.status != "ok" or out.parsed is None:
+        return failed(con, job, out, out.error or f"{job.path}: failed")
+    parsed, rank = out.parsed, None
+    try:
+        unknown = [t for t in parsed.tables if t not in schema.TABLES]
+        if unknown:
+            raise IngestError(f"{job.path}: parser produced unknown table {unknown[0]!r}")
+        rank = None if parsed.multi_rank else _resolve_rank(parsed, job)
+        replace = _check_duplicate(con, job, parsed.format, rank)
+    except IngestError as e:
+        return failed(con, job, out, str(e), rank)
+    try:
+        if replace:
+            for t, extra in OWNED[parsed.format].items():
+                con.execute(f"DELETE FROM {t} WHERE run_id = ? AND rank = ? {extra}", [job.run_id, rank])
+            con.execute("DELETE FROM ingest_log WHERE run_id = ? AND path = ? AND status = 'ok'",
+                        [job.run_id, str(job.path)])
+        if parsed.multi_rank:
+            for t in parsed.tables:
+                con.execute(f"DELETE FROM {t} WHERE run_id = ?", [job.run_id])
+        for t, tbl in parsed.tables.items():
+            _insert(con, t, tbl, job.run_id, rank)
+        topo.add_groups(con, job.run_id, parsed.groups)
+        _log(con, job.run_id, job.path, parsed.format, rank, out.content_hash, "ok", None, parsed.rows,
+             out.seconds)
+    except (duckdb.Error, pa.ArrowException) as e:
+        raise StoreWriteError(f"{job.path}: store write failed ({e})", rank) from e
+    return Applied(FileResult(job.path, job.run_id, parsed.format, rank, "ok", None, parsed.rows, out.seconds),
+                   parsed)
+
+
+def apply_alone(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcome) -> Applied:
+    """``apply`` in a transaction of its own; a failed store write is logged as the file's failure."""
+    con.execute("BEGIN TRANSACTION")
+    try:
+        done = apply(con, job, out)
+        con.execute("COMMIT")
+        return done
+    except StoreWriteError as e:
+        rollback(con)
+        return failed(con, job, out, str(e), e.rank)
+    except duckdb.Error as e:  # the COMMIT itself
+        rollback(con)
+        return failed(con, job, out, f"{job.path}: store write failed ({e})")
+
+
+def rollback(con: duckdb.DuckDBPyConnection) -> None:
+    try:
+        con.execute("ROLLBACK")
+    except duckdb.Error:
+        pass  # a failed COMMIT has already rolled back
+
+
+def _insert(con: duckdb.DuckDBPyConnection, table: str, src: pa.Table | Query, run_id: str,
+            rank: int | None) -> None:
+    """Append a parsed table (Arrow, or a Query over the parse's scratch tables) with run and rank."""
+    have = src.columns if isinstance(src, Query) else src.column_names
+    cols = [c for c in schema.columns(table) if c in have]
+    fill = ["run_id"] + (["rank"] if "rank" in schema.columns(table) and "rank" not in have else [])
+    select = ", ".join([f"${c}" for c in fill] + [f'"{c}"' for c in cols])
+    params = {"run_id": run_id}
+    if "rank" in fill or (isinstance(src, Query) and "$rank" in src.sql):
+        params["rank"] = rank
+    into = f"INSERT INTO main.{table} ({', '.join(fill + cols)})"
+    if isinstance(src, Query):
+        con.execute(f"{into} SELECT {select} FROM ({src.sql})", params)
+        return
+    con.register("_tk_incoming", src)
+    try:
+        con.execute(f"{into} SELECT {select} FROM _tk_incoming", params)
+    finally:
+        con.unregister("_tk_incoming")
+
+
+def _resolve_rank(parsed: Parsed, job: rundir.Job) -> int:
+    """distributedInfo, else the manifest (by pid), else the file name, in that order."""
+    if parsed.rank is not None:
+        return parsed.rank
+    if job.manifest is not None:
+        for pid in parsed.pids:
+            if pid in job.manifest.pid_rank:
+                return job.manifest.pid_rank[pid]
+    r = rundir.rank_from_name(job.path)
+    if r is None:
+        raise IngestError(f"{job.path}: cannot tell which rank this {parsed.format} file belongs to "
+                          "(no distributedInfo, no manifest pid, no rank in the file name)")
+    return r
+
+
+def _check_duplicate(con: duckdb.DuckDBPyConnection, job: rundir.Job, fmt: str, rank: int | None) -> bool:
+    """True if this path replaces its own earlier version; raises if another file holds the rank."""
+    if rank is None:
+        return False
+    rows = con.execute("SELECT DISTINCT path FROM ingest_log WHERE run_id = ? AND format = ? AND rank = ? "
+                       "AND status = 'ok'", [job.run_id, fmt, rank]).fetchall()
+    others = [p for (p,) in rows if p != str(job.path)]
+    if others:
+        raise IngestError(f"{job.path}: duplicate rank {rank} in run {job.run_id!r}: "
+                          f"{fmt} data for it was already ingested from {others[0]}")
+    return bool(rows)
