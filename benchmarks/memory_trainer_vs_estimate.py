@@ -26,7 +26,7 @@ from reference_trainer.config import TrainConfig
 from reference_trainer.launch import write_manifest
 from reference_trainer.train import Trainer
 from tracekit.analysis.memory import analyse
-from tracekit.memory_trainer import trainer_estimate
+from tracekit.memory.trainer import trainer_estimate
 
 CONFIGS = [
     dict(seq_len=128, compute_dtype="fp32"),

@@ -3,7 +3,7 @@
 One spawned world of 8 gloo ranks builds the trainer for three configs (TP/CP/PP/DP mixes, virtual
 stages, uneven layer splits, bf16/fp32 compute and accumulation, ZeRO-1/2, a bucket that needs
 padding), runs one optimizer step, and reports the bytes of every parameter and optimizer tensor.
-``tracekit.memory_trainer.trainer_estimate`` sees only the manifest the trainer writes and must
+``tracekit.memory.trainer.trainer_estimate`` sees only the manifest the trainer writes and must
 match them exactly. Then every rank profiles one step of a 1F1B run (tp 2, pp 2, dp 2, 4
 micro-batches) with ``profile_memory=True``; its Kineto ``[memory]`` events (converted to
 memory_events rows here) go through tracekit.analysis.memory, and the measured activation peak must
@@ -33,8 +33,8 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import polars as pl  # noqa: E402
 from tracekit.analysis.memory import analyse, imbalance  # noqa: E402
-from tracekit.llama_dims import EstimateError  # noqa: E402
-from tracekit.memory_trainer import trainer_estimate, trainer_state  # noqa: E402
+from tracekit.memory.llama_dims import EstimateError  # noqa: E402
+from tracekit.memory.trainer import trainer_estimate, trainer_state  # noqa: E402
 
 WORLD = 8
 CONFIGS = {

@@ -300,7 +300,7 @@ def imbalance(peak: pl.DataFrame, layout: Layout) -> pl.DataFrame:
     ).sort(KEY)
 
 
-# Snapshot categories (torch's memory profiler names) -> estimator components (memory_estimate).
+# Snapshot categories (torch's memory profiler names) -> estimator components (tracekit.memory.estimate).
 CATEGORY_COMPONENT = {
     "parameter": "weights", "gradient": "gradients", "optimizer_state": "optimizer",
     "activation": "activations", "autograd_detail": "activations", "input": "activations",
