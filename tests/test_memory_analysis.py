@@ -270,7 +270,7 @@ def test_bad_rows_raise_clear_errors():
 
 
 def test_compare_with_estimate_by_component(run):
-    from tracekit.analysis.memory import compare_with_estimate
+    from tracekit.memory.compare import compare_with_estimate
     from tracekit.memory.estimate import MemoryEstimate
 
     _, truths, events = run
