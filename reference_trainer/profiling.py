@@ -16,8 +16,10 @@
   allocated in a ``fwd`` compute span and alive after it are ``activation``, freed within the
   span they were allocated in ``temporary``, otherwise ``unknown``. The state is read when the
   recording starts and when it ends, so that the segments are the allocator's state at the end of
-  the trace (as ``_dump_snapshot``'s are), and a state buffer allocated before the trace and freed
-  in it (last step's reduced gradient shard) keeps its category on its free entries.
+  the trace (as ``_dump_snapshot``'s are). The CPU profiler reports no free of a block allocated
+  before it started: a state buffer of the start that is gone by the end (last step's reduced
+  gradient shard) gets its free entries, with its category, where its address is next allocated,
+  or else at the end of the trace.
 """
 
 from __future__ import annotations
@@ -111,28 +113,48 @@ def snapshot_from_trace(trace: dict[str, Any], state: dict[int, tuple[int, str]]
                 return lo, hi
         return None
 
+    before = state_before or {}
+    seen: set[int] = set()
     live: dict[int, dict[str, Any]] = {}
     trace_out: list[dict[str, Any]] = []
+
+    def freed_unseen(addr: int, ts_us: int) -> None:
+        # the CPU profiler reports no free of a block allocated before it started: a state buffer
+        # from before the recording (last step's reduced shard) is freed where its address is
+        # reused, or else by the end
+        size, cat = before[addr]
+        for action in ("free_requested", "free_completed"):
+            trace_out.append({"action": action, "addr": addr, "size": size, "stream": 0, "time_us": ts_us,
+                              "frames": [], "category": cat})
+
     for e in mem:
         addr, nbytes, ts = int(e["args"]["Addr"]), int(e["args"]["Bytes"]), float(e["ts"])
+        if addr not in seen:
+            seen.add(addr)
+            if nbytes > 0 and addr in before:
+                freed_unseen(addr, int(ts + base_us))
         if nbytes > 0:
-            cat = state[addr][1] if addr in state else "unknown"
             r = {"action": "alloc", "addr": addr, "size": nbytes, "stream": 0, "time_us": int(ts + base_us),
-                 "frames": [], "category": cat, "_span": span_of(ts)}
+                 "frames": [], "category": "unknown", "_span": span_of(ts)}
             live[addr] = r
             trace_out.append(r)
         else:
             a = live.pop(addr, None)
             size = a["size"] if a else -nbytes
-            before = (state_before or {}).get(addr) if a is None else None
+            cat = {"category": before[addr][1]} if a is None and addr in before else {}
             for action in ("free_requested", "free_completed"):
                 trace_out.append({"action": action, "addr": addr, "size": size, "stream": 0,
-                                  "time_us": int(ts + base_us), "frames": [],
-                                  **({"category": before[1]} if before else {})})
-            if a is not None and a["category"] == "unknown" and a["_span"] is not None:
+                                  "time_us": int(ts + base_us), "frames": [], **cat})
+            if a is not None and a["_span"] is not None:
                 a["category"] = "temporary" if ts <= a["_span"][1] else "activation"
-    for r in live.values():
-        if r["category"] == "unknown" and r["_span"] is not None:
+    end_us = trace_out[-1]["time_us"] if trace_out else int(base_us)
+    for addr in before:
+        if addr not in seen and addr not in state:
+            freed_unseen(addr, end_us)
+    for addr, r in live.items():  # still allocated at the end: a state buffer by its address
+        if addr in state:
+            r["category"] = state[addr][1]
+        elif r["_span"] is not None:
             r["category"] = "activation"
     for r in trace_out:
         r.pop("_span", None)
