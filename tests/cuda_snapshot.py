@@ -43,8 +43,9 @@ ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segmen
 
 def cuda_snapshot(entries: int, depth: int = 40, seed: int = 0) -> tuple[dict, dict]:
     """(snapshot dict, truth) with about ``entries`` trace entries on device 0. ``truth`` holds what
-    an analysis must find: the peak allocated bytes and its entry index, and the bytes of blocks
-    allocated before the trace and still allocated at its end."""
+    an analysis must find: the peak allocated bytes and its entry index, the bytes allocated when
+    the trace began (``baseline``), of those the bytes still allocated at its end (``pre_live``),
+    and the bytes allocated at the end."""
     rng = random.Random(seed)
     k = {name: "".join(name) for name in KEYS}  # one str object per key, as torch's py::str locals
     act = {a: "".join(a) for a in ACTIONS}
@@ -96,7 +97,7 @@ def cuda_snapshot(entries: int, depth: int = 40, seed: int = 0) -> tuple[dict, d
     pre = {base - (1 << 30) + i * (1 << 24): (rng.randrange(1, 64) * (1 << 20), traceback(4))
            for i in range(8)}
     freed_pre = next(iter(pre))
-    cur = peak = sum(s for s, _ in pre.values())
+    cur = peak = baseline = sum(s for s, _ in pre.values())
     peak_at = -1  # before the first entry
     entry("free_requested", freed_pre, pre[freed_pre][0], traceback(SITES))
     entry("free_completed", freed_pre, pre[freed_pre][0], pre[freed_pre][1])
@@ -136,6 +137,6 @@ def cuda_snapshot(entries: int, depth: int = 40, seed: int = 0) -> tuple[dict, d
                          k["blocks"]: [block], k["frames"]: empty_frames})
     snap = {"segments": segments, "device_traces": [trace],
             "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1}}
-    truth = {"peak": peak, "peak_at": peak_at, "entries": len(trace),
+    truth = {"peak": peak, "peak_at": peak_at, "entries": len(trace), "baseline": baseline,
              "pre_live": sum(s for s, _ in pre.values()), "live_at_end": cur}
     return snap, truth

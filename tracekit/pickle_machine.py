@@ -72,6 +72,7 @@ def build(reader: _Reader, last: array, watch: dict[tuple, OnItems], batch: int)
     watched: list | None = None  # the frame whose items go to a callback: where, and to which list
     on_items: OnItems | None = None
     target: list | None = None
+    flushed = False  # items of the watched frame already given away
     purged = 0
     unpack_from = struct.unpack_from
 
@@ -100,6 +101,7 @@ def build(reader: _Reader, last: array, watch: dict[tuple, OnItems], batch: int)
                 if stack is watched and len(stack) > batch:
                     _emit(on_items, target, stack[:-1])  # complete: all but the one being filled
                     del stack[:-1]
+                    flushed = True
                     if pos - purged > _RELEASE_BYTES:
                         purged = _purge(memo, last, reader, pos)
                 if owner_path is None and type(owner) is list:
@@ -116,7 +118,7 @@ def build(reader: _Reader, last: array, watch: dict[tuple, OnItems], batch: int)
                 if owner_path is not None and type(owner) is list:
                     callback = watch.get(owner_path + ("*",))
                     if callback is not None:
-                        watched, on_items, target = stack, callback, owner
+                        watched, on_items, target, flushed = stack, callback, owner, False
             elif op == 0x8A:  # LONG1
                 n = buf[pos]
                 stack.append(int.from_bytes(buf[pos + 1:pos + 1 + n], "little", signed=True))
@@ -129,8 +131,10 @@ def build(reader: _Reader, last: array, watch: dict[tuple, OnItems], batch: int)
                 stack.append({})
             elif op == 117:  # SETITEMS
                 items = stack
-                if items is watched:
-                    raise TypeError("a watched list filled by SETITEMS")
+                if items is watched:  # that MARK was not the list's: nothing to watch
+                    if flushed:
+                        raise TypeError("a watched list's items closed by SETITEMS")
+                    watched = None
                 stack = frames.pop()
                 path = paths.pop()
                 d = stack[-1]
@@ -191,8 +195,10 @@ def build(reader: _Reader, last: array, watch: dict[tuple, OnItems], batch: int)
                 stack.append(set())
             elif op in (116, 108, 100, 0x90, 0x91, 49):  # TUPLE LIST DICT ADDITEMS FROZENSET POP_MARK
                 items = stack
-                if items is watched:
-                    raise TypeError("a watched list's items closed by something other than APPENDS")
+                if items is watched:  # a MARK that builds a new object (protocol 0/1), not the list's
+                    if flushed:
+                        raise TypeError("a watched list's items closed by something other than APPENDS")
+                    watched = None
                 stack = frames.pop()
                 path = paths.pop()
                 if op == 116:
@@ -229,7 +235,9 @@ def build(reader: _Reader, last: array, watch: dict[tuple, OnItems], batch: int)
                     stack.pop()
                 else:
                     if stack is watched:
-                        raise TypeError("a watched list's items closed by POP")
+                        if flushed:
+                            raise TypeError("a watched list's items closed by POP")
+                        watched = None
                     stack = frames.pop()
                     path = paths.pop()
             elif op == 50:  # DUP

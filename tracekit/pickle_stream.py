@@ -180,7 +180,10 @@ def scan(reader: _Reader) -> array:
             pos = skip(buf, pos).end()
             op = buf[pos]
             if op == 106:  # LONG_BINGET, usually in a run of references (a frames list)
-                end = run(buf, pos).end()
+                m = run(buf, pos)
+                if m is None:
+                    raise reader.fail("LONG_BINGET without its argument", pos)
+                end = m.end()
                 got = refs(buf[pos:end])
                 slots.extend(got)
                 runs.append(len(got))
