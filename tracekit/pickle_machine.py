@@ -64,6 +64,7 @@ def build(reader: _Reader, last: array, watch: dict[tuple, OnItems], batch: int)
     buf = reader.buf
     prefixes = {p[:i] for p in watch for i in range(len(p))}  # paths of lists that can lead to a watch
     memo: dict[int, Any] = {}
+    same_refs: dict[bytes, tuple] = {}  # the objects a run of memo references fetches
     count = 0  # memo slots set so far
     stack: list = []
     frames: list[list] = []
@@ -91,7 +92,10 @@ def build(reader: _Reader, last: array, watch: dict[tuple, OnItems], batch: int)
         while True:
             op = buf[pos]
             pos += 1
-            if op == 104:  # BINGET
+            if op == 106:  # LONG_BINGET
+                stack.append(memo[unpack_from("<I", buf, pos)[0]])
+                pos += 4
+            elif op == 104:  # BINGET
                 stack.append(memo[buf[pos]])
                 pos += 1
             elif op == 40:  # MARK
@@ -108,7 +112,13 @@ def build(reader: _Reader, last: array, watch: dict[tuple, OnItems], batch: int)
                     m = _REFS_APPENDS.match(buf, pos)  # MARK, memo references, APPENDS: a frames list
                     if m is not None:
                         end = m.end()
-                        owner.extend([memo[i] for i in refs(buf[pos:end - 1])])
+                        run = buf[pos:end - 1]
+                        objs = same_refs.get(run)  # a call stack's frames list recurs every step
+                        if objs is None:
+                            if len(same_refs) > 1 << 14:
+                                same_refs.clear()
+                            objs = same_refs[run] = tuple([memo[i] for i in refs(run)])
+                        owner.extend(objs)
                         pos = end
                         continue
                 frames.append(stack)
@@ -163,9 +173,6 @@ def build(reader: _Reader, last: array, watch: dict[tuple, OnItems], batch: int)
                     stack[-1].extend(items)
             elif op == 93:  # EMPTY_LIST
                 stack.append([])
-            elif op == 106:  # LONG_BINGET
-                stack.append(memo[unpack_from("<I", buf, pos)[0]])
-                pos += 4
             elif op == 0x8C:  # SHORT_BINUNICODE
                 n = buf[pos]
                 stack.append(str(buf[pos + 1:pos + 1 + n], "utf-8", "surrogatepass"))
@@ -257,6 +264,8 @@ def build(reader: _Reader, last: array, watch: dict[tuple, OnItems], batch: int)
                         memo[i] = stack[-1]
                     if i == count:
                         count += 1
+                    else:  # a slot set again: runs of references may now mean other objects
+                        same_refs.clear()
             elif op in _LEN:  # the other length-prefixed arguments
                 fmt, size = _LEN[op]
                 n = unpack_from(fmt, buf, pos)[0]

@@ -68,7 +68,6 @@ _LEN = {0x8C: ("<B", 1), 0x8A: ("<B", 1), 0x43: ("<B", 1), 0x55: ("<B", 1), 0x8B
         0x58: ("<I", 4), 0x42: ("<I", 4), 0x54: ("<i", 4), 0x8D: ("<Q", 8), 0x8E: ("<Q", 8), 0x96: ("<Q", 8)}
 _RELEASE_BYTES = 8 << 20  # give read pages back to the OS (and purge the memo) this often
 # memo references (BINGET, LONG_BINGET) in a row: a frames list is MARK, a run of them, APPENDS
-_REFS = re.compile(rb"(?:j....|h.)+", re.S)
 _REFS_APPENDS = re.compile(rb"(?:j....|h.)+e", re.S)
 _RUNS: dict[bytes, array] = {}
 
@@ -95,11 +94,14 @@ def refs(run: bytes) -> array:
 # The scan skips, at regex speed, runs of opcodes that neither set a memo slot nor fetch one past
 # slot 255 (slots 0-255, fetched by BINGET, are kept for the whole read: at most 256 objects).
 _NEAR = 256
-_SKIP = re.compile(b"(?:" + b"|".join(
+_SKIPPED = b"|".join(
     [b"h.", b"\x8a(?:" + b"|".join(bytes([n]) + b"." * n for n in range(9)) + b")", b"K.", b"J....", b"M..",
      b"[" + b"".join(re.escape(bytes([c])) for c in b"(012N\x88\x89)]}\x8f\x90\x91\x85\x86\x87tldeasu") + b"]",
      b"[G\x95].{8}", b"\x80.",
-     b"[\x8cCU](?:" + b"|".join(re.escape(bytes([n])) + b"." * n for n in range(64)) + b")"]) + b")*", re.S)
+     b"[\x8cCU](?:" + b"|".join(re.escape(bytes([n])) + b"." * n for n in range(64)) + b")"])
+# one match per scan step: skipped opcodes, then a run of memo references starting at a
+# LONG_BINGET (group 1, maybe empty)
+_SKIP_THEN_REFS = re.compile(b"(?:" + _SKIPPED + b")*((?:j....(?:j....|h.)*)?)", re.S)
 
 
 class _Reader:
@@ -170,21 +172,17 @@ class _Fetches:
 def scan(reader: _Reader) -> array:
     """Pass 1: every opcode allowed; for each memo slot the byte offset just past its last fetch
     (-1: never fetched; slots below 256 are marked as always needed)."""
-    buf, kind, skip, run = reader.buf, _KIND, _SKIP.match, _REFS.match
+    buf, kind, step = reader.buf, _KIND, _SKIP_THEN_REFS.match
     fetches = _Fetches(len(buf))
     slots, runs = fetches.slots, fetches.runs
     n, pos, count = len(buf), 0, 0
     unpack_from = struct.unpack_from
     try:
         while True:
-            pos = skip(buf, pos).end()
-            op = buf[pos]
-            if op == 106:  # LONG_BINGET, usually in a run of references (a frames list)
-                m = run(buf, pos)
-                if m is None:
-                    raise reader.fail("LONG_BINGET without its argument", pos)
-                end = m.end()
-                got = refs(buf[pos:end])
+            m = step(buf, pos)
+            start, end = m.span(1)
+            if end > start:  # memo references, usually a frames list
+                got = refs(buf[start:end])
                 slots.extend(got)
                 runs.append(len(got))
                 runs.append(end)
@@ -195,6 +193,8 @@ def scan(reader: _Reader) -> array:
                     if pos - reader.released > _RELEASE_BYTES:
                         reader.release(pos)
                 continue
+            pos = end
+            op = buf[pos]
             k = kind[op]
             if k == _PUT:
                 if op == 0x94:
@@ -210,6 +210,8 @@ def scan(reader: _Reader) -> array:
                     count += 1
                 elif not 0 <= i < count:
                     raise reader.fail(f"memo slot {i} set out of order", pos)
+            elif op == 106:
+                raise reader.fail("LONG_BINGET without its argument", pos)
             elif k >= 0:  # an argument the skip pattern does not cover (a longer LONG1 or string)
                 pos += 1 + k
             elif k == _GET:  # GET (text), protocol 0: noted as a one-op span of its own
