@@ -10,8 +10,9 @@ else None; ``paths`` keeps it for the outer frames. Hot opcodes come first in th
 from __future__ import annotations
 
 import struct
-from array import array
 from typing import Any
+
+import numpy as np
 
 from tracekit.pickle_stream import _LEN, _REFS_APPENDS, _RELEASE_BYTES, OnItems, _Reader, decode_line_string, refs
 
@@ -52,7 +53,7 @@ def _emit(on_items: OnItems, target: list, items: list) -> None:
         raise _FromCallback(e) from None
 
 
-def _purge(memo: dict, last: array, reader: _Reader, pos: int) -> int:
+def _purge(memo: dict, last: np.ndarray, reader: _Reader, pos: int) -> int:
     """Drop memo slots past their last fetch and the pages already read; returns ``pos``."""
     for i in [i for i in memo if last[i] < pos]:
         del memo[i]
@@ -60,8 +61,9 @@ def _purge(memo: dict, last: array, reader: _Reader, pos: int) -> int:
     return pos
 
 
-def build(reader: _Reader, last: array, watch: dict[tuple, OnItems], batch: int) -> Any:
+def build(reader: _Reader, last: np.ndarray, watch: dict[tuple, OnItems], batch: int) -> Any:
     buf = reader.buf
+    kept = (last >= 0).tobytes()  # one byte per memo slot: fetched later, so kept when set
     prefixes = {p[:i] for p in watch for i in range(len(p))}  # paths of lists that can lead to a watch
     memo: dict[int, Any] = {}
     same_refs: dict[bytes, tuple] = {}  # the objects a run of memo references fetches
@@ -134,7 +136,7 @@ def build(reader: _Reader, last: array, watch: dict[tuple, OnItems], batch: int)
                 stack.append(int.from_bytes(buf[pos + 1:pos + 1 + n], "little", signed=True))
                 pos += 1 + n
             elif op == 0x94:  # MEMOIZE
-                if last[count] >= 0:
+                if kept[count]:
                     memo[count] = stack[-1]
                 count += 1
             elif op == 125:  # EMPTY_DICT
@@ -260,7 +262,7 @@ def build(reader: _Reader, last: array, watch: dict[tuple, OnItems], batch: int)
                 if op == 103:
                     stack.append(memo[i])
                 else:
-                    if last[i] >= 0:
+                    if kept[i]:
                         memo[i] = stack[-1]
                     if i == count:
                         count += 1

@@ -148,8 +148,8 @@ class _Fetches:
         self.last = np.full(1 << 16, -1, dtype=np.int64)
 
     def fold(self, count: int) -> None:
-        if count > len(self.last):
-            grown = np.full(max(count, 2 * len(self.last)), -1, dtype=np.int64)
+        if count > len(self.last):  # grown in steps, not doubled: the result is a view of it
+            grown = np.full(count + (1 << 20), -1, dtype=np.int64)
             grown[:len(self.last)] = self.last
             self.last = grown
         if not self.slots:
@@ -162,14 +162,14 @@ class _Fetches:
         del idx, runs
         self.slots, self.runs = array("q"), array("q")
 
-    def result(self, count: int) -> array:
+    def result(self, count: int) -> np.ndarray:
         self.fold(count)
         last = self.last[:count]
         last[:_NEAR] = self.size + 1  # BINGET slots, which the scan skips: kept all along
-        return array("q", last.tobytes())
+        return last
 
 
-def scan(reader: _Reader) -> array:
+def scan(reader: _Reader) -> np.ndarray:
     """Pass 1: every opcode allowed; for each memo slot the byte offset just past its last fetch
     (-1: never fetched; slots below 256 are marked as always needed)."""
     buf, kind, step = reader.buf, _KIND, _SKIP_THEN_REFS.match

@@ -91,7 +91,7 @@ class _Strings:
 
 
 class _Ints:
-    """An int64 column; None becomes null."""
+    """An int64 column; None becomes null. ``arrow`` is called once (it scales in place)."""
 
     def __init__(self) -> None:
         self.values, self.nulls = array("q"), array("q")
@@ -107,12 +107,14 @@ class _Ints:
         self.values.append(v)
 
     def arrow(self, scale: int = 1) -> pa.Array:
-        values = np.frombuffer(self.values, dtype=np.int64)
+        values = np.frombuffer(self.values, dtype=np.int64)  # a view: Arrow wraps the same buffer
+        if scale != 1:
+            values *= scale
         mask = None
         if self.nulls:
             mask = np.zeros(len(values), dtype=bool)
             mask[np.frombuffer(self.nulls, dtype=np.int64)] = True
-        return pa.array(values * scale if scale != 1 else values, mask=mask)
+        return pa.array(values, mask=mask)
 
 
 class _Events:
