@@ -54,8 +54,10 @@ def _normalize(events: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
                               f"negative size (first: {bad.row(0, named=True)})")
     ev = ev.with_columns(
         pl.col("size").cast(pl.Int64), pl.col("seq").cast(pl.Int64), pl.col("ts_ns").cast(pl.Int64),
-        pl.col("run_id").cast(pl.Utf8).fill_null(""),
-        pl.col("category").fill_null("unknown"), pl.col("frame").fill_null("<unknown>"),
+        pl.col("run_id").cast(pl.Utf8).fill_null(""), pl.col("action").cast(pl.Categorical),
+        # a few distinct strings repeated millions of times: categories, 4 bytes a row
+        pl.col("category").cast(pl.Utf8).fill_null("unknown").cast(pl.Categorical),
+        pl.col("frame").cast(pl.Utf8).fill_null("<unknown>").cast(pl.Categorical),
     )
     in_order = ev.select(
         ((pl.col("run_id") > pl.col("run_id").shift(1))
@@ -72,7 +74,7 @@ def _normalize(events: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
         raise MemoryDataError(f"seq is not unique within a rank: {dup.row(0, named=True)}")
     ev = ev.with_columns((~_same_as(1, KEY)).cum_sum().cast(pl.Int64).alias(G))
     ranks = ev.filter(~_same_as(1, KEY)).select(G, *KEY)
-    return ev, ranks
+    return ev.select(G, "seq", "ts_ns", "action", "addr", "size", "category", "frame"), ranks
 
 
 def _lifetimes(ev: pl.DataFrame) -> pl.DataFrame:
@@ -123,7 +125,8 @@ def _resident(life: pl.DataFrame, blocks: pl.DataFrame | None, ranks: pl.DataFra
          .with_columns(pl.col("run_id").cast(pl.Utf8).fill_null(""), pl.col("rank").cast(ranks.schema["rank"]))
          .join(ranks, on=KEY)
          .select(G, pl.col("address").cast(pl.Int64).alias("addr"), pl.col("size").cast(pl.Int64),
-                 pl.col("category").fill_null("unknown"), pl.col("frame").fill_null("<unknown>")))
+                 pl.col("category").cast(pl.Utf8).fill_null("unknown").cast(pl.Categorical),
+                 pl.col("frame").cast(pl.Utf8).fill_null("<unknown>").cast(pl.Categorical)))
     if b.filter(pl.col("size").is_null() | (pl.col("size") < 0)).height:
         raise MemoryDataError("memory_blocks rows with a null or negative size")
     before = b.join(life.select(G, "addr").unique(), on=[G, "addr"], how="anti").with_columns(
@@ -154,7 +157,7 @@ def _timeline(life: pl.DataFrame) -> pl.DataFrame:
 
 def _reserved(ev: pl.DataFrame, ranks: pl.DataFrame, segments: pl.DataFrame | None) -> pl.DataFrame:
     ev = ev.filter(pl.col("action").is_in(list(RESERVE_SIGN)))
-    ev = ev.with_columns((pl.col("action").replace_strict(RESERVE_SIGN, return_dtype=pl.Int64)
+    ev = ev.with_columns((pl.col("action").cast(pl.Utf8).replace_strict(RESERVE_SIGN, return_dtype=pl.Int64)
                           * pl.col("size")).alias("delta"))
     net = ev.group_by(G).agg(pl.col("delta").sum().alias("net"))
     start = net.select(G, pl.lit(0, pl.Int64).alias("start"))
@@ -229,7 +232,8 @@ class MemoryAnalysis:
                                           pl.col("peak_allocated").first())
                .with_columns((pl.col("bytes") / pl.col("peak_allocated")).alias("share"))
                .drop("peak_allocated"))
-        return self._named(out).sort(KEY + ["bytes", by], descending=[False, False, True, False])
+        return (self._named(out).with_columns(pl.col(by).cast(pl.Utf8))
+                .sort(KEY + ["bytes", by], descending=[False, False, True, False]))
 
 
 def analyse(events: pl.DataFrame, segments: pl.DataFrame | None = None,
@@ -257,8 +261,8 @@ def analyse(events: pl.DataFrame, segments: pl.DataFrame | None = None,
         pl.col("size").sum().alias("baseline_allocated"))
     # the few rows at a peak seq first (an integer set test), then a small join
     trigger = ev.filter(pl.col("seq").is_in(at_peak["peak_seq"].implode())).select(
-        G, pl.col("seq").alias("peak_seq"), pl.col("frame").alias("peak_frame"),
-        pl.col("category").alias("peak_category"))
+        G, pl.col("seq").alias("peak_seq"), pl.col("frame").cast(pl.Utf8).alias("peak_frame"),
+        pl.col("category").cast(pl.Utf8).alias("peak_category"))
     out = (at_peak.join(trigger, on=[G, "peak_seq"], how="left")
            .join(base, on=G, how="left")
            .with_columns(pl.col("baseline_allocated").fill_null(0)))
@@ -299,7 +303,7 @@ def block_lifetimes(events: pl.DataFrame, blocks: pl.DataFrame | None = None) ->
     free_seq, free_ts_ns. alloc_seq is null for a block live before the trace began; free_seq is
     null for a block still live at its end. A block's interval is [alloc_seq, free_seq)."""
     ev, ranks = _normalize(events)
-    life = _resident(_lifetimes(ev), blocks, ranks)
+    life = _resident(_lifetimes(ev), blocks, ranks).with_columns(pl.col("category", "frame").cast(pl.Utf8))
     return ranks.join(life, on=G).drop(G).sort(KEY + ["alloc_seq", "addr"], nulls_last=False)
 
 

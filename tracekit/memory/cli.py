@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 import polars as pl
+import polars.selectors  # noqa: F401 - pl.selectors
 
 from tracekit.analysis.memory import MemoryDataError, analyse, imbalance
 from tracekit.memory.compare import COMPARED, MemoryComparison, trainer_comparison
@@ -59,9 +60,7 @@ def load_tables(store: Path, run_id: str | None
             run_id = runs[0]
         elif run_id not in runs:
             raise MemoryDataError(f"{store}: no memory events for run {run_id!r}; runs: {runs}")
-        # a relation's .pl() stays columnar (arrow), no Python row objects
-        tables = {t: con.sql(f"SELECT * FROM {t} WHERE run_id = ?", params=[run_id]).pl()
-                  for t in TABLES if t in have}
+        tables = {t: _read(con, t, run_id, categories=t == "memory_events") for t in TABLES if t in have}
         if "events" in have:  # only the spans that carry a phase (the trainer's tk.compute spans)
             tables["spans"] = con.sql("SELECT rank, ts_ns, dur_ns, phase, microbatch, vstage, name, run_id"
                                       " FROM events WHERE run_id = ? AND phase IS NOT NULL",
@@ -76,6 +75,16 @@ def load_tables(store: Path, run_id: str | None
     finally:
         con.close()
     return run_id, tables, layout, manifest
+
+
+def _read(con, table: str, run_id: str, categories: bool = False) -> pl.DataFrame:
+    """One run's rows, columnar (Arrow batches, no Python row objects). With ``categories`` the
+    string columns become categories: a trace repeats a few actions, categories and sites
+    millions of times."""
+    reader = con.sql(f"SELECT * FROM {table} WHERE run_id = ?", params=[run_id]).fetch_arrow_reader(1 << 20)
+    cast = pl.selectors.string().cast(pl.Categorical) if categories else pl.selectors.string()
+    parts = [pl.from_arrow(batch).with_columns(cast) for batch in reader]
+    return pl.concat(parts) if parts else pl.from_arrow(reader.schema.empty_table()).with_columns(cast)
 
 
 def _when(r: dict) -> str:
