@@ -52,8 +52,7 @@ def tracekit(*args: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
     res = subprocess.run([sys.executable, "-c", "from tracekit.cli import main; main()", *args],
                          env=env, capture_output=True, text=True)
-    out = res.stdout if args[0] == "memory" else res.stdout[-400:]
-    print(out.rstrip(), res.stderr[-2000:] if res.returncode else "", flush=True)
+    print(res.stdout.rstrip(), res.stderr[-2000:] if res.returncode else "", flush=True)
     if res.returncode:
         raise SystemExit(f"tracekit {args[0]} failed ({res.returncode})")
 

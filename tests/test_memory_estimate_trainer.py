@@ -34,7 +34,6 @@ from reference_trainer.config import TrainConfig  # noqa: E402
 from reference_trainer.launch import free_port, run_world, write_manifest  # noqa: E402
 from reference_trainer.observe import observed_training  # noqa: E402
 from reference_trainer.train import Trainer  # noqa: E402
-
 from tracekit.cli import main as cli_main  # noqa: E402
 from tracekit.ingest.pipeline import ingest  # noqa: E402
 from tracekit.memory.llama_dims import EstimateError  # noqa: E402

@@ -29,11 +29,10 @@ import re
 import struct
 from array import array
 from pathlib import Path
+from pickle import UnpicklingError
 from typing import Any, Callable, Mapping
 
 import numpy as np
-
-from pickle import UnpicklingError
 
 from tracekit.safe_pickle import UnsafePickleError
 
