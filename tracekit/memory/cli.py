@@ -168,14 +168,17 @@ def memory_command(store: Path, run_id: str | None, by: str, top: int, estimate:
                              spans=tables.get("spans"), blocks=tables.get("memory_blocks"))
         pk = result.peaks if layout is None else imbalance(result.peaks, layout)
         live = result.live_at_peak(by=by)
-        cmp, why_not = None, "no --estimate"
-        if estimate:
-            if manifest is None or "config" not in manifest:
-                why_not = "the run has no reference-trainer manifest (config, layout, stage_layers)"
-            else:
-                cmp = trainer_comparison(result, manifest, peaks=pk)
-    except (MemoryDataError, LayoutError, EstimateError) as e:
+    except (MemoryDataError, LayoutError) as e:
         raise click.UsageError(str(e)) from e
+    cmp, why_not = None, "no --estimate"
+    if estimate:
+        if manifest is None or "config" not in manifest:
+            why_not = "the run has no reference-trainer manifest (config, layout, stage_layers)"
+        else:
+            try:  # the measured tables stand on their own: a manifest the estimator rejects is a note
+                cmp = trainer_comparison(result, manifest, peaks=pk)
+            except (EstimateError, LayoutError, MemoryDataError, KeyError, TypeError, ValueError) as e:
+                why_not = f"the estimator rejects the run's manifest: {e}"
     if plot_path is not None:
         if cmp is None:
             raise click.UsageError(f"--plot needs the estimate: {why_not}")
