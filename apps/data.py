@@ -213,8 +213,8 @@ class DashboardData:
 
     def memory_estimate_mib(self, run_id: str, rank: int) -> float | None:
         """The estimator's total for this rank from the trainer manifest, when the run has one."""
-        from tracekit.llama_dims import EstimateError
-        from tracekit.memory_trainer import trainer_estimate
+        from tracekit.memory.llama_dims import EstimateError
+        from tracekit.memory.trainer import trainer_estimate
 
         manifest = self.run_info(run_id)["manifest"]
         if "config" not in manifest:

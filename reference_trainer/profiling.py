@@ -14,7 +14,12 @@
   alone passes, tp=2 x pp=2 fails; see docs/trace_conventions.md). Categories are kept by attributing addresses instead: the
   trainer's parameters, gradient buckets and optimizer state by storage address; other blocks
   allocated in a ``fwd`` compute span and alive after it are ``activation``, freed within the
-  span they were allocated in ``temporary``, otherwise ``unknown``.
+  span they were allocated in ``temporary``, otherwise ``unknown``. The state is read when the
+  recording starts and when it ends, so that the segments are the allocator's state at the end of
+  the trace (as ``_dump_snapshot``'s are). The CPU profiler reports no free of a block allocated
+  before it started: a state buffer of the start that is gone by the end (last step's reduced
+  gradient shard) gets its free entries, with its category, where its address is next allocated,
+  or else at the end of the trace.
 """
 
 from __future__ import annotations
@@ -90,10 +95,14 @@ def read_trace(path: Path) -> dict[str, Any]:
         raise ProfilingError(f"{path}: not a readable Chrome trace: {e}") from None
 
 
-def snapshot_from_trace(trace: dict[str, Any], state: dict[int, tuple[int, str]]) -> dict[str, Any]:
-    """A CUDA-format snapshot (device 0 = this rank's CPU) from a trace's ``[memory]`` events."""
+def snapshot_from_trace(trace: dict[str, Any], state: dict[int, tuple[int, str]],
+                        state_before: dict[int, tuple[int, str]] | None = None) -> dict[str, Any]:
+    """A CUDA-format snapshot (device 0 = this rank's CPU) from a trace's ``[memory]`` events.
+    ``state``: the persistent state when the trace ended; ``state_before``: when it began."""
     events = trace["traceEvents"]
-    base_us = 0.0
+    # trace times are microseconds from baseTimeNanoseconds; snapshots carry epoch microseconds,
+    # so that memory entries line up with the trace's steps and spans once ingested
+    base_us = (trace.get("baseTimeNanoseconds") or 0) // 1000
     fwd = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
                  if e.get("ph") == "X" and (a := _compute(e)) is not None and a.phase == "fwd")
     mem = sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Bytes")),
@@ -105,26 +114,48 @@ def snapshot_from_trace(trace: dict[str, Any], state: dict[int, tuple[int, str]]
                 return lo, hi
         return None
 
+    before = state_before or {}
+    seen: set[int] = set()
     live: dict[int, dict[str, Any]] = {}
     trace_out: list[dict[str, Any]] = []
+
+    def freed_unseen(addr: int, ts_us: int) -> None:
+        # the CPU profiler reports no free of a block allocated before it started: a state buffer
+        # from before the recording (last step's reduced shard) is freed where its address is
+        # reused, or else by the end
+        size, cat = before[addr]
+        for action in ("free_requested", "free_completed"):
+            trace_out.append({"action": action, "addr": addr, "size": size, "stream": 0, "time_us": ts_us,
+                              "frames": [], "category": cat})
+
     for e in mem:
         addr, nbytes, ts = int(e["args"]["Addr"]), int(e["args"]["Bytes"]), float(e["ts"])
+        if addr not in seen:
+            seen.add(addr)
+            if nbytes > 0 and addr in before:
+                freed_unseen(addr, int(ts + base_us))
         if nbytes > 0:
-            cat = state[addr][1] if addr in state else "unknown"
             r = {"action": "alloc", "addr": addr, "size": nbytes, "stream": 0, "time_us": int(ts + base_us),
-                 "frames": [], "category": cat, "_span": span_of(ts)}
+                 "frames": [], "category": "unknown", "_span": span_of(ts)}
             live[addr] = r
             trace_out.append(r)
         else:
             a = live.pop(addr, None)
             size = a["size"] if a else -nbytes
+            cat = {"category": before[addr][1]} if a is None and addr in before else {}
             for action in ("free_requested", "free_completed"):
                 trace_out.append({"action": action, "addr": addr, "size": size, "stream": 0,
-                                  "time_us": int(ts), "frames": []})
-            if a is not None and a["category"] == "unknown" and a["_span"] is not None:
+                                  "time_us": int(ts + base_us), "frames": [], **cat})
+            if a is not None and a["_span"] is not None:
                 a["category"] = "temporary" if ts <= a["_span"][1] else "activation"
-    for r in live.values():
-        if r["category"] == "unknown" and r["_span"] is not None:
+    end_us = trace_out[-1]["time_us"] if trace_out else int(base_us)
+    for addr in before:
+        if addr not in seen and addr not in state:
+            freed_unseen(addr, end_us)
+    for addr, r in live.items():  # still allocated at the end: a state buffer by its address
+        if addr in state:
+            r["category"] = state[addr][1]
+        elif r["_span"] is not None:
             r["category"] = "activation"
     for r in trace_out:
         r.pop("_span", None)
@@ -167,6 +198,8 @@ class RankProfiler:
             profile_memory=memory, record_shapes=False,
             on_trace_ready=self._export)
         self.exported: Path | None = None
+        self.state_before: dict[int, tuple[int, str]] | None = None
+        self.state_after: dict[int, tuple[int, str]] | None = None
 
     def start(self) -> None:
         self.prof.start()
@@ -177,11 +210,14 @@ class RankProfiler:
         self._maybe_record_cuda(self.trainer.step_index)
 
     def _maybe_record_cuda(self, step: int) -> None:
+        if step == self.window[0] and self.state_before is None:
+            self.state_before = state_categories(self.trainer)
         if self.cuda and self.memory and step == self.window[0] and not self._recording:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
             self._recording = True
 
     def _export(self, prof) -> None:
+        self.state_after = state_categories(self.trainer)  # the recording ends here
         path = trace_path(self.run, self.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(path))
@@ -199,7 +235,8 @@ class RankProfiler:
             torch.cuda.memory._record_memory_history(enabled=None)
             source = "cuda"
         elif self.exported is not None:
-            snap = snapshot_from_trace(read_trace(self.exported), state_categories(self.trainer))
+            snap = snapshot_from_trace(read_trace(self.exported), self.state_after or state_categories(self.trainer),
+                                       self.state_before)
             with open(mpath, "wb") as f:
                 pickle.dump(snap, f)
             source = "profiler_events"

@@ -270,8 +270,8 @@ def test_bad_rows_raise_clear_errors():
 
 
 def test_compare_with_estimate_by_component(run):
-    from tracekit.analysis.memory import compare_with_estimate
-    from tracekit.memory_estimate import MemoryEstimate
+    from tracekit.memory.compare import compare_with_estimate
+    from tracekit.memory.estimate import MemoryEstimate
 
     _, truths, events = run
     live = live_at_peak(events)
@@ -367,3 +367,29 @@ def test_memory_command_bad_input(store, tmp_path):
     duckdb.connect(str(empty)).close()
     r = cli(empty)
     assert r.exit_code == 2 and "has no memory_events table" in r.output
+
+
+def test_memory_command_keeps_the_measured_tables_when_the_estimator_rejects_the_manifest(tmp_path):
+    import duckdb
+
+    from tracekit.schema import create_sql
+
+    path = tmp_path / "m.duckdb"
+    con = duckdb.connect(str(path))
+    for t in ("runs", "memory_events"):
+        con.execute(create_sql(t))
+    manifest = {"config": {"dim": 64, "tp": 1}}  # a trainer manifest without layout or stage_layers
+    con.execute("INSERT INTO runs (run_id, tp, cp, pp, dp, manifest) VALUES ('m', 1, 1, 1, 1, ?)",
+                [json.dumps(manifest)])
+    con.register("ev", frame(HAND).with_columns(pl.lit("m").alias("run_id")).to_arrow())
+    con.execute("INSERT INTO memory_events (run_id, rank, seq, ts_ns, action, addr, size, category, frame)"
+                " SELECT run_id, rank, seq, ts_ns, action, addr, size, category, frame FROM ev")
+    con.close()
+    r = cli(path, "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["peaks"][0]["peak_allocated"] == 600 and out["estimate_vs_measured"] is None
+    assert out["estimate_missing_because"].startswith("the estimator rejects the run's manifest")
+    assert "no estimate: the estimator rejects" in cli(path).output
+    r = cli(path, "--plot", tmp_path / "p.png")
+    assert r.exit_code == 2 and "--plot needs the estimate" in r.output and not (tmp_path / "p.png").exists()

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracekit.memory_estimate import (
+from tracekit.memory.estimate import (
     GIB,
     PRESETS,
     EstimateError,

@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from tracekit.cli import main
-from tracekit.memory_estimate import GIB, StateBytes, estimate_rank, paper_estimate, preset
+from tracekit.memory.estimate import GIB, StateBytes, estimate_rank, paper_estimate, preset
 from tracekit.topology import Layout
 
 

@@ -15,8 +15,8 @@ from tracekit import __version__
 # (module, attribute) of each subcommand, imported lazily so `tracekit --help` stays fast and a
 # broken optional dependency of one command does not take the others down.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "estimate": ("tracekit.estimate_cli", "estimate_command"),
-    "memory": ("tracekit.memory_cli", "memory_command"),
+    "estimate": ("tracekit.memory.estimate_cli", "estimate_command"),
+    "memory": ("tracekit.memory.cli", "memory_command"),
     "numerics": ("numerics.cli", "main"),
     "train": ("reference_trainer.cli", "train_command"),
     "ingest": ("tracekit.ingest.cli", "ingest_cmd"),

@@ -114,6 +114,17 @@ TABLES: dict[str, list[tuple[str, str]]] = {
         ("segment_type", "VARCHAR"),
         ("blocks", "INTEGER"),
     ],
+    "memory_blocks": [  # the allocator's blocks when the snapshot was taken (the end of the trace)
+        ("run_id", "VARCHAR"),
+        ("rank", "INTEGER"),
+        ("segment_address", "BIGINT"),
+        ("address", "BIGINT"),
+        ("size", "BIGINT"),
+        ("requested_size", "BIGINT"),
+        ("state", "VARCHAR"),  # active_allocated | active_pending_free | inactive
+        ("category", "VARCHAR"),  # set by CPU-derived snapshots (parameter, gradient, ...); NULL from CUDA
+        ("frame", "VARCHAR"),  # top user frame of the allocation
+    ],
     "fr_entries": [
         ("run_id", "VARCHAR"),
         ("rank", "INTEGER"),

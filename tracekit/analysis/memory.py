@@ -8,9 +8,11 @@ Allocator semantics (CUDA caching allocator trace, FORMATS.md section 3): ``allo
 live; it stops counting as allocated at ``free_completed`` (``free_requested`` only marks it as
 pending while other streams still use it). A ``free_completed`` with no earlier ``alloc`` of that
 address in the trace is a block allocated before recording started: it counts as live from the
-start (the "baseline"). Blocks allocated before recording and never freed in it are invisible here;
-the snapshot's segments (``memory_segments``) hold them. Reserved memory follows segment events:
-``segment_alloc``/``segment_map`` add, ``segment_free``/``segment_unmap`` subtract.
+start (the "baseline"). Blocks allocated before recording and never freed in it appear only in the
+snapshot's end state (``memory_blocks``): an active block at an address the trace never touches was
+live all along, and counts in the baseline with its category (the model state, typically).
+Reserved memory follows segment events: ``segment_alloc``/``segment_map`` add,
+``segment_free``/``segment_unmap`` subtract.
 """
 
 from __future__ import annotations
@@ -52,8 +54,10 @@ def _normalize(events: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
                               f"negative size (first: {bad.row(0, named=True)})")
     ev = ev.with_columns(
         pl.col("size").cast(pl.Int64), pl.col("seq").cast(pl.Int64), pl.col("ts_ns").cast(pl.Int64),
-        pl.col("run_id").cast(pl.Utf8).fill_null(""),
-        pl.col("category").fill_null("unknown"), pl.col("frame").fill_null("<unknown>"),
+        pl.col("run_id").cast(pl.Utf8).fill_null(""), pl.col("action").cast(pl.Categorical),
+        # a few distinct strings repeated millions of times: categories, 4 bytes a row
+        pl.col("category").cast(pl.Utf8).fill_null("unknown").cast(pl.Categorical),
+        pl.col("frame").cast(pl.Utf8).fill_null("<unknown>").cast(pl.Categorical),
     )
     in_order = ev.select(
         ((pl.col("run_id") > pl.col("run_id").shift(1))
@@ -70,7 +74,7 @@ def _normalize(events: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
         raise MemoryDataError(f"seq is not unique within a rank: {dup.row(0, named=True)}")
     ev = ev.with_columns((~_same_as(1, KEY)).cum_sum().cast(pl.Int64).alias(G))
     ranks = ev.filter(~_same_as(1, KEY)).select(G, *KEY)
-    return ev, ranks
+    return ev.select(G, "seq", "ts_ns", "action", "addr", "size", "category", "frame"), ranks
 
 
 def _lifetimes(ev: pl.DataFrame) -> pl.DataFrame:
@@ -104,6 +108,33 @@ def _lifetimes(ev: pl.DataFrame) -> pl.DataFrame:
         G, "addr", "size", "category", "frame", "alloc_seq", "alloc_ts_ns", "free_seq", "free_ts_ns")
 
 
+def _resident(life: pl.DataFrame, blocks: pl.DataFrame | None, ranks: pl.DataFrame) -> pl.DataFrame:
+    """Lifetimes plus the blocks live through the whole trace: active in the snapshot's end state
+    (``memory_blocks``) at an address with no trace event. (An active block at an address whose
+    last event is a free contradicts the trace and is left out.)"""
+    if blocks is None or blocks.height == 0:
+        return life
+    missing = [c for c in ("rank", "address", "size", "state") if c not in blocks.columns]
+    if missing:
+        raise MemoryDataError(f"memory_blocks rows lack columns {missing}; have {blocks.columns}")
+    b = blocks if "run_id" in blocks.columns else blocks.with_columns(pl.lit("").alias("run_id"))
+    for col in ("category", "frame"):
+        if col not in b.columns:
+            b = b.with_columns(pl.lit(None, pl.Utf8).alias(col))
+    b = (b.filter(pl.col("state").str.starts_with("active"))
+         .with_columns(pl.col("run_id").cast(pl.Utf8).fill_null(""), pl.col("rank").cast(ranks.schema["rank"]))
+         .join(ranks, on=KEY)
+         .select(G, pl.col("address").cast(pl.Int64).alias("addr"), pl.col("size").cast(pl.Int64),
+                 pl.col("category").cast(pl.Utf8).fill_null("unknown").cast(pl.Categorical),
+                 pl.col("frame").cast(pl.Utf8).fill_null("<unknown>").cast(pl.Categorical)))
+    if b.filter(pl.col("size").is_null() | (pl.col("size") < 0)).height:
+        raise MemoryDataError("memory_blocks rows with a null or negative size")
+    before = b.join(life.select(G, "addr").unique(), on=[G, "addr"], how="anti").with_columns(
+        pl.lit(None, pl.Int64).alias("alloc_seq"), pl.lit(None, pl.Int64).alias("alloc_ts_ns"),
+        pl.lit(None, pl.Int64).alias("free_seq"), pl.lit(None, pl.Int64).alias("free_ts_ns"))
+    return pl.concat([life, before.select(life.columns)], how="vertical_relaxed")
+
+
 def _timeline(life: pl.DataFrame) -> pl.DataFrame:
     # blocks from before the trace start the running sum (a row at seq -1, dropped afterwards)
     baseline = life.filter(pl.col("alloc_seq").is_null()).group_by(G).agg(
@@ -126,7 +157,7 @@ def _timeline(life: pl.DataFrame) -> pl.DataFrame:
 
 def _reserved(ev: pl.DataFrame, ranks: pl.DataFrame, segments: pl.DataFrame | None) -> pl.DataFrame:
     ev = ev.filter(pl.col("action").is_in(list(RESERVE_SIGN)))
-    ev = ev.with_columns((pl.col("action").replace_strict(RESERVE_SIGN, return_dtype=pl.Int64)
+    ev = ev.with_columns((pl.col("action").cast(pl.Utf8).replace_strict(RESERVE_SIGN, return_dtype=pl.Int64)
                           * pl.col("size")).alias("delta"))
     net = ev.group_by(G).agg(pl.col("delta").sum().alias("net"))
     start = net.select(G, pl.lit(0, pl.Int64).alias("start"))
@@ -201,19 +232,22 @@ class MemoryAnalysis:
                                           pl.col("peak_allocated").first())
                .with_columns((pl.col("bytes") / pl.col("peak_allocated")).alias("share"))
                .drop("peak_allocated"))
-        return self._named(out).sort(KEY + ["bytes", by], descending=[False, False, True, False])
+        return (self._named(out).with_columns(pl.col(by).cast(pl.Utf8))
+                .sort(KEY + ["bytes", by], descending=[False, False, True, False]))
 
 
 def analyse(events: pl.DataFrame, segments: pl.DataFrame | None = None,
-            steps: pl.DataFrame | None = None, spans: pl.DataFrame | None = None) -> MemoryAnalysis:
-    """Everything at once. ``peaks`` per rank: peak allocated bytes, when (seq, ts_ns; the step
+            steps: pl.DataFrame | None = None, spans: pl.DataFrame | None = None,
+            blocks: pl.DataFrame | None = None) -> MemoryAnalysis:
+    """Everything at once; ``blocks`` (memory_blocks rows) add what was allocated all along.
+    ``peaks`` per rank: peak allocated bytes, when (seq, ts_ns; the step
     when ``steps`` rows are given, the phase, micro-batch and virtual stage of the innermost
     ``spans`` row (the store's ``events`` with a phase) around it, when times are known), the
     allocation that reached it (frame, category),
     baseline and final allocated, the reserve at the peak and its maximum, and fragmentation at the
-    peak = 1 - allocated / reserved (null when the reserve is unknown)."""
+    peak = 1 - allocated / reserved (null when the reserve is unknown or below the allocation)."""
     ev, ranks = _normalize(events)
-    life = _lifetimes(ev)
+    life = _resident(_lifetimes(ev), blocks, ranks)
     tl = _timeline(life)
     if tl.height == 0:
         raise MemoryDataError("memory_events rows hold no alloc or free_completed entries")
@@ -227,8 +261,8 @@ def analyse(events: pl.DataFrame, segments: pl.DataFrame | None = None,
         pl.col("size").sum().alias("baseline_allocated"))
     # the few rows at a peak seq first (an integer set test), then a small join
     trigger = ev.filter(pl.col("seq").is_in(at_peak["peak_seq"].implode())).select(
-        G, pl.col("seq").alias("peak_seq"), pl.col("frame").alias("peak_frame"),
-        pl.col("category").alias("peak_category"))
+        G, pl.col("seq").alias("peak_seq"), pl.col("frame").cast(pl.Utf8).alias("peak_frame"),
+        pl.col("category").cast(pl.Utf8).alias("peak_category"))
     out = (at_peak.join(trigger, on=[G, "peak_seq"], how="left")
            .join(base, on=G, how="left")
            .with_columns(pl.col("baseline_allocated").fill_null(0)))
@@ -237,7 +271,11 @@ def analyse(events: pl.DataFrame, segments: pl.DataFrame | None = None,
         pl.col("seq") <= pl.col("peak_seq")).group_by(G).agg(
         pl.col("reserved").sort_by("seq").last().alias("reserved_at_peak"))
     res_max = res.group_by(G).agg(pl.col("reserved").max().alias("peak_reserved"))
+    # a reserve below what is allocated is no caching allocator's (CPU-derived snapshots make one
+    # segment per live block at the end): unknown rather than a negative fragmentation
+    known = pl.col("reserved_at_peak") >= pl.col("peak_allocated")
     out = (out.join(res_at, on=G, how="left").join(res_max, on=G, how="left")
+           .with_columns(pl.when(known).then(pl.col(c)).alias(c) for c in ("reserved_at_peak", "peak_reserved"))
            .with_columns((1 - pl.col("peak_allocated") / pl.col("reserved_at_peak"))
                          .alias("fragmentation_at_peak")))
     out = ranks.join(out, on=G).drop(G).sort(KEY)
@@ -249,28 +287,30 @@ def analyse(events: pl.DataFrame, segments: pl.DataFrame | None = None,
 
 
 def peaks(events: pl.DataFrame, segments: pl.DataFrame | None = None,
-          steps: pl.DataFrame | None = None, spans: pl.DataFrame | None = None) -> pl.DataFrame:
+          steps: pl.DataFrame | None = None, spans: pl.DataFrame | None = None,
+          blocks: pl.DataFrame | None = None) -> pl.DataFrame:
     """Per-rank peaks (see ``analyse``)."""
-    return analyse(events, segments, steps, spans).peaks
+    return analyse(events, segments, steps, spans, blocks).peaks
 
 
-def live_at_peak(events: pl.DataFrame, by: str = "category") -> pl.DataFrame:
+def live_at_peak(events: pl.DataFrame, by: str = "category", blocks: pl.DataFrame | None = None) -> pl.DataFrame:
     """What was live at each rank's peak (see ``MemoryAnalysis.live_at_peak``)."""
-    return analyse(events).live_at_peak(by)
+    return analyse(events, blocks=blocks).live_at_peak(by)
 
 
-def block_lifetimes(events: pl.DataFrame) -> pl.DataFrame:
+def block_lifetimes(events: pl.DataFrame, blocks: pl.DataFrame | None = None) -> pl.DataFrame:
     """One row per block: run_id, rank, addr, size, category, frame, alloc_seq, alloc_ts_ns,
     free_seq, free_ts_ns. alloc_seq is null for a block live before the trace began; free_seq is
     null for a block still live at its end. A block's interval is [alloc_seq, free_seq)."""
     ev, ranks = _normalize(events)
-    return ranks.join(_lifetimes(ev), on=G).drop(G).sort(KEY + ["alloc_seq", "addr"], nulls_last=False)
+    life = _resident(_lifetimes(ev), blocks, ranks).with_columns(pl.col("category", "frame").cast(pl.Utf8))
+    return ranks.join(life, on=G).drop(G).sort(KEY + ["alloc_seq", "addr"], nulls_last=False)
 
 
-def timeline(events: pl.DataFrame) -> pl.DataFrame:
+def timeline(events: pl.DataFrame, blocks: pl.DataFrame | None = None) -> pl.DataFrame:
     """Allocated bytes per rank after every event that changed it: run_id, rank, seq, ts_ns, allocated."""
     ev, ranks = _normalize(events)
-    return ranks.join(_timeline(_lifetimes(ev)), on=G).drop(G).sort(KEY + ["seq"])
+    return ranks.join(_timeline(_resident(_lifetimes(ev), blocks, ranks)), on=G).drop(G).sort(KEY + ["seq"])
 
 
 def reserved_timeline(events: pl.DataFrame, segments: pl.DataFrame | None = None) -> pl.DataFrame:
@@ -299,34 +339,3 @@ def imbalance(peak: pl.DataFrame, layout: Layout) -> pl.DataFrame:
          / pl.col("peak_allocated").mean().over("run_id")).alias("stage_vs_run_mean"),
     ).sort(KEY)
 
-
-# Snapshot categories (torch's memory profiler names) -> estimator components (memory_estimate).
-CATEGORY_COMPONENT = {
-    "parameter": "weights", "gradient": "gradients", "optimizer_state": "optimizer",
-    "activation": "activations", "autograd_detail": "activations", "input": "activations",
-    "temporary": "other", "unknown": "other",
-}
-COMPARED = ("weights", "gradients", "optimizer", "activations", "other")
-
-
-def compare_with_estimate(live: pl.DataFrame, estimates: dict) -> pl.DataFrame:
-    """Measured bytes live at each rank's peak (``live_at_peak(..., by='category')``) next to an
-    estimate per rank (``{rank: MemoryEstimate}``), by component: run_id, rank, component,
-    estimated, measured, difference (measured - estimated). Categories the estimator has no term
-    for (temporaries, uncategorized blocks) land in 'other', estimated 0."""
-    missing = sorted(set(live["rank"].unique().to_list()) - set(estimates))
-    if missing:
-        raise MemoryDataError(f"no estimate for ranks {missing}")
-    measured = live.with_columns(
-        pl.col("category").replace_strict(CATEGORY_COMPONENT, default="other").alias("component")
-    ).group_by(KEY + ["component"]).agg(pl.col("bytes").sum().alias("measured"))
-    est = pl.DataFrame(
-        [{"rank": r, "component": c, "estimated": float(getattr(e, c)) if c != "other" else 0.0}
-         for r, e in estimates.items() for c in COMPARED],
-        schema={"rank": live.schema["rank"], "component": pl.Utf8, "estimated": pl.Float64})
-    runs = live.select(KEY).unique()
-    return (runs.join(est, on="rank").join(measured, on=KEY + ["component"], how="left")
-            .with_columns(pl.col("measured").fill_null(0))
-            .with_columns((pl.col("measured") - pl.col("estimated")).alias("difference"))
-            .with_columns(pl.col("component").cast(pl.Enum(list(COMPARED))))
-            .sort(KEY + ["component"]).with_columns(pl.col("component").cast(pl.Utf8)))

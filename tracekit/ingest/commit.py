@@ -24,7 +24,7 @@ OWNED: dict[str, dict[str, str]] = {
     "kineto": {"events": "", "steps": "", "collectives": "AND source IN ('kernel', 'annotation', 'gloo')",
                "p2p": "AND source IN ('kernel', 'annotation', 'gloo')"},
     "fr": {"fr_entries": "", "collectives": "AND source = 'fr'", "p2p": "AND source = 'fr'"},
-    "memory": {"memory_events": "", "memory_segments": ""},
+    "memory": {"memory_events": "", "memory_segments": "", "memory_blocks": ""},
 }
 
 

@@ -1,18 +1,30 @@
 """Memory snapshots (``torch.cuda.memory._dump_snapshot`` pickles, FORMATS.md section 3, and the
-CPU-derived ones from ``torch.cuda._memory_viz._profile_to_snapshot``) into memory_events and
-memory_segments. Loaded with the restricted unpickler: a snapshot is plain data.
+CPU-derived ones: torch's ``_profile_to_snapshot`` and the reference trainer's) into memory_events,
+memory_segments and memory_blocks.
+
+A snapshot of hundreds of MB is streamed (tracekit.pickle_stream): trace entries and segments go
+into column buffers as the pickle reader completes them, and the pickle's object graph never
+exists whole. The reader accepts plain data only, as the restricted unpickler does.
 """
 
 from __future__ import annotations
 
+import io
+import pickletools
 import re
+from array import array
 from pathlib import Path
+from typing import Any
 
-from tracekit import safe_pickle
-from tracekit.ingest.common import IngestError, Parsed, table_from_rows
+import numpy as np
+import pyarrow as pa
+
+from tracekit import pickle_stream
+from tracekit.ingest.common import IngestError, Parsed, arrow_schema, table_from_rows
 
 _CPU_FRAME = re.compile(r"^(?P<file>.+)\((?P<line>\d+)\): (?P<func>.+)$")  # 'train.py(83): step'
 _INTERNAL = ("/torch/", "torch/", "<built-in", "multiprocessing/", "threading.py", "<string>")
+TRACE, SEGMENTS = ("device_traces", "*", "*"), ("segments", "*")
 
 
 def top_user_frame(frames: object) -> str | None:
@@ -34,39 +46,203 @@ def top_user_frame(frames: object) -> str | None:
     return None
 
 
-def parse_snapshot(path: Path, snap: dict) -> Parsed:
+class _TopFrames:
+    """top_user_frame, once per call stack: an allocation site repeats every step, with the same
+    frame dicts (torch symbolizes each frame once). Keyed by the frames' identities, holding the
+    list so that those identities stay valid."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple, tuple[list, str | None]] = {}
+
+    def __call__(self, frames: object) -> str | None:
+        if type(frames) is not list or not frames:
+            return None
+        key = tuple(map(id, frames))
+        hit = self.seen.get(key)
+        if hit is None:
+            if len(self.seen) > 1 << 16:
+                self.seen.clear()
+            hit = self.seen[key] = (frames, top_user_frame(frames))
+        return hit[1]
+
+
+class _Strings:
+    """A dictionary-encoded string column: codes, -1 for null."""
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}
+        self.codes = array("i")
+
+    def add(self, s: Any) -> None:
+        if s is None:
+            self.codes.append(-1)
+            return
+        code = self.index.get(s)
+        if code is None:
+            if type(s) is not str:
+                raise TypeError(f"expected a string, got {type(s).__name__} {s!r:.40}")
+            code = self.index[s] = len(self.index)
+        self.codes.append(code)
+
+    def arrow(self) -> pa.Array:
+        codes = np.frombuffer(self.codes, dtype=np.int32)
+        return pa.DictionaryArray.from_arrays(pa.array(codes, mask=codes < 0),
+                                              pa.array(list(self.index), pa.string()))
+
+
+class _Ints:
+    """An int64 column; None becomes null. ``arrow`` is called once (it scales in place)."""
+
+    def __init__(self) -> None:
+        self.values, self.nulls = array("q"), array("q")
+
+    def add(self, v: Any) -> None:
+        if v is None:
+            self.nulls.append(len(self.values))
+            v = 0
+        elif type(v) is not int:
+            if type(v) is not float or v != v:
+                raise TypeError(f"expected an integer, got {type(v).__name__} {v!r:.40}")
+            v = int(v)
+        self.values.append(v)
+
+    def arrow(self, scale: int = 1) -> pa.Array:
+        values = np.frombuffer(self.values, dtype=np.int64)  # a view: Arrow wraps the same buffer
+        if scale != 1:
+            values *= scale
+        mask = None
+        if self.nulls:
+            mask = np.zeros(len(values), dtype=bool)
+            mask[np.frombuffer(self.nulls, dtype=np.int64)] = True
+        return pa.array(values, mask=mask)
+
+
+class _Events:
+    """device_traces entries, in order, as memory_events columns (all devices in one sequence)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.top = path, _TopFrames()
+        self.ints = {c: _Ints() for c in ("addr", "size", "stream", "ts_ns")}
+        self.strs = {c: _Strings() for c in ("action", "category", "frame")}
+        self.n = 0
+
+    def add(self, _device: list, items: list) -> None:
+        addr, size, stream, ts = (self.ints[c] for c in ("addr", "size", "stream", "ts_ns"))
+        action, category, frame = self.strs["action"], self.strs["category"], self.strs["frame"]
+        top = self.top
+        for e in items:
+            if type(e) is not dict:
+                raise IngestError(f"{self.path}: trace entry {self.n} is a {type(e).__name__}, not a dict")
+            try:
+                a, s, st, t = e.get("addr"), e.get("size"), e.get("stream"), e.get("time_us")
+                if type(a) is int and type(s) is int and type(st) is int and type(t) is int:
+                    addr.values.append(a)  # the usual entry: no nulls, no conversions
+                    size.values.append(s)
+                    stream.values.append(st)
+                    ts.values.append(t)
+                else:
+                    addr.add(a)
+                    size.add(s)
+                    stream.add(st)
+                    ts.add(t)
+                action.add(e.get("action"))
+                category.add(e.get("category"))
+                frame.add(top(e.get("frames")))
+            except (TypeError, OverflowError) as err:
+                raise IngestError(f"{self.path}: trace entry {self.n} is malformed ({err})") from None
+            self.n += 1
+
+    def table(self) -> pa.Table:
+        cols = {"seq": pa.array(np.arange(self.n, dtype=np.int64)), "ts_ns": self.ints["ts_ns"].arrow(1000),
+                "addr": self.ints["addr"].arrow(), "size": self.ints["size"].arrow(),
+                "stream": self.ints["stream"].arrow(), **{c: s.arrow() for c, s in self.strs.items()}}
+        names = arrow_schema("memory_events").names
+        return pa.table([cols[c] for c in names], names=names)
+
+
+class _Segments:
+    """Segments and their blocks (a few thousand rows even in large snapshots)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.top = path, _TopFrames()
+        self.segments: list[dict] = []
+        self.blocks: list[dict] = []
+
+    def add(self, _segments: list, items: list) -> None:
+        try:
+            for s in items:
+                blocks = s.get("blocks") or []
+                active = [b for b in blocks if str(b.get("state", "")).startswith("active")]
+                self.segments.append({
+                    "address": s.get("address"), "total_size": s.get("total_size"),
+                    "allocated_size": s.get("allocated_size",
+                                            sum(b["size"] for b in active if b.get("state") == "active_allocated")),
+                    "active_size": s.get("active_size", sum(b.get("size", 0) for b in active)),
+                    "requested_size": s.get("requested_size", sum(b.get("requested_size", 0) for b in active)),
+                    "stream": s.get("stream"), "segment_type": s.get("segment_type"), "blocks": len(blocks)})
+                addr = s.get("address")
+                for b in blocks:
+                    self.blocks.append({
+                        "segment_address": s.get("address"), "address": b.get("address", addr),
+                        "size": b.get("size"), "requested_size": b.get("requested_size"),
+                        "state": b.get("state"), "category": b.get("category"),
+                        "frame": self.top(b.get("frames"))})
+                    addr = addr + b["size"] if isinstance(addr, int) and isinstance(b.get("size"), int) else None
+        except (AttributeError, TypeError, ValueError, KeyError) as err:
+            raise IngestError(f"{self.path}: memory snapshot has a malformed segment ({err})") from None
+
+    def tables(self) -> dict[str, pa.Table]:
+        try:
+            return {"memory_segments": table_from_rows("memory_segments", self.segments),
+                    "memory_blocks": table_from_rows("memory_blocks", self.blocks)}
+        except (pa.ArrowException, OverflowError) as err:
+            raise IngestError(f"{self.path}: memory snapshot has a malformed segment ({err})") from None
+
+
+def _check(path: Path, snap: object) -> None:
+    if not isinstance(snap, dict):
+        raise IngestError(f"{path}: not a memory snapshot (top level is {type(snap).__name__})")
     traces, segments = snap.get("device_traces"), snap.get("segments")
-    if not isinstance(traces, list) or not isinstance(segments, list):
-        raise IngestError(f"{path}: not a memory snapshot (needs 'segments' and 'device_traces' lists)")
-    events = []
-    try:
-        for dev in traces:
-            for e in dev:
-                t = e.get("time_us")
-                events.append({"seq": len(events), "ts_ns": int(t * 1000) if t is not None else None,
-                               "action": e.get("action"), "addr": e.get("addr"), "size": e.get("size"),
-                               "stream": e.get("stream"), "category": e.get("category"),
-                               "frame": top_user_frame(e.get("frames"))})
-        segs = []
-        for s in segments:
-            blocks = s.get("blocks") or []
-            active = [b for b in blocks if str(b.get("state", "")).startswith("active")]
-            segs.append({
-                "address": s.get("address"), "total_size": s.get("total_size"),
-                "allocated_size": s.get("allocated_size",
-                                        sum(b["size"] for b in active if b.get("state") == "active_allocated")),
-                "active_size": s.get("active_size", sum(b.get("size", 0) for b in active)),
-                "requested_size": s.get("requested_size", sum(b.get("requested_size", 0) for b in active)),
-                "stream": s.get("stream"), "segment_type": s.get("segment_type"), "blocks": len(blocks)})
-        tables = {"memory_events": table_from_rows("memory_events", events),
-                  "memory_segments": table_from_rows("memory_segments", segs)}
-    except (AttributeError, TypeError, ValueError, KeyError, OverflowError) as err:
-        raise IngestError(f"{path}: memory snapshot has malformed entries ({err})") from None
-    return Parsed(format="memory", tables=tables)
+    if not isinstance(traces, list) or not isinstance(segments, list) \
+            or not all(isinstance(d, list) for d in traces):
+        raise IngestError(f"{path}: not a memory snapshot (needs a 'segments' list and a "
+                          "'device_traces' list of lists)")
+
+
+def _parsed(events: _Events, segments: _Segments) -> Parsed:
+    return Parsed(format="memory", tables={"memory_events": events.table(), **segments.tables()})
+
+
+def parse_snapshot(path: Path, snap: dict) -> Parsed:
+    """A snapshot already loaded as a dict (small files, or a pickle that is not streamed)."""
+    _check(path, snap)
+    events, segments = _Events(path), _Segments(path)
+    for device in snap["device_traces"]:
+        events.add(device, device)
+    segments.add(snap["segments"], snap["segments"])
+    return _parsed(events, segments)
 
 
 def parse(path: Path) -> Parsed:
-    obj = safe_pickle.loads(path.read_bytes(), str(path))
-    if not isinstance(obj, dict):
-        raise IngestError(f"{path}: not a memory snapshot (top level is {type(obj).__name__})")
-    return parse_snapshot(path, obj)
+    """Stream a snapshot pickle: no more than a batch of entries is alive as Python objects."""
+    events, segments = _Events(path), _Segments(path)
+    top = pickle_stream.read(path, {TRACE: events.add, SEGMENTS: segments.add})
+    _check(path, top)
+    return _parsed(events, segments)
+
+
+def looks_like_snapshot(path: Path) -> bool:
+    """Whether the pickle's top-level dict starts with a snapshot key (torch writes 'segments'
+    first): read from the first opcodes only, without building anything."""
+    with open(path, "rb") as f:
+        head = f.read(1 << 12)
+    try:
+        for op, arg, _ in pickletools.genops(io.BytesIO(head)):
+            if isinstance(arg, str) and op.name not in ("GLOBAL", "INST"):
+                return arg in ("segments", "device_traces")
+            if op.name not in ("PROTO", "FRAME", "EMPTY_DICT", "MARK", "DICT", "MEMOIZE", "BINPUT",
+                               "LONG_BINPUT", "PUT"):
+                return False
+    except ValueError:  # truncated head or not a pickle: the full parse says what is wrong
+        return False
+    return False

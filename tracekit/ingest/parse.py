@@ -71,6 +71,8 @@ def parse_path(path: Path, format: str) -> Parsed:
     if format == sn.FR:
         return flight_recorder.parse(path)
     if format == sn.PICKLE:
+        if memory_snapshot.looks_like_snapshot(path):  # streamed: snapshots reach hundreds of MB
+            return memory_snapshot.parse(path)
         data = path.read_bytes()
         obj = safe_pickle.loads(data, str(path))
         if isinstance(obj, dict) and isinstance(obj.get("entries"), list):

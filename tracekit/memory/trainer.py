@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from tracekit.llama_dims import EstimateError, ModelDims, StageContents
-from tracekit.memory_estimate import MemoryEstimate, StateBuffer, estimate_rank
+from tracekit.memory.estimate import MemoryEstimate, StateBuffer, estimate_rank
+from tracekit.memory.llama_dims import EstimateError, ModelDims, StageContents
 from tracekit.topology import Layout
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}

@@ -1,4 +1,4 @@
-"""`tracekit estimate`: render the 4D memory estimator (tracekit.memory_estimate) as tables or JSON."""
+"""`tracekit estimate`: render the 4D memory estimator (tracekit.memory.estimate) as tables or JSON."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import click
 
-from tracekit.memory_estimate import (
+from tracekit.memory.estimate import (
     PRESETS,
     EstimateError,
     ModelDims,

@@ -1,5 +1,5 @@
 """Llama-architecture model dimensions: presets, which parallel layouts are valid, pipeline stage
-contents and exact per-rank parameter counts (used by tracekit.memory_estimate).
+contents and exact per-rank parameter counts (used by tracekit.memory.estimate).
 
 Llama architecture: untied embedding and output head, GQA (k KV heads of a heads), SwiGLU with FFN
 width f, RMSNorm, no biases. Under TP (Megatron style, with sequence parallelism) the attention

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
-from tracekit.llama_dims import (  # re-exported: the estimator's public API in one import
+from tracekit.memory.llama_dims import (  # re-exported: the estimator's public API in one import
     PRESETS,
     EstimateError,
     ModelDims,

@@ -1,0 +1,217 @@
+"""`tracekit memory STORE`: per-rank peak memory, what was live at the peak, imbalance, and for a
+reference-trainer run the estimate next to the measured peak by component, rendered from
+tracekit.analysis.memory and tracekit.memory.compare over a store's memory tables."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+import polars as pl
+import polars.selectors  # noqa: F401 - pl.selectors
+
+from tracekit.analysis.memory import MemoryDataError, analyse, imbalance
+from tracekit.memory.compare import COMPARED, MemoryComparison, trainer_comparison
+from tracekit.memory.llama_dims import EstimateError
+from tracekit.topology import Layout, LayoutError
+
+MIB = 1024**2
+TABLES = ("memory_events", "memory_segments", "memory_blocks", "steps")
+COMPONENT_NOTE = {
+    "weights": "parameters, in the compute dtype",
+    "gradients": "accumulation buffer, reduce-scatter shard, last step's reduced shard",
+    "optimizer": "fp32 master shard and AdamW moments",
+    "activations": "kept for backward by the micro-batches in flight (paper terms + attention matrices)",
+    "other": "temporaries and uncategorized blocks: no estimator term",
+}
+
+
+def _size(n: float | None, signed: bool = False) -> str:
+    if n is None:
+        return "-"
+    sign = "+" if signed and n > 0 else ""
+    for unit, scale in (("GiB", 1024**3), ("MiB", MIB), ("KiB", 1024)):
+        if abs(n) >= scale:
+            return f"{sign}{n / scale:.2f} {unit}"
+    return f"{sign}{n:.0f} B"
+
+
+def load_tables(store: Path, run_id: str | None
+                ) -> tuple[str, dict[str, pl.DataFrame], Layout | None, dict | None]:
+    """The run's memory tables from a DuckDB store (read-only), its layout when recorded, and its
+    trainer manifest when it has one."""
+    import duckdb
+
+    if not store.is_file():
+        raise MemoryDataError(f"{store}: no such store file")
+    try:
+        con = duckdb.connect(str(store), read_only=True)
+    except duckdb.Error as e:
+        raise MemoryDataError(f"{store}: not a DuckDB store ({e})") from None
+    try:
+        have = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+        if "memory_events" not in have:
+            raise MemoryDataError(f"{store}: has no memory_events table (ingest a memory snapshot first)")
+        runs = [r[0] for r in con.execute("SELECT DISTINCT run_id FROM memory_events ORDER BY 1").fetchall()]
+        if run_id is None:
+            if len(runs) != 1:
+                raise MemoryDataError(f"{store}: memory events of {len(runs)} runs {runs}; pick one with --run-id")
+            run_id = runs[0]
+        elif run_id not in runs:
+            raise MemoryDataError(f"{store}: no memory events for run {run_id!r}; runs: {runs}")
+        tables = {t: _read(con, t, run_id, categories=t == "memory_events") for t in TABLES if t in have}
+        if "events" in have:  # only the spans that carry a phase (the trainer's tk.compute spans)
+            tables["spans"] = con.sql("SELECT rank, ts_ns, dur_ns, phase, microbatch, vstage, name, run_id"
+                                      " FROM events WHERE run_id = ? AND phase IS NOT NULL",
+                                      params=[run_id]).pl()
+        layout = manifest = None
+        if "runs" in have:
+            row = con.execute("SELECT tp, cp, pp, dp, manifest FROM runs WHERE run_id = ?", [run_id]).fetchone()
+            if row is not None and None not in row[:4]:
+                layout = Layout(*row[:4])
+            if row is not None and row[4]:
+                manifest = json.loads(row[4])
+    finally:
+        con.close()
+    return run_id, tables, layout, manifest
+
+
+def _read(con, table: str, run_id: str, categories: bool = False) -> pl.DataFrame:
+    """One run's rows, columnar (Arrow batches, no Python row objects). With ``categories`` the
+    string columns become categories: a trace repeats a few actions, categories and sites
+    millions of times."""
+    reader = con.sql(f"SELECT * FROM {table} WHERE run_id = ?", params=[run_id]).fetch_arrow_reader(1 << 20)
+    cast = pl.selectors.string().cast(pl.Categorical) if categories else pl.selectors.string()
+    parts = [pl.from_arrow(batch).with_columns(cast) for batch in reader]
+    return pl.concat(parts) if parts else pl.from_arrow(reader.schema.empty_table()).with_columns(cast)
+
+
+def _when(r: dict) -> str:
+    return " ".join(x for x in (
+        f"step {r['peak_step']}" if r.get("peak_step") is not None else "",
+        f"{r['peak_phase']} mb {r['peak_microbatch']}" if r.get("peak_phase") is not None else "",
+        f"(entry {r['peak_seq']})") if x)
+
+
+def _render(run_id: str, pk: pl.DataFrame, live: pl.DataFrame, console) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"peak allocated per rank, run {run_id}")
+    for col in ("rank", "pp", "peak", "vs mean", "when", "allocated by", "baseline",
+                "reserved at peak", "fragmentation"):
+        t.add_column(col, justify="left" if col == "allocated by" else "right")
+    for r in pk.iter_rows(named=True):
+        frag = r["fragmentation_at_peak"]
+        t.add_row(str(r["rank"]), str(r.get("pp", "-")), _size(r["peak_allocated"]),
+                  f"{r['vs_run_mean']:.2f}x" if r.get("vs_run_mean") is not None else "-", _when(r),
+                  f"{r['peak_frame']} ({r['peak_category']})", _size(r["baseline_allocated"]),
+                  _size(r["reserved_at_peak"]), "-" if frag is None else f"{frag:.0%}")
+    console.print(t)
+    cats = live.pivot(on="category", index="rank", values="bytes", aggregate_function="sum").sort("rank")
+    t = Table(title="live at the peak, by category")
+    for col in cats.columns:
+        t.add_column(col, justify="right")
+    for r in cats.iter_rows():
+        t.add_row(str(r[0]), *(_size(v) if v is not None else "-" for v in r[1:]))
+    console.print(t)
+    console.print("allocation sites live at the peak: --by frame")
+
+
+def _render_comparison(cmp: MemoryComparison, console) -> None:
+    from rich.table import Table
+
+    cfg = cmp.config
+    desc = (f"tp{cfg.get('tp')} cp{cfg.get('cp')} pp{cfg.get('pp')} dp{cfg.get('dp')}, "
+            f"{cfg.get('compute_dtype')} compute / {cfg.get('grad_accum_dtype')} gradients, "
+            f"ZeRO-{cfg.get('zero_stage')}, {cfg.get('schedule')} x {cfg.get('micro_batches')} micro-batches")
+    t = Table(title=f"estimate vs measured at the peak ({desc}); component columns: measured (estimated)")
+    for col in ("rank", "pp", "measured", "estimated", "meas/est", *COMPARED):
+        t.add_column(col, justify="right")
+    comp = {(r["rank"], r["component"]): r for r in cmp.by_component.iter_rows(named=True)}
+    for r in cmp.by_rank.iter_rows(named=True):
+        cells = [f"{_size(comp[r['rank'], c]['measured'])} ({_size(comp[r['rank'], c]['estimated'])})"
+                 for c in COMPARED]
+        t.add_row(str(r["rank"]), str(r.get("pp", "-")), _size(r["peak_allocated"]), _size(r["estimated"]),
+                  f"{r['measured_over_estimated']:.2f}x", *cells)
+    console.print(t)
+    gaps = cmp.by_component.group_by("component").agg(pl.col("difference").mean())
+    gap = {r["component"]: r["difference"] for r in gaps.iter_rows(named=True)}
+    for c in COMPARED:
+        console.print(f"  {c:12s} {_size(gap[c], signed=True):>12s} mean measured - estimated: {COMPONENT_NOTE[c]}")
+
+
+@click.command("memory")
+@click.argument("store", type=click.Path(path_type=Path))
+@click.option("--run-id", help="run to analyse (needed when the store holds several)")
+@click.option("--by", type=click.Choice(["category", "frame"]), default="category", show_default=True,
+              help="group what was live at the peak by category or by allocation site")
+@click.option("--top", type=int, default=10, show_default=True, help="rows per rank with --by frame")
+@click.option("--estimate/--no-estimate", default=True, show_default=True,
+              help="for a reference-trainer run, the estimator next to the measured peak")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="write a PNG of measured vs estimated per rank by component (needs matplotlib)")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def memory_command(store: Path, run_id: str | None, by: str, top: int, estimate: bool,
+                   plot_path: Path | None, as_json: bool) -> None:
+    """Per-rank peak memory, when it happened, what was live at it, imbalance across ranks, and
+    the 4D estimator applied to the run's own config next to it."""
+    from rich.console import Console
+
+    status = Console(stderr=True).status  # a spinner on a terminal, silent otherwise
+    try:
+        with status(f"reading {store}"):
+            run_id, tables, layout, manifest = load_tables(store, run_id)
+        events = tables["memory_events"]
+        with status(f"analysing {events.height:,} allocator events of run {run_id}"):
+            result = analyse(events, segments=tables.get("memory_segments"), steps=tables.get("steps"),
+                             spans=tables.get("spans"), blocks=tables.get("memory_blocks"))
+        pk = result.peaks if layout is None else imbalance(result.peaks, layout)
+        live = result.live_at_peak(by=by)
+    except (MemoryDataError, LayoutError) as e:
+        raise click.UsageError(str(e)) from e
+    cmp, why_not = None, "no --estimate"
+    if estimate:
+        if manifest is None or "config" not in manifest:
+            why_not = "the run has no reference-trainer manifest (config, layout, stage_layers)"
+        else:
+            try:  # the measured tables stand on their own: a manifest the estimator rejects is a note
+                cmp = trainer_comparison(result, manifest, peaks=pk)
+            except (EstimateError, LayoutError, MemoryDataError, KeyError, TypeError, ValueError) as e:
+                why_not = f"the estimator rejects the run's manifest: {e}"
+    if plot_path is not None:
+        if cmp is None:
+            raise click.UsageError(f"--plot needs the estimate: {why_not}")
+        from tracekit.memory.plot import plot_comparison
+
+        plot_comparison(cmp, plot_path, title=f"run {run_id}")
+    if by == "frame":
+        live = live.group_by("rank", maintain_order=True).head(top)
+    if as_json:
+        out = {"run_id": run_id, "layout": layout.as_dict() if layout else None,
+               "peaks": pk.to_dicts(), f"live_by_{by}": live.to_dicts(),
+               "estimate_vs_measured": None if cmp is None else {
+                   "config": cmp.config, "by_rank": cmp.by_rank.to_dicts(),
+                   "by_component": cmp.by_component.to_dicts(),
+                   "estimates": {str(r): e.as_dict() for r, e in cmp.estimates.items()}},
+               "estimate_missing_because": None if cmp is not None else why_not}
+        click.echo(json.dumps(out, indent=1, default=str))
+        return
+    console = Console(width=170)
+    if by == "frame":
+        from rich.table import Table
+
+        t = Table(title=f"live at the peak by allocation site, run {run_id}")
+        for col in ("rank", "site", "bytes", "blocks", "share"):
+            t.add_column(col, justify="left" if col == "site" else "right")
+        for r in live.iter_rows(named=True):
+            t.add_row(str(r["rank"]), r["frame"], _size(r["bytes"]), str(r["blocks"]), f"{r['share']:.0%}")
+        console.print(t)
+    else:
+        _render(run_id, pk, live, console)
+    if cmp is not None:
+        _render_comparison(cmp, console)
+    elif estimate:
+        console.print(f"no estimate: {why_not}")
+    if plot_path is not None:
+        console.print(f"plot: {plot_path}")
