@@ -43,6 +43,8 @@ class Dashboard:
         self.views = [self.overview, self.heatmap, self.drilldown, self.timeline, self.cpwait, self.memory,
                       self.numerics]
         self.focus = pn.pane.Markdown("", css_classes=["tk-focus"], sizing_mode="stretch_width")
+        self.errors = pn.pane.Alert("", alert_type="warning", visible=False, css_classes=["tk-errors"],
+                                    sizing_mode="stretch_width")
         header = pn.Row(pn.pane.Markdown(f"# tracekit &middot; `{title}`"),
                         pn.widgets.Select.from_param(sel.param.run_id, name="run"),
                         pn.widgets.IntInput.from_param(sel.param.rank, name="rank"),
@@ -50,9 +52,9 @@ class Dashboard:
         left = pn.Column(self.overview.panel, self.heatmap.panel, self.cpwait.panel, sizing_mode="stretch_width")
         right = pn.Column(self.drilldown.panel, self.timeline.panel, self.memory.panel, self.numerics.panel,
                           sizing_mode="stretch_width")
-        self.panel = pn.Column(header, self.focus, pn.Row(left, right, sizing_mode="stretch_width"),
+        self.panel = pn.Column(header, self.focus, self.errors, pn.Row(left, right, sizing_mode="stretch_width"),
                                sizing_mode="stretch_width", css_classes=["tk-app"])
-        self._loading = False
+        self._loading, self._run_errors = False, []
         self._load_run(sel.run_id)
         sel.param.watch(lambda e: self._held(self._load_run, e.new), "run_id")
         sel.param.watch(lambda *e: self._loading or self._held(self._follow, sel.rank, sel.step), ["rank", "step"])
@@ -62,11 +64,31 @@ class Dashboard:
         with pn.io.hold(freeze=True):
             update(*args)
 
-    def _load_run(self, run_id: str) -> None:
-        rank, step = initial_focus(self.data, run_id)
-        self.sel.param.rank.bounds = (0, self.data.layout(run_id).world_size - 1)
+    def _each(self, method: str, *args) -> None:
+        """Call ``method`` on every view; a view whose data cannot be read (a malformed table, an
+        analysis that rejects the run) says so in the error box while the others carry on."""
+        failed = []
         for v in self.views:
-            v.show_run(run_id)
+            try:
+                getattr(v, method)(*args)
+            except ValueError as e:  # StoreError, TablesError, MemoryDataError, ...
+                failed.append(f"**{type(v).__name__.removesuffix('View').lower()}**: {e}")
+        if method == "show_run":
+            self._run_errors = failed
+        shown = list(dict.fromkeys(self._run_errors + failed))
+        self.errors.object = "<br>".join(shown)
+        self.errors.visible = bool(shown)
+
+    def _load_run(self, run_id: str) -> None:
+        try:
+            rank, step = initial_focus(self.data, run_id)
+        except ValueError:  # no verdict to open on: the overview says why
+            rank, step = 0, 0
+        try:
+            self.sel.param.rank.bounds = (0, self.data.layout(run_id).world_size - 1)
+        except ValueError:
+            pass
+        self._each("show_run", run_id)
         self._loading = True  # the views follow once below, not once per changed parameter
         try:
             self.sel.param.update(rank=rank, step=step)
@@ -75,11 +97,13 @@ class Dashboard:
         self._follow(rank, step)
 
     def _follow(self, rank: int, step: int) -> None:
-        c = self.data.coords(self.sel.run_id, rank)
-        self.focus.object = (f"**Selected:** run `{self.sel.run_id}`, rank {rank} (dp {c.dp}, pp {c.pp}, cp {c.cp}, "
-                             f"tp {c.tp}), step {step}")
-        for v in self.views:
-            v.show_focus(rank, step)
+        try:
+            c = self.data.layout(self.sel.run_id).coords(rank)
+            where = f" (dp {c.dp}, pp {c.pp}, cp {c.cp}, tp {c.tp})"
+        except ValueError:
+            where = ""
+        self.focus.object = f"**Selected:** run `{self.sel.run_id}`, rank {rank}{where}, step {step}"
+        self._each("show_focus", rank, step)
 
 
 def build_app(store: str | Path, data: DashboardData | None = None) -> pn.viewable.Viewable:
@@ -89,11 +113,13 @@ def build_app(store: str | Path, data: DashboardData | None = None) -> pn.viewab
     return Dashboard(data or DashboardData(store), title).panel
 
 
-def serve(store: str | Path, port: int = 5006, address: str = "127.0.0.1", show: bool = False) -> None:
-    """Serve the dashboard until interrupted (one shared data access for all sessions; the newest
-    run's analysis is computed before the server listens)."""
-    data = DashboardData(store)
-    data.warm(data.newest_run())
+def serve(store: str | Path, port: int = 5006, address: str = "127.0.0.1", show: bool = False,
+          data: DashboardData | None = None) -> None:
+    """Serve the dashboard until interrupted, with one data access shared by all sessions (the
+    newest run's analysis is computed before the server listens, unless ``data`` has it)."""
+    if data is None:
+        data = DashboardData(store)
+        data.warm(data.newest_run())
     pn.serve({"dashboard": lambda: build_app(store, data)}, port=port, address=address, show=show,
              title="tracekit", websocket_origin=[f"{address}:{port}", f"localhost:{port}"], print_url=False)
 

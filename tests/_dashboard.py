@@ -33,17 +33,19 @@ def browser_missing() -> str | None:
     return None
 
 
-def write_store(path: Path, tables: dict) -> Path:
-    """A real store file holding ``tables`` (the store's table name -> polars frame)."""
+def write_store(path: Path, tables: dict, when: str | None = None, fresh: bool = True) -> Path:
+    """A real store file holding ``tables`` (the store's table name -> polars frame), ingested at
+    ``when`` (default now); ``fresh=False`` adds them to the store already there."""
     from tracekit.store import connect
 
-    path.unlink(missing_ok=True)
+    if fresh:
+        path.unlink(missing_ok=True)
     con = connect(path)
     for name, df in tables.items():
         con.register("frame", df.to_arrow())
         con.execute(f"INSERT INTO {name} SELECT * FROM frame")
         con.unregister("frame")
-    con.execute("UPDATE runs SET ingested_at = now() WHERE ingested_at IS NULL")
+    con.execute("UPDATE runs SET ingested_at = coalesce(?::TIMESTAMP, now()) WHERE ingested_at IS NULL", [when])
     con.close()
     return path
 
@@ -63,6 +65,63 @@ def with_kernels(tables: dict, kernel_ns: int = 20_000, gap_ns: int = 5_000) -> 
         pl.lit("kernel").alias("kind"), pl.format("sm90_xmma_gemm_{}", pl.col("k") % 7).alias("name"),
         pl.lit(None, pl.Utf8).alias("phase")).select(ev.columns).cast(ev.schema)
     return {**tables, "events": pl.concat([ev.filter(~annotated), kernels])}
+
+
+def memory_rows(run_id: str, rank: int, t0: int, t1: int, n: int):
+    """An allocator trace for ``rank`` between t0 and t1 (memory_events rows): blocks allocated and
+    freed in turn, one 64 MiB block in the middle making the peak."""
+    import numpy as np
+    import polars as pl
+
+    rows, live = [], []
+    for i, t in enumerate(np.linspace(t0, t1, n).astype(np.int64)):
+        if live and i % 3 == 2:
+            addr, size = live.pop()
+            rows.append((run_id, rank, i, int(t), "free_completed", addr, size))
+        else:
+            size = 64 << 20 if i == n // 2 else 1 << 20
+            live.append((1000 + i, size))
+            rows.append((run_id, rank, i, int(t), "alloc", 1000 + i, size))
+    df = pl.DataFrame(rows, schema=["run_id", "rank", "seq", "ts_ns", "action", "addr", "size"], orient="row")
+    return df.with_columns(pl.lit(None, pl.Int64).alias("stream"), pl.lit(None, pl.Utf8).alias("category"),
+                           pl.lit(None, pl.Utf8).alias("frame"))
+
+
+SLOW = 5  # the slowed rank of ``job_store``'s run "slow": dp 0, pp 1, cp 0, tp 1 of tp 2 x cp 2 x pp 2 x dp 2
+
+
+def job_store(root: Path, memory_points: int) -> Path:
+    """A store of the job model (tests/synthetic_job.py, tp 2 x cp 2 x pp 2 x dp 2, 6 steps) with
+    three runs: "broken" (its memory trace has a negative size, its numerics.json is not JSON),
+    "clean", and "slow" (rank SLOW 1.5x,
+    ingested last). "slow" has a numerics.json in its run directory, rank SLOW a memory trace of
+    ``memory_points`` events on the steps' clock and rank 0 one of 300 on a clock of its own."""
+    import json
+
+    import polars as pl
+    from synthetic_job import Faults, make_job
+
+    from tracekit.topology import Layout
+
+    layout, path = Layout(tp=2, cp=2, pp=2, dp=2), root / "store.duckdb"
+    broken = make_job(layout, steps=6, run_id="broken")
+    broken["memory_events"] = memory_rows("broken", 0, 0, 10**9, 30).with_columns(pl.lit(-1, pl.Int64).alias("size"))
+    (root / "broken-run").mkdir()
+    (root / "broken-run" / "numerics.json").write_text("[{not json")
+    broken["runs"] = broken["runs"].with_columns(pl.lit(str(root / "broken-run")).alias("root"))
+    slow = make_job(layout, steps=6, faults=Faults(slow_rank=SLOW, slow_factor=1.5), run_id="slow")
+    run_dir = root / "slow-run"
+    run_dir.mkdir()
+    (run_dir / "numerics.json").write_text(json.dumps([{"check": "bitwise", "ok": True, "max_ulp": 0}]))
+    slow["runs"] = slow["runs"].with_columns(pl.lit(str(run_dir)).alias("root"))
+    steps = slow["steps"].filter(pl.col("rank") == SLOW)
+    slow["memory_events"] = pl.concat([
+        memory_rows("slow", SLOW, steps["start_ns"].min(), steps["end_ns"].max(), memory_points),
+        memory_rows("slow", 0, 10**9, 2 * 10**9, 300)])
+    for when, tables in (("2026-01-01", broken), ("2026-01-02", make_job(layout, steps=6, run_id="clean")),
+                         ("2026-01-03", slow)):
+        write_store(path, tables, when=when, fresh=False)
+    return path
 
 
 def free_port() -> int:

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from synthetic_job import Faults, make_job  # noqa: E402
+import _dashboard as D  # noqa: E402
 
 pytest.importorskip("panel", reason="the dashboard extra is not installed (pip install 'tracekit[dashboard]')")
 
@@ -29,58 +29,17 @@ from apps.data.numerics import numerics_report  # noqa: E402
 from apps.data.overview import initial_focus, step_times  # noqa: E402
 from apps.data.timeline import TIMELINE_BINS, healthy_peer, lane_glyphs, step_spans  # noqa: E402
 from tracekit.cli import main  # noqa: E402
-from tracekit.store import StoreError, connect  # noqa: E402
+from tracekit.store import StoreError  # noqa: E402
 from tracekit.topology import Layout  # noqa: E402
 
 LAYOUT = Layout(tp=2, cp=2, pp=2, dp=2)
-SLOW = 5  # dp 0, pp 1, cp 0, tp 1
+SLOW = D.SLOW  # dp 0, pp 1, cp 0, tp 1
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_traces" / "cp_imbalance_8"
-
-
-def _write(path: Path, tables: dict[str, pl.DataFrame], when: str) -> None:
-    con = connect(path)
-    for name, df in tables.items():
-        con.register("frame", df.to_arrow())
-        con.execute(f"INSERT INTO {name} SELECT * FROM frame")
-        con.unregister("frame")
-    con.execute("UPDATE runs SET ingested_at = ?::TIMESTAMP WHERE ingested_at IS NULL", [when])
-    con.close()
-
-
-def _memory_rows(run_id: str, rank: int, t0: int, t1: int, n: int) -> pl.DataFrame:
-    """An allocator trace for ``rank`` between t0 and t1: blocks allocated and freed in turn, the
-    allocated total climbing to one spike in the middle."""
-    rows, live = [], []
-    for i, t in enumerate(np.linspace(t0, t1, n).astype(np.int64)):
-        if live and i % 3 == 2:
-            addr, size = live.pop()
-            rows.append((run_id, rank, i, int(t), "free_completed", addr, size))
-        else:
-            size = 64 << 20 if i == n // 2 else 1 << 20
-            live.append((1000 + i, size))
-            rows.append((run_id, rank, i, int(t), "alloc", 1000 + i, size))
-    df = pl.DataFrame(rows, schema=["run_id", "rank", "seq", "ts_ns", "action", "addr", "size"], orient="row")
-    return df.with_columns(pl.lit(None, pl.Int64).alias("stream"), pl.lit(None, pl.Utf8).alias("category"),
-                           pl.lit(None, pl.Utf8).alias("frame"))
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("dash")
-    path = root / "store.duckdb"
-    _write(path, make_job(LAYOUT, steps=6, run_id="clean"), "2026-01-01 00:00:00")
-    slow = make_job(LAYOUT, steps=6, faults=Faults(slow_rank=SLOW, slow_factor=1.5), run_id="slow")
-    run_dir = root / "slow-run"
-    run_dir.mkdir()
-    (run_dir / "numerics.json").write_text(json.dumps([{"check": "bitwise", "ok": True, "max_ulp": 0}]))
-    slow["runs"] = slow["runs"].with_columns(pl.lit(str(run_dir)).alias("root"))
-    steps = slow["steps"].filter(pl.col("rank") == SLOW)
-    # rank SLOW's snapshot on the steps' clock; rank 0's on a clock of its own (a profiler's)
-    slow["memory_events"] = pl.concat([
-        _memory_rows("slow", SLOW, steps["start_ns"].min(), steps["end_ns"].max(), 5 * MEMORY_POINTS),
-        _memory_rows("slow", 0, 10**9, 2 * 10**9, 300)])
-    _write(path, slow, "2026-01-02 00:00:00")
-    return path
+    return D.job_store(tmp_path_factory.mktemp("dash"), 5 * MEMORY_POINTS)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +64,7 @@ def cp_sample(tmp_path_factory):
 
 
 def test_newest_run_first_the_verdict_and_where_it_opens(data):
-    assert data.runs() == ["slow", "clean"]
+    assert data.runs() == ["slow", "clean", "broken"]
     assert data.newest_run() == "slow"
     assert data.diagnosis("slow").localization.culprit_rank == SLOW
     rank, step = initial_focus(data, "slow")
@@ -208,6 +167,15 @@ def test_numerics_report_from_the_run_directory(data):
     rep = numerics_report(data, "slow")
     assert rep is not None and rep.to_dicts() == [{"check": "bitwise", "ok": True, "max_ulp": 0}]
     assert numerics_report(data, "clean") is None
+
+
+def test_what_cannot_be_read_fails_with_an_error_that_says_what(data, store):
+    from tracekit.analysis.memory import MemoryDataError
+
+    with pytest.raises(MemoryDataError, match="negative size"):
+        rank_curve(data, "broken", 0)
+    with pytest.raises(StoreError, match=r"broken-run/numerics.json: not valid JSON"):
+        numerics_report(data, "broken")
 
 
 def test_cli_rejects_what_is_not_a_store(tmp_path):

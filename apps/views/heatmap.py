@@ -46,7 +46,7 @@ class HeatmapView:
         fig.on_event(Tap, self._tap)
         self.fig = fig
         self.empty = pn.pane.Markdown("no per-rank step records in this run", visible=False)
-        metric = pn.widgets.RadioButtonGroup.from_param(sel.param.metric, button_type="default")
+        metric = pn.widgets.RadioButtonGroup.from_param(sel.param.metric)
         sel.param.watch(lambda e: self._color(e.new), "metric")
         self.panel = pn.Column(pn.pane.Markdown("## Rank x step"), metric, self.empty,
                                bokeh_pane(fig, css_classes=["tk-heatmap-plot"]),

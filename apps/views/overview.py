@@ -70,9 +70,13 @@ class OverviewView:
         tables = self.data.tables(run_id)  # the layout the analyses use (assumed when none was recorded)
         info = {**self.data.run_info(run_id), "layout_source": tables.runs["layout_source"][0]}
         self.config.object = config_md(info, tables.layout)
-        d = self.data.diagnosis(run_id)
-        self.verdict.object = f"**Verdict:** {d.headline}"
-        self.verdict.alert_type = "success" if d.localization.verdict == "no_straggler" else "danger"
+        try:
+            d = self.data.diagnosis(run_id)
+        except ValueError as e:  # tables the analysis cannot work from: say so, show the rest
+            self.verdict.object, self.verdict.alert_type = f"**Verdict:** none, the analysis failed: {e}", "warning"
+        else:
+            self.verdict.object = f"**Verdict:** {d.headline}"
+            self.verdict.alert_type = "success" if d.localization.verdict == "no_straggler" else "danger"
         st = step_times(self.data, run_id)
         self.source.data = {c: st[c].to_numpy() for c in ("step", "median_ms", "max_ms", "slowest_rank")}
         self.empty.visible = not st.height
