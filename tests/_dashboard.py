@@ -131,13 +131,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def served(store: Path, timeout_s: float = 180.0):
-    """`tracekit dashboard <store>` in a subprocess; yields the page URL; stops it afterwards."""
+def served(store: Path, timeout_s: float = 180.0, root: Path = ROOT):
+    """`tracekit dashboard <store>` in a subprocess, from the source tree ``root`` (this one unless
+    a benchmark compares with another version); yields the page URL; stops it afterwards."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "BOKEH_LOG_LEVEL": "warn"}
+    env = {**os.environ, "PYTHONPATH": str(root), "BOKEH_LOG_LEVEL": "warn"}
     log = open(store.parent / f"dashboard-{port}.log", "w")
     proc = subprocess.Popen([sys.executable, "-c", "from tracekit.cli import main; main()", "dashboard", str(store),
-                             "--port", str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                             "--port", str(port)], cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/dashboard"
     try:
         deadline = time.monotonic() + timeout_s
@@ -223,7 +224,8 @@ def timeline_title(page) -> tuple[int, int]:
 
 
 POINT_JS = """([name, x, y]) => {
-    const view = Bokeh.index.query_one(v => v.model.name === name && v.frame !== undefined);
+    const named = (v) => v.model.name === name || (v.model.title?.text ?? "").startsWith(name);
+    const view = Bokeh.index.query_one(v => v.frame !== undefined && named(v));
     if (view == null) return null;
     view.el.scrollIntoView({block: "center"});
     const box = view.el.getBoundingClientRect();
@@ -234,9 +236,9 @@ POINT_JS = """([name, x, y]) => {
 
 
 def plot_point(page, figure: str, x, y: float | None) -> tuple[float, float]:
-    """Where data point (x, y) of the Bokeh figure named ``figure`` is on the page (viewport
-    pixels, after scrolling it into view); x may be a factor (a list) on a categorical axis, y
-    None for the middle of the plot."""
+    """Where data point (x, y) of the Bokeh figure named ``figure`` (or whose title starts so)
+    is on the page (viewport pixels, after scrolling it into view); x may be a factor (a list) on
+    a categorical axis, y None for the middle of the plot."""
     pt = page.evaluate(POINT_JS, [figure, x, y])
     assert pt is not None, f"no plot named {figure!r} on the page"
     return pt[0], pt[1]
@@ -284,12 +286,15 @@ def click_and_wait(page, figure: str, x, y: float | None, changed, timeout_s: fl
     return time.perf_counter() - t0
 
 
+HEATMAP = "lateness: peers waited on it"  # the heatmap's title (in every version of the dashboard)
+
+
 def click_heatmap(page, step_index: int, rank: int, timeout_ms: int = 60_000) -> tuple[tuple[int, int], float]:
     """Click the heatmap cell of (step_index, rank); wait until the timeline's title and the
     selection line both show a new cell. Returns the timeline's (rank, step) and the seconds from
     the click until both had changed."""
     before = text(page, ".tk-timeline-title")
-    dt = click_and_wait(page, "tk-heatmap-fig", step_index, rank,
+    dt = click_and_wait(page, HEATMAP, step_index, rank,
                         lambda: text(page, ".tk-timeline-title") != before, timeout_ms / 1000)
     shown = timeline_title(page)
     wait_for(lambda: focus(page) == shown, f"the selection line never showed the clicked cell {shown}",

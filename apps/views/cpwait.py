@@ -17,6 +17,7 @@ from apps.views.plots import bokeh_pane, new_figure
 
 PARTS = {"wait_ms": "waited", "transfer_ms": "transfer", "others_waited_ms": "others waited on it"}
 PART_COLORS = ["#e45756", "#f2a541", "#4c78a8"]
+HEADING = "## CP-wait breakdown\n\n"
 
 
 def _bars(title: str, tools: str, name: str) -> tuple:
@@ -56,7 +57,7 @@ class CPWaitView:
         self.only_step.param.watch(lambda e: self.show_focus(self.sel.rank, self.sel.step), "value")
         self.plots = pn.Column(self.position_note, bokeh_pane(self.position_fig), self.only_step, self.group_note,
                                bokeh_pane(self.group_fig), sizing_mode="stretch_width")
-        self.panel = pn.Column(pn.pane.Markdown("## CP-wait breakdown"), self.headline, self.plots,
+        self.panel = pn.Column(self.headline, self.plots,
                                sizing_mode="stretch_width", css_classes=["tk-cpwait"])
 
     def show_run(self, run_id: str) -> None:
@@ -64,9 +65,10 @@ class CPWaitView:
         pos = by_position(self.data, run_id)
         self.plots.visible = bool(pos.height)
         if not pos.height:
-            self.headline.object = f"no context-parallel collectives in this run (cp = {self.data.layout(run_id).cp})"
+            self.headline.object = (f"{HEADING}no context-parallel collectives in this run "
+                                    f"(cp = {self.data.layout(run_id).cp})")
             return
-        self.headline.object = f"**{self.data.cp_wait(run_id).headline}**"
+        self.headline.object = f"{HEADING}**{self.data.cp_wait(run_id).headline}**"
         data = _long(pos, pl.format("cp {}", "cp"))
         self.position_fig.x_range.factors = data["x"]
         self.position_src.data = data

@@ -47,7 +47,7 @@ class DrilldownView:
     def __init__(self, data: DashboardData, sel: Selection) -> None:
         self.data, self.run_id = data, None
         self.body = pn.pane.HTML("", sizing_mode="stretch_width")
-        self.panel = pn.Column(pn.pane.Markdown("## Top-down drill-down: DP -> PP -> CP -> TP"), self.body,
+        self.panel = pn.Column(self.body,
                                sizing_mode="stretch_width", css_classes=["tk-drilldown"])
 
     def show_run(self, run_id: str) -> None:
@@ -59,7 +59,7 @@ class DrilldownView:
         chosen = {lv.level: lv.chosen for lv in d.localization.levels}
         marks = ", ".join(f"{dim} {getattr(c, dim)}" + (" (chosen)" if chosen.get(dim) == getattr(c, dim) else "")
                           for dim in ("dp", "pp", "cp", "tp"))
-        parts = [STYLE, f"<p>selected rank {rank}: {marks}</p>"]
+        parts = [STYLE, "<h2>Top-down drill-down: DP -&gt; PP -&gt; CP -&gt; TP</h2>", f"<p>selected rank {rank}: {marks}</p>"]
         parts += [_level_html(lv, getattr(c, lv.level)) for lv in d.localization.levels]
         cause = d.cause
         ev = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in cause.evidence.items()

@@ -1,5 +1,6 @@
 """Rank x step heatmap laid out by the 4D coordinates: ranks top to bottom in [dp, pp, cp, tp]
-order (outermost first, the order of global ranks), each labelled with its coordinates. The
+order (outermost first, the order of global ranks), each labelled with its coordinates, white
+lines between pipeline stages and thicker ones between data-parallel replicas. The
 colour is step time, lateness (how long peers waited on the rank) or wait share. A click on a
 cell selects its rank and step; the selected cell is outlined."""
 
@@ -35,6 +36,9 @@ class HeatmapView:
         fig.add_tools(HoverTool(renderers=[cells], tooltips=[("rank", "@rank (@coords)"), ("step", "@step"),
                                           ("step time", "@step_ms{0.0} ms"), ("lateness", "@lateness_ms{0.0} ms"),
                                           ("wait share", "@wait_share{0%}")]))
+        # lines between data-parallel replicas (thick) and pipeline stages (thin): the 4D layout
+        self.bounds = ColumnDataSource({"y": [], "width": []})
+        fig.hspan(y="y", line_width="width", line_color="white", source=self.bounds)
         self.marker = ColumnDataSource({"x": [], "rank": []})
         fig.rect("x", "rank", 1, 1, source=self.marker, fill_alpha=0, line_color=ACCENT, line_width=3)
         self.colorbar = ColorBar(color_mapper=self.mapper, width=12, title_text_font_size="11px")
@@ -45,16 +49,16 @@ class HeatmapView:
         fig.grid.visible = False
         fig.on_event(Tap, self._tap)
         self.fig = fig
-        self.empty = pn.pane.Markdown("no per-rank step records in this run", visible=False)
+        self.heading = pn.pane.Markdown("## Rank x step", sizing_mode="stretch_width")
         metric = pn.widgets.RadioButtonGroup.from_param(sel.param.metric)
         sel.param.watch(lambda e: self._color(e.new), "metric")
-        self.panel = pn.Column(pn.pane.Markdown("## Rank x step"), metric, self.empty,
+        self.panel = pn.Column(self.heading, metric,
                                bokeh_pane(fig, css_classes=["tk-heatmap-plot"]),
                                sizing_mode="stretch_width", css_classes=["tk-heatmap"])
 
     def show_run(self, run_id: str) -> None:
         df = rank_step(self.data, run_id)
-        self.empty.visible = not df.height
+        self.heading.object = "## Rank x step" + ("" if df.height else "\n\nno per-rank step records in this run")
         self.steps = sorted(df["step"].unique().to_list())
         index = {s: i for i, s in enumerate(self.steps)}
         df = df.with_columns(pl.col("step").replace_strict(index, return_dtype=pl.Int64).alias("x"),
@@ -73,6 +77,11 @@ class HeatmapView:
         self.fig.x_range.update(start=-0.5, end=len(self.steps) - 0.5)
         self.fig.y_range.update(start=(max(ranks) if ranks else 0) + 0.5, end=-0.5)
         self.fig.height = max(260, min(900, ROW_PX * len(ranks) + 90))
+        lay = self.data.layout(run_id)
+        stage, replica = lay.cp * lay.tp, lay.pp * lay.cp * lay.tp
+        thick = [r for r in range(replica, lay.world_size, replica)] if replica > 1 else []
+        thin = [r for r in range(stage, lay.world_size, stage) if r % replica] if stage > 1 and lay.pp > 1 else []
+        self.bounds.data = {"y": [r - 0.5 for r in thick + thin], "width": [2.5] * len(thick) + [1.0] * len(thin)}
         self.source.data = {**{c: df[c].to_numpy() for c in ("x", "rank", "step", "step_ms", "lateness_ms",
                                                              "wait_share")},
                             "coords": df["coords"].to_list(), "value": df[self.sel.metric].to_numpy()}

@@ -33,7 +33,7 @@ class MemoryView:
         self.fig = fig
         self.text = pn.pane.Markdown("", sizing_mode="stretch_width")
         self.plot = bokeh_pane(fig)
-        self.panel = pn.Column(pn.pane.Markdown("## Memory"), self.text, self.plot, sizing_mode="stretch_width",
+        self.panel = pn.Column(self.text, self.plot, sizing_mode="stretch_width",
                                css_classes=["tk-memory"])
 
     def show_run(self, run_id: str) -> None:
@@ -41,7 +41,7 @@ class MemoryView:
         self.ranks = memory_ranks(self.data, run_id)
         self.plot.visible = bool(self.ranks)
         if not self.ranks:
-            self.text.object = "no memory snapshots in this run"
+            self.text.object = "## Memory\n\nno memory snapshots in this run"
 
     def show_focus(self, rank: int, step: int) -> None:
         if not self.ranks:
@@ -75,7 +75,7 @@ class MemoryView:
             text += f"; estimate {est:.4g} MiB (measured/estimate {curve.peak_mib / est:.2f})"
         if shown != rank:
             text += f" (rank {rank} has no snapshot; ranks with one: {self.ranks})"
-        self.text.object = text
+        self.text.object = "## Memory\n\n" + text
         key = ["allocated (blue)"] + (["estimate (dashed red)"] if est is not None else []) + (
             ["step starts (dotted), selected step shaded"] if curve.on_step_clock else [])
         self.fig.title.text = "allocated memory (MiB): " + ", ".join(key)

@@ -15,16 +15,16 @@ class NumericsView:
         self.data = data
         self.note = pn.pane.Markdown("", sizing_mode="stretch_width")
         self.table = pn.pane.DataFrame(None, max_rows=200, index=False, sizing_mode="stretch_width")
-        self.panel = pn.Column(pn.pane.Markdown("## Numerics"), self.note, self.table,
+        self.panel = pn.Column(self.note, self.table,
                                sizing_mode="stretch_width", css_classes=["tk-numerics"])
 
     def show_run(self, run_id: str) -> None:
         try:
             df = numerics_report(self.data, run_id)
         except StoreError as e:
-            df, self.note.object = None, f"numerics report unreadable: {e}"
+            df, self.note.object = None, f"## Numerics\n\nnumerics report unreadable: {e}"
         else:
-            self.note.object = "" if df is not None else "no numerics report stored with this run"
+            self.note.object = "## Numerics" + ("" if df is not None else "\n\nno numerics report stored with this run")
         self.table.object = df.to_pandas() if df is not None else None
         self.table.visible = df is not None
 

@@ -62,14 +62,15 @@ class OverviewView:
         fig.add_layout(self.marker)
         fig.on_event(Tap, self._tap)
         self.fig = fig
-        self.empty = pn.pane.Markdown("no step records in this run", visible=False)
-        self.panel = pn.Column(pn.pane.Markdown("## Run overview"), self.config, self.verdict, self.empty,
+        self.panel = pn.Column(self.config, self.verdict,
                                bokeh_pane(fig), sizing_mode="stretch_width", css_classes=["tk-overview"])
 
     def show_run(self, run_id: str) -> None:
         tables = self.data.tables(run_id)  # the layout the analyses use (assumed when none was recorded)
         info = {**self.data.run_info(run_id), "layout_source": tables.runs["layout_source"][0]}
-        self.config.object = config_md(info, tables.layout)
+        st = step_times(self.data, run_id)
+        self.config.object = "## Run overview\n\n" + config_md(info, tables.layout) + (
+            "" if st.height else "\n\nno step records in this run")
         try:
             d = self.data.diagnosis(run_id)
         except ValueError as e:  # tables the analysis cannot work from: say so, show the rest
@@ -77,9 +78,7 @@ class OverviewView:
         else:
             self.verdict.object = f"**Verdict:** {d.headline}"
             self.verdict.alert_type = "success" if d.localization.verdict == "no_straggler" else "danger"
-        st = step_times(self.data, run_id)
         self.source.data = {c: st[c].to_numpy() for c in ("step", "median_ms", "max_ms", "slowest_rank")}
-        self.empty.visible = not st.height
 
     def show_focus(self, rank: int, step: int) -> None:
         self.marker.location = step

@@ -45,10 +45,8 @@ class TimelineView:
         fig.on_event(RangesUpdate, self._zoomed)
         self.fig = fig
         self.title = pn.pane.Markdown("", css_classes=["tk-timeline-title"], sizing_mode="stretch_width")
-        self.summary = pn.pane.Markdown("", sizing_mode="stretch_width")
         legend = " &nbsp; ".join(f"<span style='color:{c}'>&#9632;</span> {k}" for k, c in KIND_COLORS.items())
-        self.panel = pn.Column(pn.pane.Markdown("## Timeline: selected rank vs a healthy peer"), self.title,
-                               self.summary, bokeh_pane(fig), pn.pane.HTML(legend + " &nbsp; (a lane too crowded "
+        self.panel = pn.Column(self.title, bokeh_pane(fig), pn.pane.HTML(legend + " &nbsp; (a lane too crowded "
                                                                              "to draw span by span shows how busy "
                                                                              "each pixel was; zoom in for spans)"),
                                sizing_mode="stretch_width", css_classes=["tk-timeline"])
@@ -62,8 +60,8 @@ class TimelineView:
         self.focus = (rank, peer, step)
         self.spans, _ = step_spans(self.data, self.run_id, ranks, step)
         who = f"rank {rank}" + (f" vs healthy peer rank {peer}" if peer is not None else " (no peer)")
-        self.title.object = f"**Timeline: step {step}, {who}**"
-        self.summary.object = self._totals(ranks, step)
+        self.title.object = (f"## Timeline: selected rank vs a healthy peer\n\n**Timeline: step {step}, {who}**\n\n"
+                             + self._totals(ranks, step))
         self.fig.yaxis.major_label_overrides = {
             Y[(w, lane)]: f"{w} {'-' if r is None else r} {lane}" for w, r in (("selected", rank), ("peer", peer))
             for lane in LANES}
