@@ -79,6 +79,10 @@ def test_a_heatmap_click_moves_every_view_and_builds_no_new_model(session):
     assert _timeline(dash) == (3, step)
     assert set(dash.timeline.source.data["rank"]) == {3, healthy := LAYOUT.rank_of(dp=1, pp=0, cp=1, tp=1)}
     assert healthy == 11
+    lanes = [b + 0.4 for b in dash.timeline.source.data["bottom"]]  # every span inside its own lane
+    assert all(abs(y - round(y)) < 1e-9 for y in lanes)
+    assert all(abs(t - b - 0.8) < 1e-9 for b, t in zip(dash.timeline.source.data["bottom"],
+                                                         dash.timeline.source.data["top"]))
     assert dash.heatmap.marker.data == {"x": [2], "rank": [3]}
     assert dash.overview.marker.location == step
     assert "selected rank 3: dp 0 (chosen), pp 0, cp 1, tp 1 (chosen)" in dash.drilldown.body.object

@@ -118,7 +118,8 @@ def test_a_crowded_lane_ships_as_an_occupancy_raster_and_resolves_when_zoomed():
     assert busy == pytest.approx(n * 0.010, rel=1e-6)  # the raster keeps every span's busy time
     assert crowded["share"].mean() == pytest.approx(0.4, abs=0.01)
     assert crowded["spans"].sum() >= n and "spans" in crowded["name"][0]
-    assert glyphs.filter(pl.col("rank") == 1).rows() == [(1, "p2p", "recv", "k", 3.0, 4.0, 1.0, 1)]
+    assert glyphs.filter(pl.col("rank") == 1).rows() == [(1, "p2p", "recv", "k", 3.0, 4.0, 1.0, 1, False)]
+    assert crowded["binned"].all()
     zoomed, rastered = lane_glyphs(spans, window=(100.0, 101.0))  # 40 kernels in view: themselves
     assert not rastered
     assert zoomed.filter(pl.col("rank") == 0).height == 41 and (zoomed["share"] == 1).all()

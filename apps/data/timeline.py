@@ -22,7 +22,7 @@ TIMELINE_SPANS_PER_LANE = 1500  # spans a lane may ship as themselves
 TIMELINE_BINS = 800  # time bins of a crowded lane's raster (about one per pixel of the plot)
 LANE_KEY = ["rank", "lane"]
 GLYPH_SCHEMA = {"rank": pl.Int32, "lane": pl.Utf8, "kind": pl.Utf8, "name": pl.Utf8, "start_ms": pl.Float64,
-                "end_ms": pl.Float64, "share": pl.Float64, "spans": pl.Int64}
+                "end_ms": pl.Float64, "share": pl.Float64, "spans": pl.Int64, "binned": pl.Boolean}
 
 
 def healthy_peer(data: DashboardData, run_id: str, rank: int) -> int | None:
@@ -96,8 +96,8 @@ def lane_glyphs(spans: pl.DataFrame, window: tuple[float, float] | None = None,
     """(glyphs, rastered): what to draw of ``spans`` in ``window`` (ms; None: all of it). A lane
     whose spans in the window number at most ``max_spans`` keeps its spans (all of them, when
     the whole lane is that small: zooming needs nothing more); a crowded lane becomes ``bins``
-    time bins per kind, ``share`` the busy fraction (0..1) and ``spans`` the count. ``rastered``
-    says whether any lane was."""
+    time bins per kind (``binned``), ``share`` the busy fraction (0..1) and ``spans`` the count.
+    ``rastered`` says whether any lane was."""
     if not spans.height:
         return pl.DataFrame(schema=GLYPH_SCHEMA), False
     lo, hi = window or (float(spans["start_ms"].min()), float(spans["end_ms"].max()))
@@ -106,11 +106,11 @@ def lane_glyphs(spans: pl.DataFrame, window: tuple[float, float] | None = None,
     whole = dict(((r, ln), n) for r, ln, n in spans.group_by(LANE_KEY).len().iter_rows())
     out, rastered = [], False
     for (rank, lane), lane_spans in spans.partition_by(LANE_KEY, as_dict=True).items():
+        exact = [pl.lit(1.0).alias("share"), pl.lit(1, pl.Int64).alias("spans"), pl.lit(False).alias("binned")]
         if whole[(rank, lane)] <= max_spans:
-            out.append(lane_spans.with_columns(pl.lit(1.0).alias("share"), pl.lit(1, pl.Int64).alias("spans")))
+            out.append(lane_spans.with_columns(*exact))
         elif per_lane.get((rank, lane), 0) <= max_spans:
-            out.append(lane_spans.filter((pl.col("end_ms") >= lo) & (pl.col("start_ms") <= hi)).with_columns(
-                pl.lit(1.0).alias("share"), pl.lit(1, pl.Int64).alias("spans")))
+            out.append(lane_spans.filter((pl.col("end_ms") >= lo) & (pl.col("start_ms") <= hi)).with_columns(*exact))
         else:
             rastered = True
             out.append(_raster(lane_spans, rank, lane, lo, hi, bins))
@@ -132,7 +132,7 @@ def _raster(spans: pl.DataFrame, rank: int, lane: str, lo: float, hi: float, bin
                                   "share": np.minimum(covered[keep] / width, 1.0), "spans": count[keep]}))
     out = pl.concat(rows) if rows else pl.DataFrame(schema={k: GLYPH_SCHEMA[k] for k in
                                                             ("kind", "start_ms", "end_ms", "share", "spans")})
-    return out.with_columns(pl.lit(rank, pl.Int32).alias("rank"), pl.lit(lane).alias("lane"),
+    return out.with_columns(pl.lit(rank, pl.Int32).alias("rank"), pl.lit(lane).alias("lane"), pl.lit(True).alias("binned"),
                             pl.format("{} spans, {}% busy", "spans", (pl.col("share") * 100).round(0).cast(pl.Int64))
                             .alias("name"))
 

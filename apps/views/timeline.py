@@ -29,7 +29,8 @@ class TimelineView:
         self.data, self.run_id = data, None
         self.spans = pl.DataFrame()
         self.focus: tuple[int, int | None, int] | None = None  # rank, peer, step
-        self.window: tuple[float, float] | None = None  # the window the glyphs were made for
+        self.window: tuple[float, float] | None = None  # the window the glyphs were made for (None: all)
+        self.extent = (0.0, 1.0)  # the step's time range (ms): the x range after a click
         self.rastered = False
         self._pending = 0
         self.source = ColumnDataSource({c: [] for c in COLUMNS})
@@ -69,6 +70,7 @@ class TimelineView:
         lo, hi = (float(self.spans["start_ms"].min()), float(self.spans["end_ms"].max())) if self.spans.height \
             else (0.0, 1.0)
         pad = (hi - lo) * 0.01 or 1.0
+        self.extent = (lo - pad, hi + pad)
         self.fig.x_range.update(start=lo - pad, end=hi + pad, reset_start=lo - pad, reset_end=hi + pad)
 
     def _totals(self, ranks: list[int], step: int) -> str:
@@ -89,7 +91,8 @@ class TimelineView:
             {f"{w}|{ln}": y for (w, ln), y in Y.items()}, return_dtype=pl.Float64).alias("y"))
         # a raster's kinds stack within their bin; a span fills its lane's height
         g = g.sort("y", "start_ms", "kind").with_columns(
-            (pl.col("share").cum_sum().over("y", "start_ms") - pl.col("share")).alias("below"))
+            pl.when(pl.col("binned")).then(pl.col("share").cum_sum().over("y", "start_ms", "binned") - pl.col("share"))
+            .otherwise(0.0).alias("below"))
         g = g.with_columns((pl.col("y") - 0.4 + 0.8 * pl.col("below")).alias("bottom")).with_columns(
             (pl.col("bottom") + 0.8 * pl.col("share")).alias("top"))
         self.source.data = {"left": g["start_ms"].to_numpy(), "right": g["end_ms"].to_numpy(),
@@ -100,11 +103,12 @@ class TimelineView:
 
     def _zoomed(self, event: RangesUpdate) -> None:
         """Re-bin crowded lanes for the window in view, once the zoom or pan has settled."""
-        if not self.rastered and self.window is None:
-            return
+        whole = event.x0 <= self.extent[0] + 1e-9 and event.x1 >= self.extent[1] - 1e-9
+        if self.window is None and (whole or not self.rastered):
+            return  # what is drawn already holds everything in view (this also ends each click's echo)
         self._pending += 1
         ticket, doc = self._pending, self.fig.document
-        window = (event.x0, event.x1)
+        window = None if whole else (event.x0, event.x1)
 
         def apply() -> None:
             if ticket == self._pending and self.focus is not None:
