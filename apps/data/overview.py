@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import polars as pl
 
+from apps.data.heatmap import rank_step
 from apps.data.store import DashboardData
 
 
 def step_times(data: DashboardData, run_id: str) -> pl.DataFrame:
-    """Per step: median and max step time over ranks (ms), the slowest rank, how many ranks."""
-    return data.memo(("step_times", run_id), lambda: data.sql("""
-        SELECT step, median(end_ns - start_ns) / 1e6 AS median_ms, max(end_ns - start_ns) / 1e6 AS max_ms,
-               arg_max(rank, end_ns - start_ns) AS slowest_rank, count(*) AS ranks
-        FROM steps WHERE run_id = $r GROUP BY step ORDER BY step""", {"r": run_id}))
+    """Per step: median and max step time over ranks (ms), the slowest rank, how many ranks; from
+    the heatmap's per-(rank, step) times (the library's: step spans, else the ranks' activity)."""
+    return data.memo(("step_times", run_id), lambda: rank_step(data, run_id).group_by("step").agg(
+        pl.col("step_ms").median().alias("median_ms"), pl.col("step_ms").max().alias("max_ms"),
+        pl.col("rank").sort_by("step_ms").last().alias("slowest_rank"), pl.len().alias("ranks")).sort("step"))
 
 
 def initial_focus(data: DashboardData, run_id: str) -> tuple[int, int]:

@@ -34,9 +34,10 @@ def _bars(title: str, tools: str, name: str) -> tuple:
 
 
 def _long(df: pl.DataFrame, who: pl.Expr) -> dict:
-    long = df.with_columns(who.alias("who")).unpivot(index=["who", "last", "instances"], on=list(PARTS),
-                                                      variable_name="col", value_name="ms")
-    long = long.with_columns(pl.col("col").replace_strict(PARTS).alias("part")).sort("who", maintain_order=True)
+    """One bar per (member, part), members in the frame's order."""
+    long = df.with_columns(who.alias("who")).with_row_index("i").unpivot(
+        index=["i", "who", "last", "instances"], on=list(PARTS), variable_name="col", value_name="ms")
+    long = long.with_columns(pl.col("col").replace_strict(PARTS).alias("part")).sort("i", maintain_order=True)
     return {"x": list(zip(long["who"].to_list(), long["part"].to_list())), "ms": long["ms"].to_numpy(),
             "part": long["part"].to_list(), "who": long["who"].to_list(), "last": long["last"].to_numpy(),
             "instances": long["instances"].to_numpy()}
