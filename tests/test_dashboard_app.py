@@ -124,3 +124,18 @@ def test_switching_runs_reloads_every_view_and_a_view_that_cannot_read_its_data_
     assert _timeline(dash) == (dash.sel.rank, dash.sel.step)  # the other views carry on
     dash.sel.run_id = "slow"
     assert not dash.errors.visible
+
+
+def test_a_wide_drilldown_level_shows_its_top_members_the_chosen_and_the_selected():
+    from apps.views.drilldown import MAX_MEMBERS, _level_html
+    from tracekit.analysis.localize import LevelFinding
+
+    scores = {m: float((m * 7919) % 64) * 1e6 for m in range(64)}  # 64 replicas, scores shuffled
+    top = sorted(scores, key=scores.get, reverse=True)[:MAX_MEMBERS]
+    low = min(scores, key=scores.get)
+    lv = LevelFinding(level="dp", candidates=tuple(scores), scores_ns=scores, chosen=top[0], effect_ns=1e6,
+                      noise_ns=1e5, margin=10.0, steps_total=3, steps_standout=3, steps_agree=3, verdict="culprit")
+    page = _level_html(lv, selected=low)
+    assert all(f"<span>dp {m}</span>" in page or f"<span>dp {m} (selected rank's)</span>" in page for m in top)
+    assert f"dp {low} (selected rank's)" in page
+    assert f"({64 - MAX_MEMBERS - 1} more, lower)" in page

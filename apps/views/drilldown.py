@@ -24,6 +24,14 @@ STYLE = f"""<style>
 </style>"""
 
 
+MAX_MEMBERS = 16  # bars per level; a wide level shows its highest scores, the chosen and the selected
+
+
+def _members_shown(lv, selected: int) -> set[int]:
+    ranked = sorted(lv.scores_ns, key=lambda k: lv.scores_ns[k], reverse=True)
+    return set(ranked[:MAX_MEMBERS]) | {m for m in (lv.chosen, selected) if m in lv.scores_ns}
+
+
 def _level_html(lv, selected: int) -> str:
     within = ", ".join(f"{k} {v}" for k, v in lv.within.items()) or "whole job"
     chosen = "none" if lv.chosen is None else f"{lv.level} {lv.chosen}"
@@ -33,12 +41,17 @@ def _level_html(lv, selected: int) -> str:
             f"{lv.steps_total} steps, agreeing in {lv.steps_agree}")
     rows = []
     top = max((abs(v) for v in lv.scores_ns.values()), default=0.0) or 1.0
+    shown = _members_shown(lv, selected)
     for member, score in lv.scores_ns.items():
+        if member not in shown:
+            continue
         cls = "tk-dd-bar chosen" if member == lv.chosen else "tk-dd-bar"
         mark = " tk-dd-sel" if member == selected else ""
         note = " (selected rank's)" if member == selected else ""
         rows.append(f"<span>{lv.level} {member}{note}</span><div class='{cls}{mark}' "
                     f"style='width:{max(score, 0) / top * 100:.1f}%'></div><span>{score / 1e6:.1f} ms</span>")
+    if len(shown) < len(lv.scores_ns):
+        rows.append(f"<span>({len(lv.scores_ns) - len(shown)} more, lower)</span><span></span><span></span>")
     bars = f"<div class='tk-dd-bars'>{''.join(rows)}</div>" if rows else ""
     return f"<div class='tk-dd-level'>{head}{bars}</div>"
 
