@@ -1,8 +1,13 @@
 """The tracekit dashboard: post-mortems and straggler hunts over a tracekit store.
 
 Serve it with ``tracekit dashboard <store or run dir>`` or ``panel serve apps/dashboard.py --args
-<store>``. It opens on the newest run; the run selector switches runs. Every view reads one shared
-selection (run, rank, step); a click on a heatmap cell, or the rank/step widgets, set it.
+<store>``. It opens on the newest run; the run selector switches runs. Every view follows one
+shared selection (run, rank, step), and several set it: a heatmap cell (rank and step), a step on
+the step-time plot, a member of the CP group, the rank and step inputs.
+
+Each session builds its views once. A new run reloads every view's data; a new rank or step
+updates only what depends on it, inside one held document change, so the browser gets one message
+with new data-source contents and texts rather than new plots (apps/views/plots.py says why).
 """
 
 from __future__ import annotations
@@ -10,72 +15,111 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import holoviews as hv
 import panel as pn
 
 from apps.data import DashboardData
+from apps.data.overview import initial_focus
 from apps.selection import Selection
-from apps.views.cpwait import cpwait_view
-from apps.views.drilldown import drilldown_view
-from apps.views.heatmap import heatmap_view
-from apps.views.memory import memory_view
-from apps.views.numerics import numerics_view
-from apps.views.overview import overview_view
-from apps.views.timeline import timeline_view
+from apps.views.cpwait import CPWaitView
+from apps.views.drilldown import DrilldownView
+from apps.views.heatmap import HeatmapView
+from apps.views.memory import MemoryView
+from apps.views.numerics import NumericsView
+from apps.views.overview import OverviewView
+from apps.views.timeline import TimelineView
 
 
-def initial_focus(data: DashboardData, run_id: str) -> tuple[int, int]:
-    """Where a run opens: the culprit (else rank 0) in its latest step among the slowest ones."""
-    d = data.diagnosis(run_id)
-    rank = d.localization.culprit_rank
-    if rank is None:
-        rank = d.localization.culprit_ranks[0] if d.localization.culprit_ranks else 0
-    st = data.step_times(run_id)
-    step = int(st.sort("max_ms")["step"][-1]) if st.height else 0
-    return int(rank), step
+class Dashboard:
+    """One session's page: the selection, the views, and the wiring between them."""
+
+    def __init__(self, data: DashboardData, title: str) -> None:
+        self.data = data
+        self.sel = sel = Selection()
+        sel.param.run_id.objects = data.runs()
+        sel.run_id = data.newest_run()
+        self.overview, self.heatmap = OverviewView(data, sel), HeatmapView(data, sel)
+        self.drilldown, self.timeline = DrilldownView(data, sel), TimelineView(data, sel)
+        self.cpwait, self.memory, self.numerics = CPWaitView(data, sel), MemoryView(data, sel), NumericsView(data, sel)
+        self.views = [self.overview, self.heatmap, self.drilldown, self.timeline, self.cpwait, self.memory,
+                      self.numerics]
+        self.focus = pn.pane.Markdown("", css_classes=["tk-focus"], sizing_mode="stretch_width")
+        self.errors = pn.pane.Alert("", alert_type="warning", visible=False, css_classes=["tk-errors"],
+                                    sizing_mode="stretch_width")
+        header = pn.Row(pn.pane.Markdown(f"# tracekit &middot; `{title}`"),
+                        pn.widgets.Select.from_param(sel.param.run_id, name="run"),
+                        pn.widgets.IntInput.from_param(sel.param.rank, name="rank"),
+                        pn.widgets.IntInput.from_param(sel.param.step, name="step"), sizing_mode="stretch_width")
+        left = pn.Column(self.overview.panel, self.heatmap.panel, self.cpwait.panel, sizing_mode="stretch_width")
+        right = pn.Column(self.drilldown.panel, self.timeline.panel, self.memory.panel, self.numerics.panel,
+                          sizing_mode="stretch_width")
+        self.panel = pn.Column(header, self.focus, self.errors, pn.Row(left, right, sizing_mode="stretch_width"),
+                               sizing_mode="stretch_width", css_classes=["tk-app"])
+        self._loading, self._run_errors = False, []
+        self._load_run(sel.run_id)
+        sel.param.watch(lambda e: self._held(self._load_run, e.new), "run_id")
+        sel.param.watch(lambda *e: self._loading or self._held(self._follow, sel.rank, sel.step), ["rank", "step"])
+
+    def _held(self, update, *args) -> None:
+        """Run an update with the session's document held: one message to the browser at the end."""
+        with pn.io.hold(freeze=True):
+            update(*args)
+
+    def _each(self, method: str, *args) -> None:
+        """Call ``method`` on every view; a view whose data cannot be read (a malformed table, an
+        analysis that rejects the run) says so in the error box while the others carry on."""
+        failed = []
+        for v in self.views:
+            try:
+                getattr(v, method)(*args)
+            except ValueError as e:  # StoreError, TablesError, MemoryDataError, ...
+                failed.append(f"**{type(v).__name__.removesuffix('View').lower()}**: {e}")
+        if method == "show_run":
+            self._run_errors = failed
+        shown = list(dict.fromkeys(self._run_errors + failed))
+        self.errors.object = "<br>".join(shown)
+        self.errors.visible = bool(shown)
+
+    def _load_run(self, run_id: str) -> None:
+        try:
+            rank, step = initial_focus(self.data, run_id)
+        except ValueError:  # no verdict to open on: the overview says why
+            rank, step = 0, 0
+        try:
+            self.sel.param.rank.bounds = (0, self.data.layout(run_id).world_size - 1)
+        except ValueError:
+            pass
+        self._each("show_run", run_id)
+        self._loading = True  # the views follow once below, not once per changed parameter
+        try:
+            self.sel.param.update(rank=rank, step=step)
+        finally:
+            self._loading = False
+        self._follow(rank, step)
+
+    def _follow(self, rank: int, step: int) -> None:
+        try:
+            c = self.data.layout(self.sel.run_id).coords(rank)
+            where = f" (dp {c.dp}, pp {c.pp}, cp {c.cp}, tp {c.tp})"
+        except ValueError:
+            where = ""
+        self.focus.object = f"**Selected:** run `{self.sel.run_id}`, rank {rank}{where}, step {step}"
+        self._each("show_focus", rank, step)
 
 
 def build_app(store: str | Path, data: DashboardData | None = None) -> pn.viewable.Viewable:
-    """One session's page over the store (a fresh selection; the data access may be shared)."""
-    hv.extension("bokeh")
-    data = data or DashboardData(store)
-    runs = data.runs()["run_id"].to_list()
-    sel = Selection()
-    sel.param.run_id.objects = runs
-    sel.run_id = data.newest_run()
-    rank, step = initial_focus(data, sel.run_id)
-    sel.param.update(rank=rank, step=step)
-
-    def on_run(event) -> None:
-        r, s = initial_focus(data, event.new)
-        sel.param.update(rank=r, step=s)
-
-    sel.param.watch(on_run, "run_id")
-    run_pick = pn.widgets.Select.from_param(sel.param.run_id, name="run")
-    rank_pick = pn.widgets.IntInput.from_param(sel.param.rank, name="rank")
-    step_pick = pn.widgets.IntInput.from_param(sel.param.step, name="step")
-    focus = pn.bind(lambda r, k, s: pn.pane.Markdown(
-        f"**Selected:** run `{r}`, rank {k} ({_coords(data, r, k)}), step {s}", css_classes=["tk-focus"]),
-        sel.param.run_id, sel.param.rank, sel.param.step)
-    header = pn.Row(pn.pane.Markdown(f"# tracekit &middot; `{Path(store).name}`"), run_pick, rank_pick, step_pick,
-                    sizing_mode="stretch_width")
-    timeline = timeline_view(data, sel)  # built first: its watchers run first after a click
-    left = pn.Column(overview_view(data, sel), heatmap_view(data, sel), cpwait_view(data, sel),
-                     sizing_mode="stretch_width")
-    right = pn.Column(drilldown_view(data, sel), timeline, memory_view(data, sel),
-                      numerics_view(data, sel), sizing_mode="stretch_width")
-    return pn.Column(header, focus, pn.Row(left, right, sizing_mode="stretch_width"),
-                     sizing_mode="stretch_width", css_classes=["tk-app"])
+    """One session's page over the store (the data access may be shared between sessions)."""
+    store = Path(store)
+    title = store.name if store.name != "tracekit.duckdb" else f"{store.parent.name}/{store.name}"  # a run dir's
+    return Dashboard(data or DashboardData(store), title).panel
 
 
-def _coords(data: DashboardData, run_id: str, rank: int) -> str:
-    c = data.layout(run_id).coords(rank)
-    return f"dp {c.dp}, pp {c.pp}, cp {c.cp}, tp {c.tp}"
-
-
-def serve(store: str | Path, port: int = 5006, address: str = "127.0.0.1", show: bool = False) -> None:
-    """Serve the dashboard until interrupted (one shared data access for all sessions)."""
-    data = DashboardData(store)
+def serve(store: str | Path, port: int = 5006, address: str = "127.0.0.1", show: bool = False,
+          data: DashboardData | None = None) -> None:
+    """Serve the dashboard until interrupted, with one data access shared by all sessions (the
+    newest run's analysis is computed before the server listens, unless ``data`` has it)."""
+    if data is None:
+        data = DashboardData(store)
+        data.warm(data.newest_run())
     pn.serve({"dashboard": lambda: build_app(store, data)}, port=port, address=address, show=show,
              title="tracekit", websocket_origin=[f"{address}:{port}", f"localhost:{port}"], print_url=False)
 

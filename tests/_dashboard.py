@@ -1,7 +1,7 @@
 """Drive the dashboard in Debian's headless Chromium (Playwright, never a downloaded browser).
 
-Shared by tests/test_dashboard_browser.py and benchmarks/dashboard_latency.py: start
-`tracekit dashboard` on a store, open it, wait for views, click a heatmap cell.
+Shared by tests/test_dashboard_browser.py and benchmarks/dashboard_latency.py: write a store, start
+`tracekit dashboard` on it, open it, wait for views, click a point of a plot, read the page.
 """
 
 from __future__ import annotations
@@ -33,6 +33,97 @@ def browser_missing() -> str | None:
     return None
 
 
+def write_store(path: Path, tables: dict, when: str | None = None, fresh: bool = True) -> Path:
+    """A real store file holding ``tables`` (the store's table name -> polars frame), ingested at
+    ``when`` (default now); ``fresh=False`` adds them to the store already there."""
+    from tracekit.store import connect
+
+    if fresh:
+        path.unlink(missing_ok=True)
+    con = connect(path)
+    for name, df in tables.items():
+        con.register("frame", df.to_arrow())
+        con.execute(f"INSERT INTO {name} SELECT * FROM frame")
+        con.unregister("frame")
+    con.execute("UPDATE runs SET ingested_at = coalesce(?::TIMESTAMP, now()) WHERE ingested_at IS NULL", [when])
+    con.close()
+    return path
+
+
+def with_kernels(tables: dict, kernel_ns: int = 20_000, gap_ns: int = 5_000) -> dict:
+    """The job model's tables with every annotated compute span replaced by GPU-kernel-sized spans
+    (``kernel_ns`` long, ``gap_ns`` apart, no phase: what a GPU trace without annotations holds),
+    so that a step's compute lane holds thousands of spans."""
+    import polars as pl
+
+    ev = tables["events"]
+    annotated = pl.col("phase").is_in(["fwd", "bwd"]).fill_null(False)
+    kernels = ev.filter(annotated).with_columns(
+        pl.int_ranges(0, pl.col("dur_ns") // (kernel_ns + gap_ns)).alias("k")).explode("k").drop_nulls("k")
+    kernels = kernels.with_columns(
+        (pl.col("ts_ns") + pl.col("k") * (kernel_ns + gap_ns)).alias("ts_ns"), pl.lit(kernel_ns).alias("dur_ns"),
+        pl.lit("kernel").alias("kind"), pl.format("sm90_xmma_gemm_{}", pl.col("k") % 7).alias("name"),
+        pl.lit(None, pl.Utf8).alias("phase")).select(ev.columns).cast(ev.schema)
+    return {**tables, "events": pl.concat([ev.filter(~annotated), kernels])}
+
+
+def memory_rows(run_id: str, rank: int, t0: int, t1: int, n: int):
+    """An allocator trace for ``rank`` between t0 and t1 (memory_events rows): blocks allocated and
+    freed in turn, one 64 MiB block in the middle making the peak."""
+    import numpy as np
+    import polars as pl
+
+    rows, live = [], []
+    for i, t in enumerate(np.linspace(t0, t1, n).astype(np.int64)):
+        if live and i % 3 == 2:
+            addr, size = live.pop()
+            rows.append((run_id, rank, i, int(t), "free_completed", addr, size))
+        else:
+            size = 64 << 20 if i == n // 2 else 1 << 20
+            live.append((1000 + i, size))
+            rows.append((run_id, rank, i, int(t), "alloc", 1000 + i, size))
+    df = pl.DataFrame(rows, schema=["run_id", "rank", "seq", "ts_ns", "action", "addr", "size"], orient="row")
+    return df.with_columns(pl.lit(None, pl.Int64).alias("stream"), pl.lit(None, pl.Utf8).alias("category"),
+                           pl.lit(None, pl.Utf8).alias("frame"))
+
+
+SLOW = 5  # the slowed rank of ``job_store``'s run "slow": dp 0, pp 1, cp 0, tp 1 of tp 2 x cp 2 x pp 2 x dp 2
+
+
+def job_store(root: Path, memory_points: int) -> Path:
+    """A store of the job model (tests/synthetic_job.py, tp 2 x cp 2 x pp 2 x dp 2, 6 steps) with
+    three runs: "broken" (its memory trace has a negative size, its numerics.json is not JSON),
+    "clean", and "slow" (rank SLOW 1.5x,
+    ingested last). "slow" has a numerics.json in its run directory, rank SLOW a memory trace of
+    ``memory_points`` events on the steps' clock and rank 0 one of 300 on a clock of its own."""
+    import json
+
+    import polars as pl
+    from synthetic_job import Faults, make_job
+
+    from tracekit.topology import Layout
+
+    layout, path = Layout(tp=2, cp=2, pp=2, dp=2), root / "store.duckdb"
+    broken = make_job(layout, steps=6, run_id="broken")
+    broken["memory_events"] = memory_rows("broken", 0, 0, 10**9, 30).with_columns(pl.lit(-1, pl.Int64).alias("size"))
+    (root / "broken-run").mkdir()
+    (root / "broken-run" / "numerics.json").write_text("[{not json")
+    broken["runs"] = broken["runs"].with_columns(pl.lit(str(root / "broken-run")).alias("root"))
+    slow = make_job(layout, steps=6, faults=Faults(slow_rank=SLOW, slow_factor=1.5), run_id="slow")
+    run_dir = root / "slow-run"
+    run_dir.mkdir()
+    (run_dir / "numerics.json").write_text(json.dumps([{"check": "bitwise", "ok": True, "max_ulp": 0}]))
+    slow["runs"] = slow["runs"].with_columns(pl.lit(str(run_dir)).alias("root"))
+    steps = slow["steps"].filter(pl.col("rank") == SLOW)
+    slow["memory_events"] = pl.concat([
+        memory_rows("slow", SLOW, steps["start_ns"].min(), steps["end_ns"].max(), memory_points),
+        memory_rows("slow", 0, 10**9, 2 * 10**9, 300)])
+    for when, tables in (("2026-01-01", broken), ("2026-01-02", make_job(layout, steps=6, run_id="clean")),
+                         ("2026-01-03", slow)):
+        write_store(path, tables, when=when, fresh=False)
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -40,13 +131,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def served(store: Path, timeout_s: float = 180.0):
-    """`tracekit dashboard <store>` in a subprocess; yields the page URL; stops it afterwards."""
+def served(store: Path, timeout_s: float = 180.0, root: Path = ROOT):
+    """`tracekit dashboard <store>` in a subprocess, from the source tree ``root`` (this one unless
+    a benchmark compares with another version); yields the page URL; stops it afterwards."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "BOKEH_LOG_LEVEL": "warn"}
+    env = {**os.environ, "PYTHONPATH": str(root), "BOKEH_LOG_LEVEL": "warn"}
     log = open(store.parent / f"dashboard-{port}.log", "w")
     proc = subprocess.Popen([sys.executable, "-c", "from tracekit.cli import main; main()", "dashboard", str(store),
-                             "--port", str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                             "--port", str(port)], cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/dashboard"
     try:
         deadline = time.monotonic() + timeout_s
@@ -131,29 +223,80 @@ def timeline_title(page) -> tuple[int, int]:
     return int(m.group(2)), int(m.group(1))
 
 
-def heatmap_canvas_box(page) -> dict:
-    """Bounding box of the heatmap's largest canvas (the plot, not the colour bar or toolbar)."""
-    canvases = page.locator(".tk-heatmap canvas").all()
-    canvases[0].scroll_into_view_if_needed()  # boxes are relative to the viewport
-    boxes = [c.bounding_box() for c in canvases]
-    boxes = [b for b in boxes if b]
-    return max(boxes, key=lambda b: b["width"] * b["height"])
+POINT_JS = """([name, x, y]) => {
+    const named = (v) => v.model.name === name || (v.model.title?.text ?? "").startsWith(name);
+    const view = Bokeh.index.query_one(v => v.frame !== undefined && named(v));
+    if (view == null) return null;
+    view.el.scrollIntoView({block: "center"});
+    const box = view.el.getBoundingClientRect();
+    const sx = Array.isArray(x) ? view.model.x_range.synthetic(x) : x;
+    const sy = y === null ? view.frame.bbox.vcenter : view.frame.y_scale.compute(y);
+    return [box.left + view.frame.x_scale.compute(sx), box.top + sy];
+}"""
 
 
-def click_heatmap(page, fx: float, fy: float, timeout_ms: int = 60_000) -> tuple[int, int]:
-    """Click at fractions (fx, fy) of the heatmap canvas; wait until the timeline's title changes
-    (the latency measured) and the selection line agrees; return the timeline's new (rank, step)."""
+def plot_point(page, figure: str, x, y: float | None) -> tuple[float, float]:
+    """Where data point (x, y) of the Bokeh figure named ``figure`` (or whose title starts so)
+    is on the page (viewport pixels, after scrolling it into view); x may be a factor (a list) on
+    a categorical axis, y None for the middle of the plot."""
+    pt = page.evaluate(POINT_JS, [figure, x, y])
+    assert pt is not None, f"no plot named {figure!r} on the page"
+    return pt[0], pt[1]
+
+
+def plot_column(page, figure: str, column: str) -> list:
+    """A column of the data source of the first glyph of the Bokeh figure named ``figure``, as the
+    browser holds it (what the server shipped)."""
+    return page.evaluate("""([name, column]) => {
+        const view = Bokeh.index.query_one(v => v.model.name === name && v.frame !== undefined);
+        return Array.from(view.model.renderers[0].data_source.data[column]);
+    }""", [figure, column])
+
+
+def wheel_zoom(page, figure: str, x: float, y: float, notches: int) -> None:
+    """Zoom ``figure`` in around data point (x, y) with the mouse wheel (its wheel-zoom tool made
+    active first: the dashboard leaves page scrolling to the wheel)."""
+    page.evaluate("""(name) => {
+        const view = Bokeh.index.query_one(v => v.model.name === name && v.frame !== undefined);
+        const bar = view.model.toolbar;
+        bar.active_scroll = bar.tools.find(t => t.type === "WheelZoomTool");
+    }""", figure)
+    px, py = plot_point(page, figure, x, y)
+    page.mouse.move(px, py)
+    for _ in range(notches):
+        page.mouse.wheel(0, -200)
+        page.wait_for_timeout(30)
+
+
+def wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.02)
+
+
+def click_and_wait(page, figure: str, x, y: float | None, changed, timeout_s: float = 60.0) -> float:
+    """Click data point (x, y) of ``figure``; wait until ``changed()`` is true. Returns the
+    seconds from the click to the change (what the latency benchmark reports)."""
+    px, py = plot_point(page, figure, x, y)
+    t0 = time.perf_counter()
+    page.mouse.click(px, py)
+    wait_for(changed, f"nothing changed after a click at ({x}, {y}) of {figure}", timeout_s)
+    return time.perf_counter() - t0
+
+
+HEATMAP = "lateness: peers waited on it"  # the heatmap's title (in every version of the dashboard)
+
+
+def click_heatmap(page, step_index: int, rank: int, timeout_ms: int = 60_000) -> tuple[tuple[int, int], float]:
+    """Click the heatmap cell of (step_index, rank); wait until the timeline's title and the
+    selection line both show a new cell. Returns the timeline's (rank, step) and the seconds from
+    the click until both had changed."""
     before = text(page, ".tk-timeline-title")
-    box = heatmap_canvas_box(page)
-    page.mouse.click(box["x"] + fx * box["width"], box["y"] + fy * box["height"])
-    deadline = time.monotonic() + timeout_ms / 1000
-    while text(page, ".tk-timeline-title") == before:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the timeline did not change after a heatmap click ({before.strip()!r})")
-        page.wait_for_timeout(20)
+    dt = click_and_wait(page, HEATMAP, step_index, rank,
+                        lambda: text(page, ".tk-timeline-title") != before, timeout_ms / 1000)
     shown = timeline_title(page)
-    while focus(page) != shown:  # the selection line re-renders after the timeline (watcher order)
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the selection line never showed the clicked cell {shown}")
-        page.wait_for_timeout(20)
-    return shown
+    wait_for(lambda: focus(page) == shown, f"the selection line never showed the clicked cell {shown}",
+             timeout_ms / 1000)
+    return shown, dt

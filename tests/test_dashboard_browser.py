@@ -1,10 +1,13 @@
-"""The dashboard in a real browser (Debian's headless Chromium driven by Playwright) on a real store:
+"""The dashboard in a real browser (Debian's headless Chromium driven by Playwright) on real stores:
 ByteDance's what-if-analysis traces AR (rank 0, dp 0 stage 0, slowed: the known culprit) and ST
-(the last pipeline stage is slow), ingested by tracekit. Screenshots land in the test's tmp dir."""
+(the last pipeline stage is slow), ingested by tracekit; and the bundled trainer run slow_rank_8
+(rank 5 computes 2x slower), served from its run directory. Screenshots land in the test's tmp dir."""
 
 from __future__ import annotations
 
 import io
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -14,10 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _dashboard as D  # noqa: E402
 
 WIA = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "real" / "wia"
-pytestmark = [
-    pytest.mark.skipif(not (WIA / "AR").is_dir(), reason=f"real WIA traces not found at {WIA}"),
-    pytest.mark.skipif(D.browser_missing() is not None, reason=str(D.browser_missing())),
-]
+SAMPLE = Path(__file__).resolve().parents[1] / "sample_traces" / "slow_rank_8"
+pytestmark = pytest.mark.skipif(D.browser_missing() is not None, reason=str(D.browser_missing()))
+needs_wia = pytest.mark.skipif(not (WIA / "AR").is_dir(), reason=f"real WIA traces not found at {WIA}")
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +58,7 @@ def _colours(png: bytes) -> int:
     return len(set(Image.open(io.BytesIO(png)).convert("RGB").get_flattened_data()))
 
 
+@needs_wia
 def test_opens_on_the_newest_run_and_the_verdict_names_the_injected_culprit(page, shots):
     page.screenshot(path=str(shots / "01-open.png"), full_page=True)
     verdict = D.text(page, ".tk-verdict")
@@ -68,11 +71,13 @@ def test_opens_on_the_newest_run_and_the_verdict_names_the_injected_culprit(page
     assert peer in (4, 8, 12)  # the same pipeline stage in another data-parallel replica
 
 
+@needs_wia
 def test_each_view_renders_real_data(page, shots):
     overview = D.text(page, ".tk-overview")
     assert "world size 16" in overview and "dp 4 x pp 4 x cp 1 x tp 1" in overview
     drill = D.text(page, ".tk-drilldown")
     assert "chosen dp 0" in drill and "chosen pp 0" in drill  # the descent, level by level
+    assert "dp 0 (selected rank's)" in drill  # the selected rank's coordinate is marked
     assert "Cause: slow_compute" in drill and "compute_ratio 2.3" in drill
     timeline = D.text(page, ".tk-timeline")
     assert "rank 0: compute" in timeline and "wait" in timeline
@@ -81,64 +86,96 @@ def test_each_view_renders_real_data(page, shots):
     assert _colours(heat.screenshot(path=str(shots / "02-heatmap.png"))) > 20
     tl = page.locator(".tk-timeline canvas").first
     assert _colours(tl.screenshot(path=str(shots / "03-timeline.png"))) > 5
+    assert _colours(page.locator(".tk-overview canvas").first.screenshot()) > 5
     # views whose data these traces do not have say so rather than draw nothing
     assert "no context-parallel collectives in this run (cp = 1)" in D.text(page, ".tk-cpwait")
     assert "no memory snapshots in this run" in D.text(page, ".tk-memory")
     assert "no numerics report" in D.text(page, ".tk-numerics")
 
 
+@needs_wia
 def test_a_click_on_a_heatmap_cell_updates_the_timeline(page, shots):
     before = D.timeline_title(page)
-    low = D.click_heatmap(page, 0.7, 0.65)  # ranks run top to bottom in [dp, pp, cp, tp] order
-    page.screenshot(path=str(shots / "04-after-click-low.png"), full_page=True)
-    assert low != before and D.focus(page) == low
-    high = D.click_heatmap(page, 0.35, 0.3)
-    page.screenshot(path=str(shots / "05-after-click-high.png"), full_page=True)
-    assert D.focus(page) == high
-    assert high[0] < low[0]  # the upper cell is a lower rank
-    assert high[1] < low[1]  # the left column is an earlier step
-    assert f"rank {high[0]}" in D.text(page, ".tk-focus")
+    (rank, step), _ = D.click_heatmap(page, 30, 13)  # ranks run top to bottom in [dp, pp, cp, tp] order
+    page.screenshot(path=str(shots / "04-after-click.png"), full_page=True)
+    assert (rank, step) != before and rank == 13 and D.focus(page) == (rank, step)
+    assert "rank 13: compute" in D.text(page, ".tk-timeline")
+    assert "selected rank 13: dp 3, pp 1" in D.text(page, ".tk-drilldown")  # the other views follow
+    (rank2, step2), _ = D.click_heatmap(page, 2, 6)
+    assert rank2 == 6 and step2 < step  # the left column is an earlier step
 
 
+@needs_wia
+def test_a_click_on_the_step_time_plot_selects_that_step_everywhere(page, store, shots):
+    import duckdb
+
+    with duckdb.connect(str(store), read_only=True) as con:
+        steps = [s for (s,) in con.execute("SELECT DISTINCT step FROM steps WHERE run_id = 'AR' ORDER BY step").fetchall()]
+    rank, step = D.focus(page)
+    target = steps[3] if step != steps[3] else steps[4]
+    D.click_and_wait(page, "tk-steps-fig", target, None, lambda: D.focus(page) == (rank, target))
+    D.wait_for(lambda: D.timeline_title(page) == (rank, target), "the timeline never showed the clicked step")
+    page.screenshot(path=str(shots / "05-after-step-click.png"), full_page=True)
+
+
+@needs_wia
 def test_switching_runs(page, shots):
     page.locator("select").first.select_option("ST")
-    page.wait_for_function("() => true")
-    for _ in range(600):
-        if "pipeline stage 3" in D.text(page, ".tk-verdict"):
-            break
-        page.wait_for_timeout(100)
+    D.wait_for(lambda: "pipeline stage 3" in D.text(page, ".tk-verdict"), "the verdict never switched to ST")
     page.screenshot(path=str(shots / "06-run-ST.png"), full_page=True)
     assert "pipeline stage 3 holds every replica back" in D.text(page, ".tk-verdict")
     assert "world size 8" in D.text(page, ".tk-overview")
+    rank, step = D.focus(page)
+    assert D.timeline_title(page) == (rank, step)
 
 
-SAMPLE = Path(__file__).resolve().parents[1] / "sample_traces" / "slow_rank_8"
+def test_a_crowded_timeline_ships_a_raster_and_zooming_in_shows_the_spans(tmp_path_factory, browser, shots):
+    """GPU-kernel-sized compute spans (thousands per step) reach the browser as busy shares per
+    pixel-wide bin; zoomed in, the server sends the spans themselves."""
+    from synthetic_job import make_job
+
+    from tracekit.topology import Layout
+
+    path = D.write_store(tmp_path_factory.mktemp("crowded") / "crowded.duckdb",
+                         D.with_kernels(make_job(Layout(pp=2, dp=2), steps=2, run_id="crowded")))
+    with D.served(path) as url:
+        browser.goto(url)
+        D.wait_rendered(browser)
+        names = D.plot_column(browser, "tk-timeline-fig", "name")
+        assert any(n.endswith("% busy") for n in names) and not any(n.startswith("sm90") for n in names)
+        assert len(names) < 3000  # not the ~10,000 kernels of the two ranks
+        lanes = D.plot_column(browser, "tk-timeline-fig", "lane")
+        assert {lane for lane, n in zip(lanes, names) if n.endswith("% busy")} == {"compute"}
+        left = D.plot_column(browser, "tk-timeline-fig", "left")
+        busy = [x for x, n in zip(left, names) if n.endswith("% busy")]
+        D.wheel_zoom(browser, "tk-timeline-fig", busy[len(busy) // 2], 6, notches=10)
+        D.wait_for(lambda: any(n.startswith("sm90") for n in D.plot_column(browser, "tk-timeline-fig", "name")),
+                   "zooming in never brought the kernels themselves")
+        browser.locator(".tk-timeline").first.screenshot(path=str(shots / "09-crowded-zoomed.png"))
 
 
 @pytest.mark.skipif(not (SAMPLE / "manifest.json").is_file(), reason=f"bundled sample run not found at {SAMPLE}")
 def test_trainer_sample_run_dir_ingested_on_the_fly(tmp_path_factory, browser, shots):
     """`tracekit dashboard <run dir>` on the bundled trainer run with an injected slow rank: its
-    verdict names the injected rank, and memory and CP-wait views draw the run's own data."""
-    import json
-    import shutil
-
+    verdict names the injected rank, memory and CP-wait views draw the run's own data, and a
+    click on a CP-group member selects that rank everywhere."""
     run = tmp_path_factory.mktemp("sample") / "slow_rank_8"
     shutil.copytree(SAMPLE, run)  # the store is written next to the run; keep the repo clean
-    injected = json.loads((run / "manifest.json").read_text())["faults"][0]["ranks"]
+    injected = json.loads((run / "manifest.json").read_text())["faults"][0]["ranks"][0]
     with D.served(run) as url:
         pg = browser
         pg.goto(url)
         D.wait_rendered(pg)
-        for _ in range(300):  # the memory and CP views render after the verdict
-            if "measured peak" in D.text(pg, ".tk-memory"):
-                break
-            pg.wait_for_timeout(100)
         pg.screenshot(path=str(shots / "07-sample-slow_rank_8.png"), full_page=True)
         assert (run / "tracekit.duckdb").is_file()
-        verdict = D.text(pg, ".tk-verdict")
-        assert f"rank {injected[0]} (dp 0, pp 1, cp 0, tp 1) is the straggler" in verdict
+        assert f"rank {injected} (dp 0, pp 1, cp 0, tp 1) is the straggler" in D.text(pg, ".tk-verdict")
         assert "world size 8" in D.text(pg, ".tk-overview") and "slow:rank=5" in D.text(pg, ".tk-overview")
         memory = D.text(pg, ".tk-memory")
-        assert f"rank {injected[0]}: measured peak" in memory and "estimate" in memory
-        assert "was the last arrival behind" in D.text(pg, ".tk-cpwait")
+        assert f"rank {injected}: measured peak" in memory and "estimate" in memory
         assert _colours(pg.locator(".tk-memory canvas").first.screenshot()) > 5
+        cp = D.text(pg, ".tk-cpwait")
+        assert "exposed CP communication is" in cp and f"rank {injected}'s CP group [5, 7]" in cp
+        D.click_and_wait(pg, "tk-cp-group-fig", ["rank 7 (cp 1)", "waited"], None, lambda: D.focus(pg)[0] == 7)
+        D.wait_for(lambda: D.timeline_title(pg)[0] == 7, "the timeline never followed the CP-group click")
+        assert "rank 7: measured peak" in D.text(pg, ".tk-memory")
+        pg.screenshot(path=str(shots / "08-sample-after-cp-click.png"), full_page=True)

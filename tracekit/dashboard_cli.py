@@ -51,9 +51,15 @@ def dashboard_command(path: Path, store_path: Path | None, port: int, address: s
         sys.exit(2)
 
     try:
-        DashboardData(store).close()  # fail here, clearly, before the server starts
+        data = DashboardData(store)  # fail here, clearly, before the server starts
+        newest = data.newest_run()
     except StoreError as e:
         err.print(f"[red]error:[/red] {e}")
         sys.exit(2)
+    with err.status(f"analysing run {newest} ..."):  # what the first page shows, before anyone asks
+        try:
+            data.warm(newest)
+        except ValueError as e:  # the page says which views cannot show this run
+            err.print(f"[yellow]warning:[/yellow] run {newest}: {e}")
     err.print(f"tracekit dashboard: http://{address}:{port}/dashboard  (store {store})")
-    serve(store, port=port, address=address, show=show)
+    serve(store, port=port, address=address, show=show, data=data)

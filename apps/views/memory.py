@@ -1,38 +1,81 @@
-"""Memory timeline of the selected rank (allocated MiB over its trace, in event order) with the estimator's
-prediction for that rank beside it, when the run has memory snapshots and a trainer manifest."""
+"""Memory of the selected rank over time (allocated MiB) with the estimator's prediction for that
+rank as a line beside it. When the snapshot's times are on the steps' clock, the x axis is the
+timeline's (ms from the selected rank's step start), step starts are marked and the selected step
+shaded; otherwise time runs from the first recorded allocation and the plot says why."""
 
 from __future__ import annotations
 
-import holoviews as hv
 import panel as pn
+import polars as pl
+from bokeh.models import BoxAnnotation, ColumnDataSource, HoverTool, Range1d, Span
 
 from apps.data import DashboardData
+from apps.data.memory import estimate_mib, memory_ranks, rank_curve
 from apps.selection import Selection
+from apps.views.plots import ACCENT, CULPRIT, bokeh_pane, new_figure
 
 
-def memory_view(data: DashboardData, sel: Selection) -> pn.viewable.Viewable:
-    def plot(run_id: str, rank: int) -> pn.viewable.Viewable:
-        ranks = data.memory_ranks(run_id)
-        if not ranks:
-            return pn.pane.Markdown("no memory snapshots in this run")
-        shown = rank if rank in ranks else ranks[0]
-        df = data.memory_timeline(run_id, shown)
-        est = data.memory_estimate_mib(run_id, shown)
-        peak = df["allocated_mib"].max()
-        curve = hv.Curve(df.to_pandas(), "seq", "allocated_mib", label=f"rank {shown} allocated").opts(
-            tools=["hover"])
-        over = curve
-        text = f"rank {shown}: measured peak {peak:.4g} MiB"
-        if est is not None:
-            over = curve * hv.HLine(est, label="estimate").opts(color="crimson", line_dash="dashed")
-            text += f"; estimate {est:.4g} MiB (measured/estimate {peak / est:.2f})" if est else ""
+class MemoryView:
+    def __init__(self, data: DashboardData, sel: Selection) -> None:
+        self.data, self.run_id, self.ranks = data, None, []
+        self.source = ColumnDataSource({"t_ms": [], "allocated_mib": []})
+        self.step_starts = ColumnDataSource({"x": [], "step": []})
+        fig = new_figure(240, name="tk-memory-fig", tools="xpan,xwheel_zoom,reset", title="allocated memory (MiB)", y_range=Range1d(0, 1), y_axis_label="MiB")
+        line = fig.line("t_ms", "allocated_mib", source=self.source, line_width=1.5, color="#4c78a8")
+        fig.add_tools(HoverTool(renderers=[line], tooltips=[("t", "@t_ms{0.00} ms"), ("allocated", "@allocated_mib{0.000} MiB")],
+                                mode="vline"))
+        fig.vspan(x="x", source=self.step_starts, line_color="#888888", line_dash="dotted")
+        self.window = BoxAnnotation(fill_color=ACCENT, fill_alpha=0.12, line_alpha=0, visible=False)
+        fig.add_layout(self.window)
+        self.estimate = Span(location=0, dimension="width", line_color=CULPRIT, line_dash="dashed", line_width=2,
+                             visible=False)
+        fig.add_layout(self.estimate)
+        self.fig = fig
+        self.text = pn.pane.Markdown("", sizing_mode="stretch_width")
+        self.plot = bokeh_pane(fig)
+        self.panel = pn.Column(self.text, self.plot, sizing_mode="stretch_width",
+                               css_classes=["tk-memory"])
+
+    def show_run(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.ranks = memory_ranks(self.data, run_id)
+        self.plot.visible = bool(self.ranks)
+        if not self.ranks:
+            self.text.object = "## Memory\n\nno memory snapshots in this run"
+
+    def show_focus(self, rank: int, step: int) -> None:
+        if not self.ranks:
+            return
+        shown = rank if rank in self.ranks else self.ranks[0]
+        curve = rank_curve(self.data, self.run_id, shown)
+        starts = curve.steps.filter(pl.col("step") == step)["start_ns"]
+        if curve.on_step_clock:
+            origin = int(starts[0]) if starts.len() else int(curve.steps["start_ns"].min())
+            self.fig.xaxis.axis_label = f"ms from rank {shown}'s step {step} start (the timeline's origin)"
+        else:
+            origin = int(curve.points["t_ns"].min()) if curve.points.height else 0
+            self.fig.xaxis.axis_label = ("ms from the first recorded allocation: the snapshot's clock is not the "
+                                         "steps' clock, so it is not aligned with the timeline")
+        pts = curve.points
+        self.source.data = {"t_ms": ((pts["t_ns"] - origin) / 1e6).to_numpy(), "allocated_mib": pts["allocated_mib"].to_numpy()}
+        st = curve.steps if curve.on_step_clock else curve.steps.clear()
+        self.step_starts.data = {"x": ((st["start_ns"] - origin) / 1e6).to_numpy(), "step": st["step"].to_numpy()}
+        sel = st.filter(pl.col("step") == step)
+        self.window.visible = bool(sel.height)
+        if sel.height:
+            self.window.update(left=(sel["start_ns"][0] - origin) / 1e6, right=(sel["end_ns"][0] - origin) / 1e6)
+        est = estimate_mib(self.data, self.run_id, shown)
+        self.estimate.visible = est is not None
+        self.estimate.location = est or 0.0
+        self.fig.y_range.update(start=0, end=max(curve.peak_mib, est or 0.0) * 1.1 or 1.0)
+        text = f"rank {shown}: measured peak {curve.peak_mib:.4g} MiB"
+        if curve.peak_t_ns is not None:
+            text += f" at {(curve.peak_t_ns - origin) / 1e6:.1f} ms"
+        if est:
+            text += f"; estimate {est:.4g} MiB (measured/estimate {curve.peak_mib / est:.2f})"
         if shown != rank:
-            text += f" (rank {rank} has no snapshot; ranks with one: {ranks})"
-        top = max(peak, est or 0.0) * 1.1 or 1.0  # keep the estimate line in view
-        plot = over.opts(hv.opts.Overlay(height=240, responsive=True, title="allocated memory (MiB)"),
-                         hv.opts.Curve(ylim=(0, top)))
-        return pn.Column(pn.pane.HoloViews(plot, sizing_mode="stretch_width"), pn.pane.Markdown(text),
-                         sizing_mode="stretch_width")
-
-    return pn.Column(pn.pane.Markdown("## Memory"), pn.bind(plot, sel.param.run_id, sel.param.rank),
-                     sizing_mode="stretch_width", css_classes=["tk-memory"])
+            text += f" (rank {rank} has no snapshot; ranks with one: {self.ranks})"
+        self.text.object = "## Memory\n\n" + text
+        key = ["allocated (blue)"] + (["estimate (dashed red)"] if est is not None else []) + (
+            ["step starts (dotted), selected step shaded"] if curve.on_step_clock else [])
+        self.fig.title.text = "allocated memory (MiB): " + ", ".join(key)

@@ -1,57 +1,90 @@
-"""Run overview: what ran (layout, config), how long its steps took, and the verdict."""
+"""Run overview: what ran (layout, config, injected faults), the verdict, and step times over the
+run. A click on the step-time plot selects that step."""
 
 from __future__ import annotations
 
+import html
 import json
 
-import holoviews as hv
 import panel as pn
+from bokeh.events import Tap
+from bokeh.models import ColumnDataSource, HoverTool, Legend, LegendItem, Span
 
 from apps.data import DashboardData
+from apps.data.overview import step_times
 from apps.selection import Selection
+from apps.views.plots import ACCENT, CULPRIT, bokeh_pane, new_figure
+from tracekit.topology import Layout
 
 
-def _config_md(info: dict) -> str:
-    lay = " x ".join(f"{d} {info[d]}" for d in ("dp", "pp", "cp", "tp"))
+def _compact(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+
+
+def config_md(info: dict, layout: Layout) -> str:
+    """The run's identity, the layout the analyses use, the whole trainer config (key=value,
+    wrapping rather than cut off) and the injected faults, one per line."""
+    lay = " x ".join(f"{d} {getattr(layout, d)}" for d in ("dp", "pp", "cp", "tp"))
     lines = [f"**run** `{info['run_id']}` &nbsp; **source** {info['source']} &nbsp; "
              f"**world size** {info['world_size']} &nbsp; **layout** {lay} ({info['layout_source']})"
              f" &nbsp; **backend** {info['backend'] or 'n/a'}"]
     cfg = info["manifest"].get("config")
-    if cfg:
-        lines.append("**config** `" + json.dumps(cfg, sort_keys=True)[:600] + "`")
+    if isinstance(cfg, dict) and cfg:
+        lines.append("**config** " + " &middot; ".join(f"{k}={html.escape(_compact(v))}" for k, v in sorted(cfg.items())))
     truth = info["manifest"].get("faults") or info["manifest"].get("ground_truth")
     if truth:
-        lines.append("**injected (ground truth)** `" + json.dumps(truth, sort_keys=True)[:300] + "`")
+        items = truth if isinstance(truth, list) else [truth]
+        lines.append("**injected (ground truth)**<br>" + "<br>".join(
+            html.escape(", ".join(f"{k}={_compact(v)}" for k, v in t.items()) if isinstance(t, dict) else _compact(t))
+            for t in items))
     return "\n\n".join(lines)
 
 
-def overview_view(data: DashboardData, sel: Selection) -> pn.viewable.Viewable:
-    def verdict(run_id: str) -> pn.viewable.Viewable:
-        d = data.diagnosis(run_id)
-        kind = "success" if d.localization.verdict == "no_straggler" else "danger"
-        return pn.pane.Alert(f"**Verdict:** {d.headline}", alert_type=kind, css_classes=["tk-verdict"],
-                             sizing_mode="stretch_width")
+class OverviewView:
+    def __init__(self, data: DashboardData, sel: Selection) -> None:
+        self.data, self.sel = data, sel
+        self.config = pn.pane.Markdown("", sizing_mode="stretch_width")
+        self.verdict = pn.pane.Alert("", alert_type="light", css_classes=["tk-verdict"], sizing_mode="stretch_width")
+        self.source = ColumnDataSource({"step": [], "median_ms": [], "max_ms": [], "slowest_rank": []})
+        fig = new_figure(220, tools="xwheel_zoom,reset", name="tk-steps-fig", title="step time (ms): click a step to select it", x_axis_label="step",
+                         y_axis_label="ms")
+        med = fig.line("step", "median_ms", source=self.source, line_width=2, color="#4c78a8")
+        mx = fig.line("step", "max_ms", source=self.source, line_width=2, color=CULPRIT)
+        dots = fig.scatter("step", "max_ms", source=self.source, size=6, color=CULPRIT)
+        fig.add_tools(HoverTool(renderers=[dots], tooltips=[("step", "@step"), ("slowest", "@max_ms{0.0} ms"),
+                                                            ("slowest rank", "@slowest_rank"),
+                                                            ("median", "@median_ms{0.0} ms")]))
+        fig.add_layout(Legend(items=[LegendItem(label="median over ranks", renderers=[med]),
+                                     LegendItem(label="slowest rank", renderers=[mx, dots])],
+                              orientation="horizontal", location="top_left", label_text_font_size="11px",
+                              border_line_alpha=0, background_fill_alpha=0.0), "above")
+        self.marker = Span(location=0, dimension="height", line_color=ACCENT, line_width=2, line_dash="dashed")
+        fig.add_layout(self.marker)
+        fig.on_event(Tap, self._tap)
+        self.fig = fig
+        self.panel = pn.Column(self.config, self.verdict,
+                               bokeh_pane(fig), sizing_mode="stretch_width", css_classes=["tk-overview"])
 
-    def marker(step: int) -> hv.VLine:
-        return hv.VLine(step).opts(color="black", line_dash="dashed")
+    def show_run(self, run_id: str) -> None:
+        tables = self.data.tables(run_id)  # the layout the analyses use (assumed when none was recorded)
+        info = {**self.data.run_info(run_id), "layout_source": tables.runs["layout_source"][0]}
+        st = step_times(self.data, run_id)
+        self.config.object = "## Run overview\n\n" + config_md(info, tables.layout) + (
+            "" if st.height else "\n\nno step records in this run")
+        try:
+            d = self.data.diagnosis(run_id)
+        except ValueError as e:  # tables the analysis cannot work from: say so, show the rest
+            self.verdict.object, self.verdict.alert_type = f"**Verdict:** none, the analysis failed: {e}", "warning"
+        else:
+            self.verdict.object = f"**Verdict:** {d.headline}"
+            self.verdict.alert_type = "success" if d.localization.verdict == "no_straggler" else "danger"
+        self.source.data = {c: st[c].to_numpy() for c in ("step", "median_ms", "max_ms", "slowest_rank")}
 
-    def steps(run_id: str) -> pn.viewable.Viewable:
-        st = data.step_times(run_id)
-        if not st.height:
-            return pn.pane.Markdown("no step records in this run")
-        df = st.to_pandas()
-        med = hv.Curve(df, "step", "median_ms", label="median over ranks")
-        mx = hv.Curve(df, "step", "max_ms", label="slowest rank")
-        mark = hv.DynamicMap(pn.bind(marker, sel.param.step))  # moves without redrawing the curves
-        return pn.pane.HoloViews((med * mx * hv.Scatter(df, "step", "max_ms") * mark).opts(
-            hv.opts.Curve(tools=["hover"]), hv.opts.Overlay(title="step time (ms)", height=220,
-                                                             responsive=True, legend_position="top_left")),
-            sizing_mode="stretch_width")
+    def show_focus(self, rank: int, step: int) -> None:
+        self.marker.location = step
 
-    return pn.Column(
-        pn.pane.Markdown("## Run overview"),
-        pn.bind(lambda r: pn.pane.Markdown(_config_md(data.run_info(r)), sizing_mode="stretch_width"),
-                sel.param.run_id),
-        pn.bind(verdict, sel.param.run_id),
-        pn.bind(steps, sel.param.run_id),
-        sizing_mode="stretch_width", css_classes=["tk-overview"])
+    def _tap(self, event: Tap) -> None:
+        steps = self.source.data["step"]
+        if event.x is None or not len(steps):
+            return
+        self.sel.step = int(min(steps, key=lambda s: abs(s - event.x)))

@@ -81,7 +81,7 @@ def _read(con, table: str, run_id: str, categories: bool = False) -> pl.DataFram
     """One run's rows, columnar (Arrow batches, no Python row objects). With ``categories`` the
     string columns become categories: a trace repeats a few actions, categories and sites
     millions of times."""
-    reader = con.sql(f"SELECT * FROM {table} WHERE run_id = ?", params=[run_id]).fetch_arrow_reader(1 << 20)
+    reader = con.sql(f"SELECT * FROM {table} WHERE run_id = ?", params=[run_id]).to_arrow_reader(1 << 20)
     cast = pl.selectors.string().cast(pl.Categorical) if categories else pl.selectors.string()
     parts = [pl.from_arrow(batch).with_columns(cast) for batch in reader]
     return pl.concat(parts) if parts else pl.from_arrow(reader.schema.empty_table()).with_columns(cast)
