@@ -3,6 +3,7 @@
     python benchmarks/localize_accuracy.py                      # the default grid (4 and 8 ranks)
     python benchmarks/localize_accuracy.py --quick              # a smoke run (about 10 runs)
     python benchmarks/localize_accuracy.py --kinds slow --factors 1.05 1.1 --repeats 8 --clean 24
+    python benchmarks/localize_accuracy.py --out runs/acc ...; ... --out runs/acc --rejudge   # re-score kept runs
 
 Every run goes through the trainer (profiled gloo runs; each rank has an emulated device,
 reference_trainer/device.py, so that ranks sharing this machine's 2 cores compute like ranks with a
@@ -194,7 +195,11 @@ def main() -> None:
     ap.add_argument("--hta", action="store_true", help="also run HTA's get_potential_stragglers")
     ap.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temp dir)")
     ap.add_argument("--json", type=Path, default=None, help="write every run's outcome here")
+    ap.add_argument("--rejudge", action="store_true",
+                    help="train nothing: judge the runs already under --out (same grid arguments) with the current analysis")
     args = ap.parse_args()
+    if args.rejudge and args.out is None:
+        ap.error("--rejudge needs --out, the directory of an earlier run")
     if args.quick:
         args.repeats, args.factors, args.clean, args.world = 1, [1.05, 1.1], 4, [4]
 
@@ -218,7 +223,12 @@ def main() -> None:
             chunk = batch[i:i + 8]
             scenarios = [Scenario({**DEMO_CONFIG, **LAYOUTS[lay], "steps": args.steps, "profile_memory": False}, str(out / name),
                                   (FaultSpec(spec),) if spec else ()) for name, _, spec, lay in chunk]
-            run_scenarios(scenarios)
+            if args.rejudge:
+                missing = [sc.out for sc in scenarios if not (Path(sc.out) / "manifest.json").is_file()]
+                if missing:
+                    raise SystemExit(f"--rejudge: no run at {', '.join(missing)}")
+            else:
+                run_scenarios(scenarios)
             for (name, kind, spec, lay), sc in zip(chunk, scenarios):
                 rows.append(judge_run(name, kind, lay, Path(sc.out), args, hta_py, tracekit, ingest))
                 r = rows[-1]

@@ -57,6 +57,15 @@ def test_open_errors(tmp_path: Path) -> None:
         tracekit.open(junk)
 
 
+def test_store_from_an_older_version_names_the_fix_and_a_reingest_applies_it(db: Path, tmp_path: Path) -> None:
+    duckdb.connect(str(db)).execute("DROP TABLE memory_blocks").close()  # as stores written before it existed
+    with pytest.raises(StoreError, match="older tracekit.*memory_blocks.*tracekit ingest"):
+        tracekit.open(db)
+    assert not ingest([tmp_path / "runA"], db).failed  # a writable open adds the table; nothing is lost
+    with tracekit.open(db) as s:
+        assert s.run_ids == ["runA", "runB"] and s.memory_blocks.height == 0
+
+
 def test_store_is_plain_duckdb(db: Path) -> None:
     con = duckdb.connect(str(db), read_only=True)
     assert con.execute("SELECT count(*) FROM runs").fetchall() == [(2,)]

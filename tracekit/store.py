@@ -59,6 +59,9 @@ class Store:
         missing = [t for t in schema.TABLES if t not in present]
         if missing:
             self._con.close()
+            if "runs" in present:  # tables are only ever added: an older version wrote this store
+                raise StoreError(f"{self.path}: written by an older tracekit (no table {', '.join(missing)}); "
+                                 f"ingest into it again (tracekit ingest RUN... --store {self.path}) to add them")
             raise StoreError(f"{self.path}: not a tracekit store (missing tables: {', '.join(missing)})")
 
     def sql(self, query: str, params: list | None = None) -> pl.DataFrame:

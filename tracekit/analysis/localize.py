@@ -259,6 +259,30 @@ def _transient(per_step: pl.DataFrame, speed: pl.DataFrame, step_ns: float,
     return int(rank), tuple(sorted(episode["step"].to_list())), float(share)
 
 
+def _moving_ranks(loc: Localization, speed: pl.DataFrame, lay, tun: Tunables) -> str | None:
+    """A moving straggler seen rank by rank, for when no level's members alternate cleanly (a slow
+    device moving over three ranks of two replicas leaves one replica late in two steps of three,
+    which reads as a dominant member at the DP level). The steps whose standout rank costs at least
+    ``episode_effect_min_frac`` of a step and computed slower than its stage peers that step (the
+    transient bar) cover ``moving_min_share`` of the steps; two or more ranks hold them and none
+    holds ``persist_min`` of them. Returns the outermost level whose member changes among those
+    steps (the level the slowness moves across), or None."""
+    if not speed.height or not loc.per_step.height:
+        return None
+    hits = loc.per_step.filter(pl.col("culprit_rank").is_not_null()
+                               & (pl.col("effect_ns") >= tun.episode_effect_min_frac * loc.step_time_ns))
+    excess, bar = _compute_excess(speed, tun)
+    slow = excess.filter(pl.col("excess") >= bar).select("step", pl.col("rank").alias("culprit_rank"))
+    hits = hits.join(slow, on=["step", "culprit_rank"], how="semi")
+    T = loc.per_step.height
+    if hits.height < max(2, math.ceil(tun.moving_min_share * T)):
+        return None
+    counts = hits["culprit_rank"].value_counts()["count"]
+    if counts.len() < 2 or int(counts.max()) / hits.height >= tun.persist_min:
+        return None
+    return next((d for d in OUTER_TO_INNER if getattr(lay, d) > 1 and hits[d].n_unique() >= 2), None)
+
+
 def _with_compute(loc: Localization, cf: ComputeFinding, lay, speed: pl.DataFrame, tun: Tunables) -> Localization:
     """Combine the wait-based verdict with the compute-speed check (see the module docstring)."""
     loc = replace(loc, compute=cf)
@@ -266,6 +290,10 @@ def _with_compute(loc: Localization, cf: ComputeFinding, lay, speed: pl.DataFram
         rank, steps, share = episode
         loc = replace(loc, verdict="transient", culprit_rank=rank, culprit_ranks=(rank,),
                       coords=lay.coords(rank).as_dict(), confidence=share, episode_steps=steps)
+    elif loc.verdict == "no_straggler" and cf.verdict != "culprit" and (level := _moving_ranks(loc, speed, lay, tun)):
+        levels = [replace(lv, verdict="moving") if lv.level == level else lv for lv in loc.levels]
+        share = loc.per_step["culprit_rank"].is_not_null().mean()
+        loc = replace(loc, verdict="moving", levels=levels, confidence=float(share or 0.0))
     if cf.verdict != "culprit":
         return loc
     r = cf.rank
