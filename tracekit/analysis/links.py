@@ -13,8 +13,9 @@ tenfold), so a link is slow only when all of these hold:
 - its instances (each divided by its kind's median) rank above every other link's (one-sided
   Mann-Whitney z), beyond a Bonferroni bar over the links compared (the most extreme of many links
   is extreme by chance): z >= the normal quantile of 1 - ``link_alpha`` / links, and >= ``link_z_min``;
-- the excess costs at least ``effect_min_frac`` of a step (a slower link that costs nothing is not
-  a finding).
+- the excess costs at least ``link_effect_min_frac`` of a step (a slower link that costs nothing is
+  not a finding; on a shared CPU, healthy pipeline links differ persistently by a millisecond or two
+  per message, about 0.5% of a step).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def link_transfers(tables: RunTables, step_ns: float, tunables: Tunables = Tunab
         per_kind = own.group_by("kind").agg(pl.col("t").median().alias("med"), pl.col("ref").first(), pl.len().alias("n"),
                                             pl.col("lr").median())
         excess = float(((per_kind["med"] - per_kind["ref"]) * per_kind["n"]).sum()) / n_steps
-        slow = ratio >= tun.slow_link_ratio and z >= z_bar and excess >= tun.effect_min_frac * step_ns
+        slow = ratio >= tun.slow_link_ratio and z >= z_bar and excess >= tun.link_effect_min_frac * step_ns
         rows.append({"link": own["link"][0], "name": own["name"][0], "ranks": own["ranks"][0].to_list(),
                      "kind": per_kind.sort("lr", descending=True)["kind"][0], "instances": own.height,
                      "transfer_ns": float(own["t"].median()), "ratio": ratio, "z": z, "z_bar": z_bar,
