@@ -27,7 +27,9 @@ RUNS = {
     "clean": (CFG, None),
     "link": (CFG, FaultSpec("link:a=1,b=3,delay_ms=20")),  # the dp group of tp rank 1
     "cp_imbalance": (CP, FaultSpec("cp_imbalance:ranks=1")),  # CP rank 1 = ranks 1 and 3
-    "moving": (CFG, FaultSpec("moving:ranks=0+3,factor=2")),
+    # one slow device cycling 0 -> 3 -> 1: replica 0 is late in two steps of three, so no level
+    # alternates cleanly and the moving straggler is seen rank by rank
+    "moving": (CFG, FaultSpec("moving:ranks=0+3+1,factor=2")),
     "pp_slow": (PP, SlowFault(rank=2, factor=2.0)),  # stage 0 of replica 1
     "transient": (CFG, SlowFault(rank=1, factor=2.0, steps=(3, 4))),  # two of the six profiled steps
 }

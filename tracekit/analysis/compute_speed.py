@@ -105,6 +105,33 @@ def _robust_sd(x: np.ndarray) -> float:
     return float(1.4826 * np.median(np.abs(x - np.median(x)))) if x.size > 1 else 0.0
 
 
+def step_scatter(mat: np.ndarray) -> float:
+    """Step-to-step scatter of a (step x rank) log-ratio matrix pooled over every rank (two-way
+    residuals: rank and step effects removed), as a robust standard deviation."""
+    resid = mat - np.nanmedian(mat, axis=0, keepdims=True)
+    resid = resid - np.nanmedian(resid, axis=1, keepdims=True)
+    return _robust_sd(resid[np.isfinite(resid)])
+
+
+def compute_excess(speed: pl.DataFrame, tunables: Tunables = Tunables()) -> tuple[pl.DataFrame, float]:
+    """(step, rank, excess): each rank's log compute ratio minus its stage peers' median that step;
+    and the bar a single step's excess must clear to stand out: ``compute_margin_min`` step
+    scatters, and at least ``compute_effect_min_ratio``."""
+    tun = tunables
+    wide = speed.pivot(on="rank", index="step", values="log_ratio").sort("step")
+    ranks = [int(c) for c in wide.columns[1:]]
+    mat = wide.drop("step").to_numpy().astype(float)
+    bar = max(tun.compute_margin_min * max(step_scatter(mat), tun.compute_noise_floor),
+              math.log(tun.compute_effect_min_ratio))
+    rows = []
+    for i, t in enumerate(wide["step"].to_list()):
+        for j, r in enumerate(ranks):
+            others = np.delete(mat[i], j)
+            if np.isfinite(mat[i, j]) and np.isfinite(others).any():
+                rows.append({"step": t, "rank": r, "excess": float(mat[i, j] - np.nanmedian(others))})
+    return pl.DataFrame(rows, schema={"step": pl.Int64, "rank": pl.Int64, "excess": pl.Float64}), bar
+
+
 def compute_outlier(speed: pl.DataFrame, tunables: Tunables = Tunables()) -> ComputeFinding:
     """The rank whose compute is persistently slower than its peers', if any stands out.
 
@@ -132,11 +159,8 @@ def compute_outlier(speed: pl.DataFrame, tunables: Tunables = Tunables()) -> Com
     diffs = mat[:, top] - np.nanmedian(others, axis=1)
     diffs = diffs[np.isfinite(diffs)]
     effect = float(np.median(diffs))
-    # step-to-step scatter pooled over every rank (two-way residuals: rank and step effects removed):
-    # the top rank's own few differences would estimate it too low by chance as often as not
-    resid = mat - np.nanmedian(mat, axis=0, keepdims=True)
-    resid = resid - np.nanmedian(resid, axis=1, keepdims=True)
-    scatter = _robust_sd(resid[np.isfinite(resid)])
+    # pooled over every rank: the top rank's own few differences would estimate it too low by chance
+    scatter = step_scatter(mat)
     sem = 1.2533 * scatter / math.sqrt(diffs.size)  # standard error of a median
     stage_of = dict(speed.select("rank", "pp").unique().iter_rows())
     unaffected = [i for i, r in enumerate(ranks) if i != top and stage_of.get(r) != stage_of.get(ranks[top])]

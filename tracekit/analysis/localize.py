@@ -33,7 +33,7 @@ import numpy as np
 import polars as pl
 
 from tracekit.analysis.collectives import match_collectives
-from tracekit.analysis.compute_speed import ComputeFinding, compute_outlier, compute_speed
+from tracekit.analysis.compute_speed import ComputeFinding, compute_excess, compute_outlier, compute_speed
 from tracekit.analysis.scores import collective_scores, level_matrix, pipeline_scores
 from tracekit.analysis.tables import RunTables
 from tracekit.analysis.tunables import Tunables
@@ -210,27 +210,6 @@ def localize(tables: RunTables, tunables: Tunables = Tunables()) -> Localization
     return _with_compute(waits, compute_outlier(speed, tunables), lay, speed, tunables)
 
 
-def _compute_excess(speed: pl.DataFrame, tun: Tunables) -> tuple[pl.DataFrame, float]:
-    """Each rank's per-step compute excess over its stage peers (log ratio minus the others'
-    median, ``excess``), and the bar an excess must clear to stand out: ``compute_margin_min``
-    spreads of every rank's step-to-step scatter, and at least ``compute_effect_min_ratio``."""
-    wide = speed.pivot(on="rank", index="step", values="log_ratio").sort("step")
-    ranks = [int(c) for c in wide.columns[1:]]
-    mat = wide.drop("step").to_numpy().astype(float)
-    resid = mat - np.nanmedian(mat, axis=0, keepdims=True)
-    resid = resid - np.nanmedian(resid, axis=1, keepdims=True)
-    resid = resid[np.isfinite(resid)]
-    scatter = float(1.4826 * np.median(np.abs(resid - np.median(resid)))) if resid.size > 1 else 0.0
-    bar = max(tun.compute_margin_min * max(scatter, tun.compute_noise_floor), math.log(tun.compute_effect_min_ratio))
-    rows = []
-    for i, t in enumerate(wide["step"].to_list()):
-        for j, r in enumerate(ranks):
-            others = np.delete(mat[i], j)
-            if np.isfinite(mat[i, j]) and np.isfinite(others).any():
-                rows.append({"step": t, "rank": r, "excess": float(mat[i, j] - np.nanmedian(others))})
-    return pl.DataFrame(rows, schema={"step": pl.Int64, "rank": pl.Int64, "excess": pl.Float64}), bar
-
-
 def _transient(per_step: pl.DataFrame, speed: pl.DataFrame, step_ns: float,
                tun: Tunables) -> tuple[int, tuple[int, ...], float] | None:
     """A transient straggler: nothing persists, but one rank holds ``transient_share_min`` of the
@@ -251,7 +230,7 @@ def _transient(per_step: pl.DataFrame, speed: pl.DataFrame, step_ns: float,
     own = hits.filter(pl.col("culprit_rank") == rank).select("step", "effect_ns")
     if not speed.height:
         return int(rank), tuple(sorted(own["step"].to_list())), float(share)
-    excess, bar = _compute_excess(speed, tun)
+    excess, bar = compute_excess(speed, tun)
     slow = excess.filter((pl.col("rank") == rank) & (pl.col("excess") >= bar))["step"].to_list()
     episode = own.filter(pl.col("step").is_in(slow))
     if episode.height < 2 or float(episode["effect_ns"].sum()) < tun.moving_compute_agree_min * effect:
@@ -271,7 +250,7 @@ def _moving_ranks(loc: Localization, speed: pl.DataFrame, lay, tun: Tunables) ->
         return None
     hits = loc.per_step.filter(pl.col("culprit_rank").is_not_null()
                                & (pl.col("effect_ns") >= tun.episode_effect_min_frac * loc.step_time_ns))
-    excess, bar = _compute_excess(speed, tun)
+    excess, bar = compute_excess(speed, tun)
     slow = excess.filter(pl.col("excess") >= bar).select("step", pl.col("rank").alias("culprit_rank"))
     hits = hits.join(slow, on=["step", "culprit_rank"], how="semi")
     T = loc.per_step.height
