@@ -1,0 +1,919 @@
+/* Kineto event-array scanner: the chosen fields of every event of a Chrome trace's `traceEvents`
+ * array, straight into Arrow-layout column buffers.
+ *
+ * Why native: DuckDB's JSON reader builds a full document per object and parses about 140 MB per
+ * CPU-second; this scanner reads each byte once, keeps only the fields asked for and validates the
+ * rest as it skips it, several times faster. The work runs without the GIL, so ingest's worker
+ * threads scan files in parallel.
+ *
+ * What it accepts is strict JSON (RFC 8259): strings must be valid UTF-8 without raw control
+ * characters, escapes and numbers must be well formed, nesting is limited to MAX_DEPTH. Input comes
+ * in pieces (`feed`): the scanner consumes whole events only and says how many bytes it used; the
+ * caller keeps the rest for the next piece. A field's value becomes, for a text field: the
+ * unescaped string, the source text of a number or true/false, or the compact source text (no
+ * whitespace outside strings) of an array or object; for a real field: the number (strings holding
+ * a number are read too). null or an absent key is a null. A repeated wanted key is an error,
+ * as in DuckDB's reader. Object fields ("args") hold nested fields; the object's own presence is a
+ * validity bitmap of its own.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_DEPTH 512
+#define MAX_FIELDS 64
+#define MAX_ERR 300
+#define ROOM_STEP 4096
+
+enum { OK = 0, MORE = 1, BAD = 2 };        /* MORE: the piece ends inside the value */
+enum { TEXT = 0, REAL = 1, OBJECT = 2 };   /* field kinds */
+
+typedef struct {
+    char *p;
+    size_t n, cap;
+} Buf;
+
+typedef struct {
+    int kind;
+    int parent;     /* index of the OBJECT field holding it, -1 at the event's top level */
+    char *key;
+    size_t key_len;
+    Buf data;       /* TEXT: utf-8 bytes of all rows; REAL: one double per row */
+    Buf offsets;    /* TEXT: int32 start of each row, plus the end */
+    Buf valid;      /* one byte per row, packed into a bitmap by take() */
+    int64_t nulls;
+    int seen;       /* set in the current event */
+    size_t mark;    /* data.n when the current event started */
+    double value;   /* REAL: the current event's value */
+} Field;
+
+typedef struct {
+    PyObject_HEAD
+    int nfields;
+    Field fields[MAX_FIELDS];
+    short head[MAX_FIELDS + 1][256];  /* per parent (+1): first field whose key hashes here */
+    short next[MAX_FIELDS];           /* the next field with the same parent and hash */
+    int filter;             /* index of a TEXT field an event must equal `filter_value` in, or -1 */
+    char *filter_value;
+    size_t filter_len;
+    int state;              /* 0 before '[', 1 after '[', 2 after an event, 3 after ',', 4 after ']' */
+    int64_t rows;           /* rows held, not yet taken */
+    int64_t room;           /* rows every field has room for without a check */
+    int64_t events;         /* events seen in all (kept or not) */
+    int64_t offset;         /* stream offset of the current piece's first byte */
+    const unsigned char *base;
+    int escaped;            /* the last string scanned had an escape */
+    PyThreadState *gil;     /* saved thread state while scanning without the GIL */
+    Buf scratch;
+    char err[MAX_ERR];
+} Scanner;
+
+/* ---- buffers ---- */
+
+static inline int reserve(Scanner *s, Buf *b, size_t extra) {
+    if (b->n + extra <= b->cap) return OK;
+    size_t cap = b->cap ? b->cap : 1024;
+    while (cap < b->n + extra) cap *= 2;
+    char *p = realloc(b->p, cap);
+    if (!p) {
+        snprintf(s->err, MAX_ERR, "out of memory");
+        return BAD;
+    }
+    b->p = p;
+    b->cap = cap;
+    return OK;
+}
+
+static inline int append(Scanner *s, Buf *b, const void *src, size_t n) {
+    if (reserve(s, b, n)) return BAD;
+    memcpy(b->p + b->n, src, n);
+    b->n += n;
+    return OK;
+}
+
+static int bad(Scanner *s, const unsigned char *at, const char *what) {
+    snprintf(s->err, MAX_ERR, "%s at byte %lld of the traceEvents array (event index %lld)", what,
+             (long long)(s->offset + (at - s->base)), (long long)s->events);
+    return BAD;
+}
+
+/* ---- lexing ---- */
+
+/* 1 for bytes that end a plain run inside a string: '"', '\\', controls, non-ASCII */
+static unsigned char STOP[256];
+static unsigned char WS[256];
+
+static void init_tables(void) {
+    for (int c = 0; c < 256; c++) {
+        STOP[c] = (c == '"' || c == '\\' || c < 0x20 || c >= 0x80);
+        WS[c] = (c == ' ' || c == '\n' || c == '\r' || c == '\t');
+    }
+}
+
+static inline const unsigned char *ws(const unsigned char *p, const unsigned char *end) {
+    if (p < end && *p > ' ') return p;  /* the common cases: no whitespace, or one space */
+    if (end - p >= 2 && *p == ' ' && p[1] > ' ') return p + 1;
+    while (p < end) {
+        if (*p > ' ') return p;
+        if (end - p >= 8) {  /* pretty-printed traces indent every line: skip a run of spaces at once */
+            uint64_t x;
+            memcpy(&x, p, 8);
+            x ^= 0x2020202020202020ULL;  /* zero bytes where there are spaces */
+            if (!x) {
+                p += 8;
+                continue;
+            }
+#if defined(__GNUC__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+            int k = __builtin_ctzll(x) >> 3;
+            if (k) {
+                p += k;
+                continue;
+            }
+#endif
+        }
+        if (!WS[*p]) return p;
+        p++;
+    }
+    return p;
+}
+
+static int hex4(const unsigned char *p, unsigned *out) {
+    unsigned v = 0;
+    for (int i = 0; i < 4; i++) {
+        unsigned c = p[i], d;
+        if (c >= '0' && c <= '9') d = c - '0';
+        else if (c >= 'a' && c <= 'f') d = c - 'a' + 10;
+        else if (c >= 'A' && c <= 'F') d = c - 'A' + 10;
+        else return -1;
+        v = v * 16 + d;
+    }
+    *out = v;
+    return 0;
+}
+
+static int put_utf8(Scanner *s, Buf *out, unsigned cp) {
+    unsigned char b[4];
+    size_t n;
+    if (cp < 0x80) { b[0] = cp; n = 1; }
+    else if (cp < 0x800) { b[0] = 0xC0 | (cp >> 6); b[1] = 0x80 | (cp & 0x3F); n = 2; }
+    else if (cp < 0x10000) {
+        b[0] = 0xE0 | (cp >> 12); b[1] = 0x80 | ((cp >> 6) & 0x3F); b[2] = 0x80 | (cp & 0x3F); n = 3;
+    } else {
+        b[0] = 0xF0 | (cp >> 18); b[1] = 0x80 | ((cp >> 12) & 0x3F);
+        b[2] = 0x80 | ((cp >> 6) & 0x3F); b[3] = 0x80 | (cp & 0x3F); n = 4;
+    }
+    return append(s, out, b, n);
+}
+
+/* Length of the valid UTF-8 sequence at p (lead byte >= 0x80), 0 if invalid, -1 if cut by end. */
+static int utf8_len(const unsigned char *p, const unsigned char *end) {
+    unsigned c = p[0];
+    int n;
+    unsigned lo = 0x80, hi = 0xBF;
+    if (c >= 0xC2 && c <= 0xDF) n = 2;
+    else if (c >= 0xE0 && c <= 0xEF) {
+        n = 3;
+        if (c == 0xE0) lo = 0xA0;
+        if (c == 0xED) hi = 0x9F;  /* no UTF-16 surrogates */
+    } else if (c >= 0xF0 && c <= 0xF4) {
+        n = 4;
+        if (c == 0xF0) lo = 0x90;
+        if (c == 0xF4) hi = 0x8F;
+    } else return 0;
+    if (end - p < n) {
+        /* cut by the end of the piece, unless what is there is already wrong */
+        if (end - p > 1 && (p[1] < lo || p[1] > hi)) return 0;
+        for (const unsigned char *q = p + 2; q < end; q++)
+            if ((*q & 0xC0) != 0x80) return 0;
+        return -1;
+    }
+    if (p[1] < lo || p[1] > hi) return 0;
+    for (int i = 2; i < n; i++)
+        if ((p[i] & 0xC0) != 0x80) return 0;
+    return n;
+}
+
+/* The first byte at or after p that ends a plain run inside a string (end if none). Eight bytes at
+ * a time where the byte order allows: a string's plain runs are most of a trace's bytes. */
+static inline const unsigned char *plain_run(const unsigned char *p, const unsigned char *end) {
+#if defined(__GNUC__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    const uint64_t ones = 0x0101010101010101ULL, highs = 0x8080808080808080ULL;
+    while (end - p >= 8) {
+        uint64_t x, q, b;
+        memcpy(&x, p, 8);
+        q = x ^ (ones * '"');
+        b = x ^ (ones * '\\');
+        /* high bit set in a byte that is '"', '\\', < 0x20 or >= 0x80; bytes above the first hit
+         * may be false hits (borrows), which the caller's byte-wise check sorts out */
+        uint64_t hit = (((q - ones) & ~q) | ((b - ones) & ~b) | (x - ones * 0x20) | x) & highs;
+        if (hit) return p + (__builtin_ctzll(hit) >> 3);
+        p += 8;
+    }
+#endif
+    while (p < end && !STOP[*p]) p++;
+    return p;
+}
+
+/* The string starting at *pp (a '"'); its decoded bytes go to `out` when not NULL. */
+static int string(Scanner *s, const unsigned char **pp, const unsigned char *end, Buf *out) {
+    const unsigned char *p = *pp + 1;
+    s->escaped = 0;
+    for (;;) {
+        const unsigned char *run = p;
+        p = plain_run(p, end);
+        while (p < end && !STOP[*p]) p++;  /* past a false hit */
+        if (out && p > run && append(s, out, run, p - run)) return BAD;
+        if (p >= end) return MORE;
+        unsigned c = *p;
+        if (c == '"') {
+            *pp = p + 1;
+            return OK;
+        }
+        if (c == '\\') {
+            s->escaped = 1;
+            if (end - p < 2) return MORE;
+            unsigned e = p[1];
+            const char *simple = NULL;
+            switch (e) {
+                case '"': simple = "\""; break;
+                case '\\': simple = "\\"; break;
+                case '/': simple = "/"; break;
+                case 'b': simple = "\b"; break;
+                case 'f': simple = "\f"; break;
+                case 'n': simple = "\n"; break;
+                case 'r': simple = "\r"; break;
+                case 't': simple = "\t"; break;
+                case 'u': break;
+                default: return bad(s, p, "invalid escape in a string");
+            }
+            if (simple) {
+                if (out && append(s, out, simple, 1)) return BAD;
+                p += 2;
+                continue;
+            }
+            if (end - p < 6) return MORE;
+            unsigned cp, lo;
+            if (hex4(p + 2, &cp)) return bad(s, p, "invalid \\u escape in a string");
+            p += 6;
+            if (cp >= 0xDC00 && cp <= 0xDFFF) return bad(s, p - 6, "lone low surrogate in a string");
+            if (cp >= 0xD800 && cp <= 0xDBFF) {
+                if ((end - p >= 1 && p[0] != '\\') || (end - p >= 2 && p[1] != 'u'))
+                    return bad(s, p - 6, "unpaired high surrogate in a string");
+                if (end - p < 6) return MORE;
+                if (p[0] != '\\' || p[1] != 'u' || hex4(p + 2, &lo) || lo < 0xDC00 || lo > 0xDFFF)
+                    return bad(s, p - 6, "unpaired high surrogate in a string");
+                cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+                p += 6;
+            }
+            if (out && put_utf8(s, out, cp)) return BAD;
+            continue;
+        }
+        if (c < 0x20) return bad(s, p, "control character inside a string");
+        int n = utf8_len(p, end);
+        if (n < 0) return MORE;
+        if (n == 0) return bad(s, p, "invalid UTF-8 in a string");
+        if (out && append(s, out, p, n)) return BAD;
+        p += n;
+    }
+}
+
+/* A number's extent, checked against JSON's grammar. */
+static int number(Scanner *s, const unsigned char **pp, const unsigned char *end) {
+    const unsigned char *p = *pp;
+    if (*p == '-') p++;
+    if (p >= end) return MORE;
+    if (*p == '0') p++;
+    else if (*p >= '1' && *p <= '9') while (p < end && *p >= '0' && *p <= '9') p++;
+    else return bad(s, p, "invalid number");
+    if (p < end && *p == '.') {
+        const unsigned char *d = ++p;
+        while (p < end && *p >= '0' && *p <= '9') p++;
+        if (p == d && p < end) return bad(s, p, "invalid number (no digit after '.')");
+    }
+    if (p < end && (*p == 'e' || *p == 'E')) {
+        p++;
+        if (p < end && (*p == '+' || *p == '-')) p++;
+        const unsigned char *d = p;
+        while (p < end && *p >= '0' && *p <= '9') p++;
+        if (p == d && p < end) return bad(s, p, "invalid number (no digit in the exponent)");
+    }
+    if (p >= end) return MORE;  /* a number is always followed by something inside an event */
+    *pp = p;
+    return OK;
+}
+
+static int literal(Scanner *s, const unsigned char **pp, const unsigned char *end) {
+    const unsigned char *p = *pp;
+    const char *word = *p == 't' ? "true" : *p == 'f' ? "false" : "null";
+    size_t n = strlen(word);
+    size_t have = (size_t)(end - p) < n ? (size_t)(end - p) : n;
+    if (memcmp(p, word, have)) return bad(s, p, "invalid literal");
+    if (have < n) return MORE;
+    *pp = p + n;
+    return OK;
+}
+
+static int value(Scanner *s, const unsigned char **pp, const unsigned char *end, int depth);
+
+/* The members of an object or the elements of an array whose opening bracket is at *pp. */
+static int container(Scanner *s, const unsigned char **pp, const unsigned char *end, int depth) {
+    const unsigned char *p = *pp;
+    int obj = *p == '{';
+    unsigned char close = obj ? '}' : ']';
+    if (depth >= MAX_DEPTH) return bad(s, p, "nesting too deep");
+    p = ws(p + 1, end);
+    if (p >= end) return MORE;
+    if (*p == close) {
+        *pp = p + 1;
+        return OK;
+    }
+    for (;;) {
+        int r;
+        if (obj) {
+            if (*p != '"') return bad(s, p, "expected a key");
+            if ((r = string(s, &p, end, NULL))) return r;
+            p = ws(p, end);
+            if (p >= end) return MORE;
+            if (*p != ':') return bad(s, p, "expected ':'");
+            p = ws(p + 1, end);
+        }
+        if ((r = value(s, &p, end, depth + 1))) return r;
+        p = ws(p, end);
+        if (p >= end) return MORE;
+        if (*p == close) {
+            *pp = p + 1;
+            return OK;
+        }
+        if (*p != ',') return bad(s, p, obj ? "expected ',' or '}'" : "expected ',' or ']'");
+        p = ws(p + 1, end);
+        if (p >= end) return MORE;
+    }
+}
+
+static int value(Scanner *s, const unsigned char **pp, const unsigned char *end, int depth) {
+    const unsigned char *p = ws(*pp, end);
+    if (p >= end) return MORE;
+    int r;
+    switch (*p) {
+        case '"': r = string(s, &p, end, NULL); break;
+        case '{': case '[': r = container(s, &p, end, depth); break;
+        case 't': case 'f': case 'n': r = literal(s, &p, end); break;
+        default:
+            if (*p == '-' || (*p >= '0' && *p <= '9')) r = number(s, &p, end);
+            else return bad(s, p, "unexpected character");
+    }
+    if (r == OK) *pp = p;
+    return r;
+}
+
+/* ---- numbers to doubles ---- */
+
+static const double POW10[] = {1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11,
+                               1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
+
+/* The double nearest to the JSON number [p, e). Exact (Clinger's fast path) when the digits fit
+ * in 53 bits and the power of ten in 22; otherwise Python's correctly rounded parser, with the GIL. */
+static double to_double(Scanner *s, const unsigned char *p, const unsigned char *e) {
+    const unsigned char *q = p;
+    int neg = 0, digits = 0, exp10 = 0, eneg = 0, ev = 0;
+    uint64_t m = 0;
+    if (*q == '-') { neg = 1; q++; }
+    for (; q < e && *q >= '0' && *q <= '9'; q++) {
+        if (m || *q != '0') digits++;
+        m = m * 10 + (*q - '0');
+    }
+    if (q < e && *q == '.')
+        for (q++; q < e && *q >= '0' && *q <= '9'; q++) {
+            if (m || *q != '0') digits++;
+            m = m * 10 + (*q - '0');
+            exp10--;
+        }
+    if (q < e && (*q == 'e' || *q == 'E')) {
+        q++;
+        if (*q == '+' || *q == '-') eneg = *q++ == '-';
+        for (; q < e && *q >= '0' && *q <= '9' && ev < 100000; q++) ev = ev * 10 + (*q - '0');
+        exp10 += eneg ? -ev : ev;
+    }
+    if (digits <= 19 && m <= (1ULL << 53) && exp10 >= -22 && exp10 <= 22) {
+        double v = (double)m;
+        v = exp10 < 0 ? v / POW10[-exp10] : v * POW10[exp10];
+        return neg ? -v : v;
+    }
+    char small[64], *text = small;
+    size_t n = e - p;
+    if (n >= sizeof small && !(text = malloc(n + 1))) return 0.0;
+    memcpy(text, p, n);
+    text[n] = 0;
+    PyEval_RestoreThread(s->gil);
+    double v = PyOS_string_to_double(text, NULL, NULL);  /* overflow gives +-inf */
+    if (PyErr_Occurred()) PyErr_Clear();
+    s->gil = PyEval_SaveThread();
+    if (text != small) free(text);
+    return v;
+}
+
+/* ---- fields ---- */
+
+static inline unsigned key_hash(const unsigned char *k, size_t n) {
+    return n ? (unsigned)(n * 31 + k[0] * 7 + k[n - 1]) & 255 : 0;
+}
+
+static inline Field *lookup(Scanner *s, int parent, const unsigned char *key, size_t n) {
+    for (int i = s->head[parent + 1][key_hash(key, n)]; i >= 0; i = s->next[i]) {
+        Field *f = &s->fields[i];
+        if (f->key_len != n) continue;
+        size_t j = 0;  /* keys are short: compare inline rather than call memcmp */
+        while (j < n && f->key[j] == (char)key[j]) j++;
+        if (j == n) return f;
+    }
+    return NULL;
+}
+
+/* The key at *pp (a '"'), decoded only when it has escapes; points k and n at its bytes. */
+static int key(Scanner *s, const unsigned char **pp, const unsigned char *end, const unsigned char **k,
+               size_t *n) {
+    const unsigned char *p = *pp, *start = p + 1;
+    int r = string(s, &p, end, NULL);
+    if (r) return r;
+    if (s->escaped) {
+        const unsigned char *again = *pp;
+        s->scratch.n = 0;
+        if ((r = string(s, &again, end, &s->scratch))) return r;
+        *k = (const unsigned char *)s->scratch.p;
+        *n = s->scratch.n;
+    } else {
+        *k = start;
+        *n = p - 1 - start;
+    }
+    *pp = p;
+    return OK;
+}
+
+/* Append the compact text of the validated value [p, e) (whitespace outside strings dropped). */
+static int compact(Scanner *s, Buf *out, const unsigned char *p, const unsigned char *e) {
+    if (reserve(s, out, e - p)) return BAD;
+    char *o = out->p + out->n;
+    int in_str = 0;
+    for (; p < e; p++) {
+        unsigned char c = *p;
+        if (in_str) {
+            *o++ = c;
+            if (c == '\\') *o++ = *++p;
+            else if (c == '"') in_str = 0;
+        } else if (c == '"') {
+            *o++ = c;
+            in_str = 1;
+        } else if (c != ' ' && c != '\n' && c != '\r' && c != '\t') {
+            *o++ = c;
+        }
+    }
+    out->n = o - out->p;
+    return OK;
+}
+
+static int members(Scanner *s, const unsigned char **pp, const unsigned char *end, int parent, int depth);
+
+/* The value of a wanted field `f`, at *pp. */
+static int field_value(Scanner *s, Field *f, const unsigned char **pp, const unsigned char *end, int depth) {
+    const unsigned char *p = ws(*pp, end), *start;
+    if (p >= end) return MORE;
+    int r;
+    if (f->seen) return bad(s, p, "duplicate key in an event");
+    if (*p == 'n') {  /* null: the field stays null */
+        if ((r = literal(s, &p, end))) return r;
+        *pp = p;
+        return OK;
+    }
+    if (f->kind == OBJECT) {
+        if (*p != '{') return bad(s, p, "expected an object (or null)");
+        if ((r = members(s, &p, end, (int)(f - s->fields), depth + 1))) return r;
+        f->seen = 1;
+        *pp = p;
+        return OK;
+    }
+    if (f->kind == TEXT) {
+        start = p;
+        if (*p == '"') {
+            if ((r = string(s, &p, end, &f->data))) {
+                f->data.n = f->mark;
+                return r;
+            }
+        } else {
+            if ((r = value(s, &p, end, depth))) return r;
+            if ((*start == '{' || *start == '[') ? compact(s, &f->data, start, p)
+                                                 : append(s, &f->data, start, p - start))
+                return BAD;
+        }
+        f->seen = 1;
+        *pp = p;
+        return OK;
+    }
+    /* REAL */
+    start = p;
+    if (*p == '"') {
+        s->scratch.n = 0;
+        if ((r = string(s, &p, end, &s->scratch))) return r;
+        if (s->scratch.n == 0) return bad(s, start, "empty string where a number belongs");
+        if (append(s, &s->scratch, " ", 1)) return BAD;  /* a terminator for number() */
+        const unsigned char *t = (const unsigned char *)s->scratch.p, *te = t + s->scratch.n - 1, *q = t;
+        if (*q != '-' && (*q < '0' || *q > '9'))
+            return bad(s, start, "a string that is not a number where a number belongs");
+        if (number(s, &q, te + 1) || q != te)
+            return bad(s, start, "a string that is not a number where a number belongs");
+        f->value = to_double(s, t, te);
+    } else if (*p == '-' || (*p >= '0' && *p <= '9')) {
+        if ((r = number(s, &p, end))) return r;
+        f->value = to_double(s, start, p);
+    } else {
+        return bad(s, p, "expected a number");
+    }
+    f->seen = 1;
+    *pp = p;
+    return OK;
+}
+
+/* The members of the object at *pp: wanted keys (fields with this parent) kept, the rest skipped. */
+static int members(Scanner *s, const unsigned char **pp, const unsigned char *end, int parent, int depth) {
+    const unsigned char *p = *pp;
+    if (depth >= MAX_DEPTH) return bad(s, p, "nesting too deep");
+    p = ws(p + 1, end);
+    if (p >= end) return MORE;
+    if (*p == '}') {
+        *pp = p + 1;
+        return OK;
+    }
+    for (;;) {
+        const unsigned char *k;
+        size_t kn;
+        int r;
+        if (*p != '"') return bad(s, p, "expected a key");
+        if ((r = key(s, &p, end, &k, &kn))) return r;
+        Field *f = lookup(s, parent, k, kn);
+        p = ws(p, end);
+        if (p >= end) return MORE;
+        if (*p != ':') return bad(s, p, "expected ':'");
+        p = ws(p + 1, end);
+        if ((r = f ? field_value(s, f, &p, end, depth) : value(s, &p, end, depth + 1))) return r;
+        p = ws(p, end);
+        if (p >= end) return MORE;
+        if (*p == '}') {
+            *pp = p + 1;
+            return OK;
+        }
+        if (*p != ',') return bad(s, p, "expected ',' or '}'");
+        p = ws(p + 1, end);
+        if (p >= end) return MORE;
+    }
+}
+
+static void rollback(Scanner *s) {
+    for (int i = 0; i < s->nfields; i++) {
+        Field *f = &s->fields[i];
+        if (f->kind == TEXT) f->data.n = f->mark;
+        f->seen = 0;
+    }
+}
+
+/* One event (an element of the array) at *pp; kept as a row unless the filter says otherwise. */
+static int event(Scanner *s, const unsigned char **pp, const unsigned char *end) {
+    const unsigned char *p = *pp;
+    if (*p != '{') return bad(s, p, "an element of traceEvents is not an object");
+    for (int i = 0; i < s->nfields; i++) {
+        s->fields[i].seen = 0;
+        s->fields[i].mark = s->fields[i].data.n;
+    }
+    int r = members(s, &p, end, -1, 1);
+    if (r) {
+        rollback(s);
+        return r;
+    }
+    s->events++;
+    if (s->filter >= 0) {
+        Field *f = &s->fields[s->filter];
+        if (!f->seen || f->data.n - f->mark != s->filter_len ||
+            memcmp(f->data.p + f->mark, s->filter_value, s->filter_len)) {
+            rollback(s);
+            *pp = p;
+            return OK;
+        }
+    }
+    if (s->room == 0) {  /* room for ROOM_STEP more rows in every field, checked once */
+        for (int i = 0; i < s->nfields; i++) {
+            Field *f = &s->fields[i];
+            if (reserve(s, &f->valid, ROOM_STEP) ||
+                (f->kind == TEXT && reserve(s, &f->offsets, 4 * ROOM_STEP)) ||
+                (f->kind == REAL && reserve(s, &f->data, 8 * ROOM_STEP)))
+                return BAD;
+        }
+        s->room = ROOM_STEP;
+    }
+    s->room--;
+    for (int i = 0; i < s->nfields; i++) {
+        Field *f = &s->fields[i];
+        unsigned char v = (unsigned char)f->seen;
+        f->valid.p[f->valid.n++] = (char)v;
+        f->nulls += !v;
+        if (f->kind == TEXT) {
+            if (f->data.n > INT32_MAX) return bad(s, p, "more than 2 GiB of text in one piece");
+            int32_t o = (int32_t)f->data.n;
+            memcpy(f->offsets.p + f->offsets.n, &o, 4);
+            f->offsets.n += 4;
+        } else if (f->kind == REAL) {
+            double d = v ? f->value : 0.0;
+            memcpy(f->data.p + f->data.n, &d, 8);
+            f->data.n += 8;
+        }
+    }
+    s->rows++;
+    *pp = p;
+    return OK;
+}
+
+/* ---- the array ---- */
+
+static int scan(Scanner *s, const unsigned char *start, const unsigned char *end, int final, size_t *used) {
+    const unsigned char *p = start;
+    *used = 0;
+    if (s->state < 0) return bad(s, p, "the scanner failed earlier and cannot go on");
+    for (;;) {
+        p = ws(p, end);
+        if (s->state == 4 || p >= end) {
+            *used = p - start;
+            if (p < end) return bad(s, p, "data after the end of the array");
+            if (final && s->state != 4) return bad(s, p, "the array ends early (truncated)");
+            return OK;
+        }
+        int r;
+        switch (s->state) {
+            case 0:
+                if (*p != '[') return bad(s, p, "expected '['");
+                p++;
+                s->state = 1;
+                break;
+            case 2:
+                if (*p == ',') s->state = 3;
+                else if (*p == ']') s->state = 4;
+                else return bad(s, p, "expected ',' or ']' after an event");
+                p++;
+                break;
+            case 1:
+                if (*p == ']') {
+                    p++;
+                    s->state = 4;
+                    break;
+                }
+                /* fall through */
+            case 3:
+                r = event(s, &p, end);
+                if (r == MORE) {
+                    *used = p - start;
+                    if (final) return bad(s, p, "the array ends inside an event (truncated)");
+                    return OK;
+                }
+                if (r) return r;
+                s->state = 2;
+                break;
+            default:
+                return bad(s, p, "invalid scanner state");
+        }
+        *used = p - start;
+    }
+}
+
+/* ---- Python interface ---- */
+
+static void Scanner_dealloc(Scanner *s) {
+    for (int i = 0; i < s->nfields; i++) {
+        free(s->fields[i].key);
+        free(s->fields[i].data.p);
+        free(s->fields[i].offsets.p);
+        free(s->fields[i].valid.p);
+    }
+    free(s->filter_value);
+    free(s->scratch.p);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+static int reset_field(Scanner *s, Field *f) {
+    f->data.n = f->offsets.n = f->valid.n = 0;
+    f->nulls = 0;
+    if (f->kind == TEXT) {
+        int32_t zero = 0;
+        return append(s, &f->offsets, &zero, 4);
+    }
+    return OK;
+}
+
+static int Scanner_init(Scanner *s, PyObject *args, PyObject *kw) {
+    static char *names[] = {"fields", "filter", NULL};
+    PyObject *fields, *filter = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O", names, &fields, &filter)) return -1;
+    PyObject *seq = PySequence_Fast(fields, "fields must be a sequence of (parent, key, kind)");
+    if (!seq) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > MAX_FIELDS || s->nfields) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "too many fields, or Scanner initialized twice");
+        return -1;
+    }
+    s->filter = -1;
+    memset(s->head, 0xff, sizeof s->head);  /* -1: empty */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int parent, kind;
+        const char *k;
+        Py_ssize_t kl;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "is#i", &parent, &k, &kl, &kind)) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        if (parent < -1 || parent >= i || (parent >= 0 && s->fields[parent].kind != OBJECT) || kind < TEXT || kind > OBJECT) {
+            Py_DECREF(seq);
+            PyErr_SetString(PyExc_ValueError, "a field's parent must be an earlier OBJECT field");
+            return -1;
+        }
+        Field *f = &s->fields[i];
+        memset(f, 0, sizeof *f);
+        f->kind = kind;
+        f->parent = parent;
+        f->key = malloc(kl + 1);
+        if (!f->key) {
+            Py_DECREF(seq);
+            PyErr_NoMemory();
+            return -1;
+        }
+        memcpy(f->key, k, kl);
+        f->key[kl] = 0;
+        f->key_len = kl;
+        s->nfields = (int)i + 1;
+        if (lookup(s, parent, (const unsigned char *)k, kl)) {
+            Py_DECREF(seq);
+            PyErr_Format(PyExc_ValueError, "field %s is given twice", f->key);
+            return -1;
+        }
+        short *slot = &s->head[parent + 1][key_hash((const unsigned char *)k, kl)];
+        s->next[i] = *slot;
+        *slot = (short)i;
+        s->nfields = (int)i + 1;
+        if (reset_field(s, f)) {
+            Py_DECREF(seq);
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    if (filter != Py_None) {
+        int idx;
+        const char *v;
+        Py_ssize_t vl;
+        if (!PyArg_ParseTuple(filter, "is#", &idx, &v, &vl)) return -1;
+        if (idx < 0 || idx >= s->nfields || s->fields[idx].kind != TEXT || s->fields[idx].parent != -1) {
+            PyErr_SetString(PyExc_ValueError, "filter must name a top-level text field");
+            return -1;
+        }
+        s->filter = idx;
+        s->filter_value = malloc(vl + 1);
+        if (!s->filter_value) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memcpy(s->filter_value, v, vl);
+        s->filter_len = vl;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(feed_doc,
+"feed(data, final=False) -> int\n\n"
+"Scan the next piece of the array's text; return how many of its bytes were used (whole events\n"
+"only: the caller passes the rest again, followed by more). With final=True the array must end in\n"
+"this piece. Raises ValueError for malformed input, naming the byte offset.");
+
+static PyObject *Scanner_feed(Scanner *s, PyObject *args) {
+    Py_buffer view;
+    int final = 0;
+    if (!PyArg_ParseTuple(args, "y*|p", &view, &final)) return NULL;
+    size_t used = 0;
+    s->base = view.buf;
+    s->err[0] = 0;
+    s->gil = PyEval_SaveThread();
+    int r = scan(s, view.buf, (const unsigned char *)view.buf + view.len, final, &used);
+    PyEval_RestoreThread(s->gil);
+    s->offset += used;
+    PyBuffer_Release(&view);
+    if (r) {
+        s->state = -1;  /* no further feeding */
+        PyErr_SetString(PyExc_ValueError, s->err[0] ? s->err : "malformed input");
+        return NULL;
+    }
+    return PyLong_FromSize_t(used);
+}
+
+static PyObject *bitmap(Field *f, int64_t rows) {
+    if (!f->nulls) Py_RETURN_NONE;
+    PyObject *b = PyBytes_FromStringAndSize(NULL, (rows + 7) / 8);
+    if (!b) return NULL;
+    unsigned char *o = (unsigned char *)PyBytes_AS_STRING(b);
+    memset(o, 0, (rows + 7) / 8);
+    for (int64_t i = 0; i < rows; i++)
+        if (f->valid.p[i]) o[i >> 3] |= (unsigned char)(1u << (i & 7));
+    return b;
+}
+
+PyDoc_STRVAR(take_doc,
+"take() -> (rows, [(validity, offsets, data, null_count) per field])\n\n"
+"The rows scanned since the last take, as Arrow buffers (bytes; validity is None without nulls;\n"
+"offsets is None for real and object fields, data None for object fields). Empties the scanner.");
+
+static PyObject *Scanner_take(Scanner *s, PyObject *unused) {
+    PyObject *cols = PyList_New(s->nfields);
+    if (!cols) return NULL;
+    for (int i = 0; i < s->nfields; i++) {
+        Field *f = &s->fields[i];
+        PyObject *valid = bitmap(f, s->rows), *off, *data;
+        if (!valid) goto fail;
+        if (f->kind == TEXT) {
+            off = PyBytes_FromStringAndSize(f->offsets.p, f->offsets.n);
+            data = PyBytes_FromStringAndSize(f->data.p, f->data.n);
+        } else if (f->kind == REAL) {
+            off = Py_NewRef(Py_None);
+            data = PyBytes_FromStringAndSize(f->data.p, f->data.n);
+        } else {
+            off = Py_NewRef(Py_None);
+            data = Py_NewRef(Py_None);
+        }
+        PyObject *t = (off && data) ? Py_BuildValue("(NNNL)", valid, off, data, (long long)f->nulls) : NULL;
+        if (!t) {
+            Py_XDECREF(valid);
+            Py_XDECREF(off);
+            Py_XDECREF(data);
+            goto fail;
+        }
+        PyList_SET_ITEM(cols, i, t);
+        if (reset_field(s, f)) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+    }
+    PyObject *out = Py_BuildValue("(LN)", (long long)s->rows, cols);
+    s->rows = 0;
+    s->room = 0;
+    return out;
+fail:
+    Py_DECREF(cols);
+    return NULL;
+}
+
+static PyObject *Scanner_get_rows(Scanner *s, void *c) { return PyLong_FromLongLong(s->rows); }
+static PyObject *Scanner_get_events(Scanner *s, void *c) { return PyLong_FromLongLong(s->events); }
+static PyObject *Scanner_get_done(Scanner *s, void *c) { return PyBool_FromLong(s->state == 4); }
+
+static PyMethodDef Scanner_methods[] = {
+    {"feed", (PyCFunction)Scanner_feed, METH_VARARGS, feed_doc},
+    {"take", (PyCFunction)Scanner_take, METH_NOARGS, take_doc},
+    {NULL},
+};
+
+static PyGetSetDef Scanner_getset[] = {
+    {"rows", (getter)Scanner_get_rows, NULL, "rows held, not yet taken", NULL},
+    {"events", (getter)Scanner_get_events, NULL, "events scanned in all, kept or filtered out", NULL},
+    {"done", (getter)Scanner_get_done, NULL, "the array's closing ']' has been read", NULL},
+    {NULL},
+};
+
+static PyTypeObject ScannerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tracekit.ingest._kineto_scan.Scanner",
+    .tp_doc = PyDoc_STR("Scanner(fields, filter=None): fields are (parent index or -1, key, kind) with kind "
+                        "0 text, 1 real, 2 object; filter is (field index, value) an event must have."),
+    .tp_basicsize = sizeof(Scanner),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Scanner_init,
+    .tp_dealloc = (destructor)Scanner_dealloc,
+    .tp_methods = Scanner_methods,
+    .tp_getset = Scanner_getset,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_kineto_scan",
+    "Native scanner for the traceEvents array of Kineto traces (see kineto_scan.py).", -1, NULL, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__kineto_scan(void) {
+    init_tables();
+    if (PyType_Ready(&ScannerType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&ScannerType);
+    if (PyModule_AddObject(m, "Scanner", (PyObject *)&ScannerType) < 0) {
+        Py_DECREF(&ScannerType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyModule_AddIntConstant(m, "TEXT", TEXT);
+    PyModule_AddIntConstant(m, "REAL", REAL);
+    PyModule_AddIntConstant(m, "OBJECT", OBJECT);
+    return m;
+}
