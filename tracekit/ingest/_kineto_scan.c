@@ -23,6 +23,11 @@
 #include <string.h>
 
 #define MAX_DEPTH 512
+#if defined(__GNUC__)
+#define HOT static inline __attribute__((always_inline))
+#else
+#define HOT static inline
+#endif
 #define MAX_FIELDS 64
 #define MAX_ERR 300
 #define ROOM_STEP 4096
@@ -40,12 +45,13 @@ typedef struct {
     int parent;     /* index of the OBJECT field holding it, -1 at the event's top level */
     char *key;
     size_t key_len;
-    Buf data;       /* TEXT: utf-8 bytes of all rows; REAL: one double per row */
-    Buf offsets;    /* TEXT: int32 start of each row, plus the end */
-    Buf valid;      /* one byte per row, packed into a bitmap by take() */
-    int64_t nulls;
-    int seen;       /* set in the current event */
-    size_t mark;    /* data.n when the current event started */
+    /* Values are held sparse, only for the rows that have one (most args are absent from most
+     * events), and spread into Arrow's dense layout by take(). */
+    Buf data;       /* TEXT: utf-8 bytes of the values; REAL: one double per value */
+    Buf rows;       /* int32 row of each value */
+    Buf ends;       /* TEXT: int32 end of each value in data */
+    int64_t seen_in;  /* the event (s->gen) in which the key last appeared */
+    size_t mark;    /* data.n before the current event's value */
     double value;   /* REAL: the current event's value */
 } Field;
 
@@ -60,7 +66,9 @@ typedef struct {
     size_t filter_len;
     int state;              /* 0 before '[', 1 after '[', 2 after an event, 3 after ',', 4 after ']' */
     int64_t rows;           /* rows held, not yet taken */
-    int64_t room;           /* rows every field has room for without a check */
+    int64_t gen;            /* number of the current event, from 1 */
+    int touched[MAX_FIELDS];  /* fields with a value in the current event */
+    int ntouched;
     int64_t events;         /* events seen in all (kept or not) */
     int64_t offset;         /* stream offset of the current piece's first byte */
     const unsigned char *base;
@@ -217,7 +225,7 @@ static inline const unsigned char *plain_run(const unsigned char *p, const unsig
 }
 
 /* The string starting at *pp (a '"'); its decoded bytes go to `out` when not NULL. */
-static int string(Scanner *s, const unsigned char **pp, const unsigned char *end, Buf *out) {
+HOT int string(Scanner *s, const unsigned char **pp, const unsigned char *end, Buf *out) {
     const unsigned char *p = *pp + 1;
     s->escaped = 0;
     for (;;) {
@@ -280,7 +288,7 @@ static int string(Scanner *s, const unsigned char **pp, const unsigned char *end
 }
 
 /* A number's extent, checked against JSON's grammar. */
-static int number(Scanner *s, const unsigned char **pp, const unsigned char *end) {
+HOT int number(Scanner *s, const unsigned char **pp, const unsigned char *end) {
     const unsigned char *p = *pp;
     if (*p == '-') p++;
     if (p >= end) return MORE;
@@ -353,7 +361,7 @@ static int container(Scanner *s, const unsigned char **pp, const unsigned char *
 }
 
 static int value(Scanner *s, const unsigned char **pp, const unsigned char *end, int depth) {
-    const unsigned char *p = ws(*pp, end);
+    const unsigned char *p = *pp;  /* callers have skipped the whitespace before a value */
     if (p >= end) return MORE;
     int r;
     switch (*p) {
@@ -424,7 +432,13 @@ static inline Field *lookup(Scanner *s, int parent, const unsigned char *key, si
     for (int i = s->head[parent + 1][key_hash(key, n)]; i >= 0; i = s->next[i]) {
         Field *f = &s->fields[i];
         if (f->key_len != n) continue;
-        size_t j = 0;  /* keys are short: compare inline rather than call memcmp */
+        size_t j = 0;  /* keys are short: compare inline, a word at a time, rather than call memcmp */
+        for (; n - j >= 8; j += 8) {
+            uint64_t a, b;
+            memcpy(&a, f->key + j, 8);
+            memcpy(&b, key + j, 8);
+            if (a != b) break;
+        }
         while (j < n && f->key[j] == (char)key[j]) j++;
         if (j == n) return f;
     }
@@ -432,7 +446,7 @@ static inline Field *lookup(Scanner *s, int parent, const unsigned char *key, si
 }
 
 /* The key at *pp (a '"'), decoded only when it has escapes; points k and n at its bytes. */
-static int key(Scanner *s, const unsigned char **pp, const unsigned char *end, const unsigned char **k,
+HOT int key(Scanner *s, const unsigned char **pp, const unsigned char *end, const unsigned char **k,
                size_t *n) {
     const unsigned char *p = *pp, *start = p + 1;
     int r = string(s, &p, end, NULL);
@@ -477,10 +491,11 @@ static int members(Scanner *s, const unsigned char **pp, const unsigned char *en
 
 /* The value of a wanted field `f`, at *pp. */
 static int field_value(Scanner *s, Field *f, const unsigned char **pp, const unsigned char *end, int depth) {
-    const unsigned char *p = ws(*pp, end), *start;
+    const unsigned char *p = *pp, *start;  /* at the value: the caller skipped whitespace */
     if (p >= end) return MORE;
     int r;
-    if (f->seen) return bad(s, p, "duplicate key in an event");
+    if (f->seen_in == s->gen) return bad(s, p, "duplicate key in an event");
+    f->seen_in = s->gen;
     if (*p == 'n') {  /* null: the field stays null */
         if ((r = literal(s, &p, end))) return r;
         *pp = p;
@@ -489,24 +504,22 @@ static int field_value(Scanner *s, Field *f, const unsigned char **pp, const uns
     if (f->kind == OBJECT) {
         if (*p != '{') return bad(s, p, "expected an object (or null)");
         if ((r = members(s, &p, end, (int)(f - s->fields), depth + 1))) return r;
-        f->seen = 1;
+        s->touched[s->ntouched++] = (int)(f - s->fields);
         *pp = p;
         return OK;
     }
     if (f->kind == TEXT) {
         start = p;
+        f->mark = f->data.n;
+        s->touched[s->ntouched++] = (int)(f - s->fields);  /* before writing: a rollback truncates */
         if (*p == '"') {
-            if ((r = string(s, &p, end, &f->data))) {
-                f->data.n = f->mark;
-                return r;
-            }
+            if ((r = string(s, &p, end, &f->data))) return r;
         } else {
             if ((r = value(s, &p, end, depth))) return r;
             if ((*start == '{' || *start == '[') ? compact(s, &f->data, start, p)
                                                  : append(s, &f->data, start, p - start))
                 return BAD;
         }
-        f->seen = 1;
         *pp = p;
         return OK;
     }
@@ -529,7 +542,7 @@ static int field_value(Scanner *s, Field *f, const unsigned char **pp, const uns
     } else {
         return bad(s, p, "expected a number");
     }
-    f->seen = 1;
+    s->touched[s->ntouched++] = (int)(f - s->fields);
     *pp = p;
     return OK;
 }
@@ -569,21 +582,19 @@ static int members(Scanner *s, const unsigned char **pp, const unsigned char *en
 }
 
 static void rollback(Scanner *s) {
-    for (int i = 0; i < s->nfields; i++) {
-        Field *f = &s->fields[i];
+    for (int i = 0; i < s->ntouched; i++) {
+        Field *f = &s->fields[s->touched[i]];
         if (f->kind == TEXT) f->data.n = f->mark;
-        f->seen = 0;
     }
+    s->ntouched = 0;
 }
 
 /* One event (an element of the array) at *pp; kept as a row unless the filter says otherwise. */
 static int event(Scanner *s, const unsigned char **pp, const unsigned char *end) {
     const unsigned char *p = *pp;
     if (*p != '{') return bad(s, p, "an element of traceEvents is not an object");
-    for (int i = 0; i < s->nfields; i++) {
-        s->fields[i].seen = 0;
-        s->fields[i].mark = s->fields[i].data.n;
-    }
+    s->gen++;
+    s->ntouched = 0;
     int r = members(s, &p, end, -1, 1);
     if (r) {
         rollback(s);
@@ -592,40 +603,29 @@ static int event(Scanner *s, const unsigned char **pp, const unsigned char *end)
     s->events++;
     if (s->filter >= 0) {
         Field *f = &s->fields[s->filter];
-        if (!f->seen || f->data.n - f->mark != s->filter_len ||
+        int have = 0;
+        for (int i = 0; i < s->ntouched; i++) have |= s->touched[i] == s->filter;
+        if (!have || f->data.n - f->mark != s->filter_len ||
             memcmp(f->data.p + f->mark, s->filter_value, s->filter_len)) {
             rollback(s);
             *pp = p;
             return OK;
         }
     }
-    if (s->room == 0) {  /* room for ROOM_STEP more rows in every field, checked once */
-        for (int i = 0; i < s->nfields; i++) {
-            Field *f = &s->fields[i];
-            if (reserve(s, &f->valid, ROOM_STEP) ||
-                (f->kind == TEXT && reserve(s, &f->offsets, 4 * ROOM_STEP)) ||
-                (f->kind == REAL && reserve(s, &f->data, 8 * ROOM_STEP)))
-                return BAD;
-        }
-        s->room = ROOM_STEP;
-    }
-    s->room--;
-    for (int i = 0; i < s->nfields; i++) {
-        Field *f = &s->fields[i];
-        unsigned char v = (unsigned char)f->seen;
-        f->valid.p[f->valid.n++] = (char)v;
-        f->nulls += !v;
+    if (s->rows >= INT32_MAX) return bad(s, p, "too many events in one piece");
+    int32_t row = (int32_t)s->rows;
+    for (int i = 0; i < s->ntouched; i++) {
+        Field *f = &s->fields[s->touched[i]];
+        if (append(s, &f->rows, &row, 4)) return BAD;
         if (f->kind == TEXT) {
             if (f->data.n > INT32_MAX) return bad(s, p, "more than 2 GiB of text in one piece");
-            int32_t o = (int32_t)f->data.n;
-            memcpy(f->offsets.p + f->offsets.n, &o, 4);
-            f->offsets.n += 4;
+            int32_t e = (int32_t)f->data.n;
+            if (append(s, &f->ends, &e, 4)) return BAD;
         } else if (f->kind == REAL) {
-            double d = v ? f->value : 0.0;
-            memcpy(f->data.p + f->data.n, &d, 8);
-            f->data.n += 8;
+            if (append(s, &f->data, &f->value, 8)) return BAD;
         }
     }
+    s->ntouched = 0;
     s->rows++;
     *pp = p;
     return OK;
@@ -688,22 +688,16 @@ static void Scanner_dealloc(Scanner *s) {
     for (int i = 0; i < s->nfields; i++) {
         free(s->fields[i].key);
         free(s->fields[i].data.p);
-        free(s->fields[i].offsets.p);
-        free(s->fields[i].valid.p);
+        free(s->fields[i].rows.p);
+        free(s->fields[i].ends.p);
     }
     free(s->filter_value);
     free(s->scratch.p);
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
-static int reset_field(Scanner *s, Field *f) {
-    f->data.n = f->offsets.n = f->valid.n = 0;
-    f->nulls = 0;
-    if (f->kind == TEXT) {
-        int32_t zero = 0;
-        return append(s, &f->offsets, &zero, 4);
-    }
-    return OK;
+static void reset_field(Field *f) {
+    f->data.n = f->rows.n = f->ends.n = 0;
 }
 
 static int Scanner_init(Scanner *s, PyObject *args, PyObject *kw) {
@@ -756,11 +750,6 @@ static int Scanner_init(Scanner *s, PyObject *args, PyObject *kw) {
         s->next[i] = *slot;
         *slot = (short)i;
         s->nfields = (int)i + 1;
-        if (reset_field(s, f)) {
-            Py_DECREF(seq);
-            PyErr_NoMemory();
-            return -1;
-        }
     }
     Py_DECREF(seq);
     if (filter != Py_None) {
@@ -810,14 +799,42 @@ static PyObject *Scanner_feed(Scanner *s, PyObject *args) {
     return PyLong_FromSize_t(used);
 }
 
+/* Validity bitmap (None when every row has a value) from a field's sparse rows. */
 static PyObject *bitmap(Field *f, int64_t rows) {
-    if (!f->nulls) Py_RETURN_NONE;
+    size_t k = f->rows.n / 4;
+    if ((int64_t)k == rows) Py_RETURN_NONE;
     PyObject *b = PyBytes_FromStringAndSize(NULL, (rows + 7) / 8);
     if (!b) return NULL;
     unsigned char *o = (unsigned char *)PyBytes_AS_STRING(b);
     memset(o, 0, (rows + 7) / 8);
-    for (int64_t i = 0; i < rows; i++)
-        if (f->valid.p[i]) o[i >> 3] |= (unsigned char)(1u << (i & 7));
+    const int32_t *r = (const int32_t *)f->rows.p;
+    for (size_t j = 0; j < k; j++) o[r[j] >> 3] |= (unsigned char)(1u << (r[j] & 7));
+    return b;
+}
+
+/* Arrow's dense buffers for a field: offsets (TEXT) or values (REAL) for every row. */
+static PyObject *dense(Field *f, int64_t rows) {
+    size_t k = f->rows.n / 4;
+    const int32_t *r = (const int32_t *)f->rows.p;
+    if (f->kind == TEXT) {
+        PyObject *b = PyBytes_FromStringAndSize(NULL, 4 * (rows + 1));
+        if (!b) return NULL;
+        int32_t *off = (int32_t *)PyBytes_AS_STRING(b), o = 0;
+        const int32_t *e = (const int32_t *)f->ends.p;
+        size_t j = 0;
+        for (int64_t i = 0; i < rows; i++) {
+            off[i] = o;
+            if (j < k && r[j] == i) o = e[j++];
+        }
+        off[rows] = o;
+        return b;
+    }
+    PyObject *b = PyBytes_FromStringAndSize(NULL, 8 * rows);
+    if (!b) return NULL;
+    double *v = (double *)PyBytes_AS_STRING(b);
+    const double *d = (const double *)f->data.p;
+    memset(v, 0, 8 * rows);
+    for (size_t j = 0; j < k; j++) v[r[j]] = d[j];
     return b;
 }
 
@@ -834,16 +851,17 @@ static PyObject *Scanner_take(Scanner *s, PyObject *unused) {
         PyObject *valid = bitmap(f, s->rows), *off, *data;
         if (!valid) goto fail;
         if (f->kind == TEXT) {
-            off = PyBytes_FromStringAndSize(f->offsets.p, f->offsets.n);
+            off = dense(f, s->rows);
             data = PyBytes_FromStringAndSize(f->data.p, f->data.n);
         } else if (f->kind == REAL) {
             off = Py_NewRef(Py_None);
-            data = PyBytes_FromStringAndSize(f->data.p, f->data.n);
+            data = dense(f, s->rows);
         } else {
             off = Py_NewRef(Py_None);
             data = Py_NewRef(Py_None);
         }
-        PyObject *t = (off && data) ? Py_BuildValue("(NNNL)", valid, off, data, (long long)f->nulls) : NULL;
+        long long nulls = (long long)(s->rows - (int64_t)(f->rows.n / 4));
+        PyObject *t = (off && data) ? Py_BuildValue("(NNNL)", valid, off, data, nulls) : NULL;
         if (!t) {
             Py_XDECREF(valid);
             Py_XDECREF(off);
@@ -851,14 +869,10 @@ static PyObject *Scanner_take(Scanner *s, PyObject *unused) {
             goto fail;
         }
         PyList_SET_ITEM(cols, i, t);
-        if (reset_field(s, f)) {
-            PyErr_NoMemory();
-            goto fail;
-        }
     }
+    for (int i = 0; i < s->nfields; i++) reset_field(&s->fields[i]);
     PyObject *out = Py_BuildValue("(LN)", (long long)s->rows, cols);
     s->rows = 0;
-    s->room = 0;
     return out;
 fail:
     Py_DECREF(cols);

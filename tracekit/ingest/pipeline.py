@@ -165,7 +165,7 @@ def _outcomes(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], known: dic
     def start(j: rundir.Job) -> tuple[duckdb.DuckDBPyConnection, str]:
         return con.cursor(), f"{SCRATCH}.j{next(ids)}"
 
-    if n == 1 or len(jobs) <= 1:
+    if len(jobs) <= 1:
         for j in jobs:
             cur, ns = start(j)
             yield j, ns, parse(j, cur, ns)
