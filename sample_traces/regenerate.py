@@ -1,8 +1,8 @@
 """Regenerate the bundled sample runs (made by the reference trainer on gloo, CPU):
 
-- ``slow_rank_8``: 8 ranks, tp 2 x cp 2 x pp 2 x dp 1, rank 5's compute 2x slower; step 1 profiled.
+- ``slow_rank_8``: 8 ranks, tp 2 x cp 2 x pp 2 x dp 1, rank 5's compute 2x slower; steps 1-4 profiled.
 - ``cp_imbalance_8``: 8 ranks, tp 1 x cp 2 x pp 2 x dp 2, long documents on CP rank 1 (sequence
-  sharding); step 1 profiled.
+  sharding); steps 1-4 profiled.
 - ``slow_rank_16`` (``--with-16``, not bundled by default: the 16-rank check of issue 3):
   16 ranks 2x2x2x2, rank 11 slow from step 1.
 
@@ -26,9 +26,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from reference_trainer.config import TrainConfig  # noqa: E402
 from reference_trainer.launch import launch  # noqa: E402
+from reference_trainer.profiling import parse_steps  # noqa: E402
+from tracekit.demo_run import DEVICE  # noqa: E402
 
+# Every rank gets the demo's emulated device (reference_trainer/device.py): compute time follows
+# the work done, as on a GPU, instead of whatever 8 ranks sharing a few CPU cores get. Without it a
+# sample's load imbalance reads as one slow worker. Four profiled steps let the analysis tell a
+# persistent cause from noise.
 TINY = dict(n_layers=4, dim=32, n_heads=2, n_kv_heads=2, ffn_dim=64, seq_len=64, micro_batches=2,
-            steps=3, profile_steps="1-1", timeout_s=120)
+            steps=5, profile_steps="1-4", timeout_s=300, **DEVICE)
 RUNS = {
     "slow_rank_8": TrainConfig(tp=2, cp=2, pp=2, dp=1, faults="slow:rank=5,factor=2", **TINY),
     "cp_imbalance_8": TrainConfig(tp=1, cp=2, pp=2, dp=2, faults="cp_imbalance:ranks=1,weight=1.0", **TINY),
@@ -70,7 +76,8 @@ def main() -> None:
         launch(cfg, run)
         (run / "steps.jsonl").unlink(missing_ok=True)
         check(run)
-        kib = sizes(run, cfg.world_size, 1)
+        first, last = parse_steps(cfg.profile_steps, cfg.steps)
+        kib = sizes(run, cfg.world_size, last - first + 1)
         print(f"{name}: {cfg.world_size} ranks in {time.perf_counter() - t0:.0f} s; per rank per profiled step: "
               f"trace {kib['trace']:.0f} KiB (gz), memory {kib['memory']:.0f} KiB; FR dump (all "
               f"{cfg.steps} steps) {kib['fr']:.0f} KiB; torchfrtrace ok, _memory_viz stats ok")
