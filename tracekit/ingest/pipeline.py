@@ -44,7 +44,7 @@ MEMORY_PER_WORKER_MB = 128
 
 @dataclass
 class IngestReport:
-    files: list[FileResult] = field(default_factory=list)
+    files: list[FileResult] = field(default_factory=list)  # in the order the files were given
     missing: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (run, format) -> ranks
     runs: list[str] = field(default_factory=list)
 
@@ -119,6 +119,8 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
                 report.runs.append(rid)
     finally:
         con.close()
+    order = {job.path: i for i, job in reversed(list(enumerate(jobs)))}
+    report.files.sort(key=lambda f: order.get(f.path, len(order)))  # input order, not completion order
     return report
 
 
