@@ -8,7 +8,8 @@ its own venv (benchmarks/_work/hta-venv, pandas<3), created on first use with --
 explicit dependency list so that it never pulls torch; it runs ``TraceAnalysis(trace_dir=...)`` with
 its defaults (stdlib json parser, a fork pool of min(ranks, cores) workers, and for more than 8
 ranks a first parse of rank 0 under tracemalloc to size the pool). Both tools run as subprocesses
-on the same files, one after the other; wall time includes interpreter start and imports for both.
+on the same files, one after the other, each after a read of every file (page cache warm for
+both); wall time includes interpreter start and imports for both.
 Memory is the peak, over the run, of the summed proportional set size (PSS,
 /proc/<pid>/smaps_rollup) of the tool's whole process tree, so pages shared by forked workers are
 not counted twice. MB/s is uncompressed JSON bytes per second of wall time; MB/CPU-s per second of
@@ -121,6 +122,15 @@ def measure(cmd: list[str], env: dict | None = None) -> tuple[float, float, floa
     return wall, peak / 1024, _cpu_children() - cpu0, out
 
 
+def warm(paths: list[Path]) -> None:
+    """Read the traces once so that both tools find them in the page cache (whichever ran second
+    would otherwise get warm files and the first cold ones)."""
+    for p in paths:
+        with open(p, "rb") as f:
+            while f.read(8 << 20):
+                pass
+
+
 def run_case(ranks: int, events: int, workers: int, hta: bool) -> dict:
     traces = generate(WORK / f"traces-{ranks}x{events}", ranks, events)
     mb = sum(p.stat().st_size for p in traces) / 1e6
@@ -129,10 +139,12 @@ def run_case(ranks: int, events: int, workers: int, hta: bool) -> dict:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         cmd = [sys.executable, "-c", "from tracekit.cli import main; main()", "ingest", str(traces[0].parent),
                "--store", str(Path(tmp) / "bench.duckdb"), "--workers", str(workers), "--json"]
+        warm(traces)
         load = os.getloadavg()[0]
         res["tracekit"] = (*measure(cmd, env)[:3], load)
     if hta:
         py = ensure_hta()
+        warm(traces)
         load = os.getloadavg()[0]
         res["hta"] = (*measure([str(py), "-c", HTA_RUN, str(traces[0].parent)])[:3], load)
     return res
