@@ -1,7 +1,8 @@
 """Ingest the same Kineto traces with tracekit and with Holistic Trace Analysis; print MB/s and memory.
 
     python benchmarks/ingest_vs_hta.py                 # 8 ranks, 61 MB and 240k events each
-    python benchmarks/ingest_vs_hta.py --ranks 8 64    # both sizes (64 ranks: 3.9 GB, about 15 min)
+    python benchmarks/ingest_vs_hta.py --ranks 8 64    # both sizes (64 ranks: 3.9 GB, about 8 min)
+    python benchmarks/ingest_vs_hta.py --repeats 3     # alternating runs, medians (this VM drifts by 25%)
 
 Traces (NCCL flavour, benchmarks/gen_traces.py) are cached under benchmarks/_work/. HTA 0.5.0 runs in
 its own venv (benchmarks/_work/hta-venv, pandas<3), created on first use with --no-deps and an
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -155,6 +157,8 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, nargs="+", default=[8])
     ap.add_argument("--events", type=int, default=240_000, help="events per rank (~250 bytes each)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each tool, alternating (a shared machine drifts): the summary gives medians")
     ap.add_argument("--skip-hta", action="store_true")
     a = ap.parse_args()
     WORK.mkdir(exist_ok=True)
@@ -162,16 +166,23 @@ def main() -> None:
     print(f"{'ranks':>5} {'raw MB':>7} {'tool':>8} {'load':>5} {'wall s':>7} {'MB/s':>7} {'CPU s':>7} "
           f"{'MB/CPU-s':>8} {'peak MB':>8} {'peak/raw':>8}")
     for r in a.ranks:
-        res = run_case(r, a.events, a.workers, not a.skip_hta)
-        for tool in ("tracekit", "hta"):
-            if tool in res:
-                wall, peak, cpu, load = res[tool]
-                print(f"{r:>5} {res['raw_mb']:>7.0f} {tool:>8} {load:>5.1f} {wall:>7.1f} {res['raw_mb'] / wall:>7.1f} "
-                      f"{cpu:>7.1f} {res['raw_mb'] / cpu:>8.1f} {peak:>8.0f} {peak / res['raw_mb']:>8.2f}")
-        if "hta" in res:
-            (tw, tp, tc, _), (hw, hp, hc, _) = res["tracekit"], res["hta"]
-            print(f"{r:>5} ratio: tracekit throughput = {hw / tw:.1f}x HTA (wall), {hc / tc:.1f}x HTA (CPU); "
-                  f"peak memory = {tp / hp:.2f}x HTA (load now {os.getloadavg()[0]:.1f})")
+        runs = []
+        for _ in range(a.repeats):
+            res = run_case(r, a.events, a.workers, not a.skip_hta)
+            runs.append(res)
+            for tool in ("tracekit", "hta"):
+                if tool in res:
+                    wall, peak, cpu, load = res[tool]
+                    print(f"{r:>5} {res['raw_mb']:>7.0f} {tool:>8} {load:>5.1f} {wall:>7.1f} "
+                          f"{res['raw_mb'] / wall:>7.1f} {cpu:>7.1f} {res['raw_mb'] / cpu:>8.1f} {peak:>8.0f} "
+                          f"{peak / res['raw_mb']:>8.2f}")
+        if "hta" in runs[0]:
+            med = {t: [statistics.median(x[t][i] for x in runs) for i in range(3)] for t in ("tracekit", "hta")}
+            (tw, tp, tc), (hw, hp, hc) = med["tracekit"], med["hta"]
+            walls = [x["hta"][0] / x["tracekit"][0] for x in runs]
+            print(f"{r:>5} ratio{' of medians' if a.repeats > 1 else ''}: tracekit throughput = {hw / tw:.1f}x HTA "
+                  f"(wall{f', runs {min(walls):.1f}-{max(walls):.1f}x' if a.repeats > 1 else ''}), "
+                  f"{hc / tc:.1f}x HTA (CPU); peak memory = {tp / hp:.2f}x HTA (load now {os.getloadavg()[0]:.1f})")
 
 
 if __name__ == "__main__":
