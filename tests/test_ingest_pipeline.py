@@ -86,3 +86,17 @@ def test_threads_and_batches_change_nothing(tmp_path: Path, monkeypatch: pytest.
     ingest([run], tmp_path / "threads.duckdb", workers=2)
     one, threads = _dump(tmp_path / "one.duckdb"), _dump(tmp_path / "threads.duckdb")
     assert one == threads and len(one["events"]) == 4 * 14 and len(one["collectives"]) == 4 * 2
+
+
+def test_report_lists_files_in_the_order_given(tmp_path: Path) -> None:
+    """A large trace given first finishes parsing after a small one given second; the report still
+    lists them as given (it used to follow completion order)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from gen_traces import write_rank
+
+    big, small = tmp_path / "a" / "rank0.json", tmp_path / "b" / "rank1.json.gz"
+    big.parent.mkdir()
+    write_rank(big, 0, 2, 40_000)
+    write_trace(small, nccl_trace(1, world=2))
+    rep = ingest([big, small], tmp_path / "s.duckdb", workers=2)
+    assert not rep.failed and [f.path for f in rep.files] == [big, small]

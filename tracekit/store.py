@@ -122,7 +122,7 @@ class Store:
     def attention_work(self, run_id: str | None = None) -> pl.DataFrame | None:
         """Attention work per (rank, step) where the run's manifest records it
         (``attention_work``: {step: {rank: work}}); None when unknown."""
-        from tracekit.analysis.rootcause import work_from_manifest
+        from tracekit.analysis.work import work_from_manifest
 
         return work_from_manifest(self.run_tables(run_id).manifest)
 

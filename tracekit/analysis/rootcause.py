@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 import polars as pl
 
+from tracekit.analysis import work as attention
 from tracekit.analysis.links import link_transfers, slowest_link
 from tracekit.analysis.localize import Localization, localize
 from tracekit.analysis.tables import RunTables, compute_events
@@ -44,24 +45,6 @@ class Cause:
     def to_dict(self) -> dict:
         evidence = {k: None if isinstance(v, float) and v != v else v for k, v in self.evidence.items()}  # NaN -> null
         return {**asdict(self), "evidence": evidence, "category": self.category}
-
-
-def attention_work(doc_lengths: list[int]) -> int:
-    """Causal attention work of a packed sequence: sum over documents of len^2 (WLB-LLM)."""
-    return int(sum(n * n for n in doc_lengths))
-
-
-def work_from_manifest(manifest: dict) -> pl.DataFrame | None:
-    """Attention work per (rank, step) from a manifest's ``attention_work`` ({step: {rank: work}},
-    e.g. ``attention_work`` of the documents each rank held); None when the manifest has none."""
-    raw = manifest.get("attention_work") if isinstance(manifest, dict) else None
-    if not isinstance(raw, dict) or not raw:
-        return None
-    try:
-        rows = [(int(r), int(s), float(w)) for s, per in raw.items() for r, w in per.items()]
-    except (AttributeError, TypeError, ValueError) as e:
-        raise ValueError(f"manifest: malformed attention_work ({e})") from None
-    return pl.DataFrame(rows, schema={"rank": pl.Int32, "step": pl.Int64, "work": pl.Float64}, orient="row")
 
 
 def rank_step_metrics(tables: RunTables) -> pl.DataFrame:
@@ -182,7 +165,7 @@ def explain(tables: RunTables, loc: Localization, tunables: Tunables = Tunables(
             return Cause("slow_link", tuple(link["ranks"]),
                          f"slow link {link['name']}: transfers {link['ratio']:.1f}x the same kind elsewhere",
                          {"link": link["name"], "transfer_ns": link["transfer_ns"], "ratio": link["ratio"]})
-        share = _group_work_share(work, metrics, tables, set(loc.culprit_ranks), tun) if work is not None else None
+        share = attention.group_share(work, metrics, tables, set(loc.culprit_ranks), tun) if work is not None else None
         if share is not None and share >= tun.work_explains_share:
             return Cause("data_imbalance", loc.culprit_ranks, f"ranks {list(loc.culprit_ranks)} compute more than the "
                          f"rest of their stage, and their attention work accounts for {min(share, 1.0):.0%} of it "
@@ -233,13 +216,13 @@ def _explain_rank(tables, loc, metrics, links, tun: Tunables, step_ns: float, wo
           "gap_excess_frac": gap_excess,
           "stage_compute_ratio": stage_ratio, "peers": len(peers),
           "worst_link": link["name"] if link else None, "worst_link_ratio": link["ratio"] if link else None}
-    work_ratio = _work_ratio(work, r, peers, steps) if work is not None else None
+    work_ratio = attention.work_ratio(work, r, peers, steps) if work is not None else None
     explained = None
     ev["work_ratio"] = work_ratio
     stage_peers = [q for q in range(tables.layout.world_size) if q != r and tables.layout.coords(q).pp == stage]
     if work is not None:
         stage_compute_ratio = _ratio_to_peers(metrics, r, stage_peers, "compute_ns", steps)
-        explained = _work_explains(work, m, r, stage_peers, tun)
+        explained = attention.explained_share(work, m, r, stage_peers, tun)
         ev.update(stage_peers_compute_ratio=stage_compute_ratio, work_explained_share=explained)
         if (max(compute_ratio, stage_compute_ratio) >= tun.slow_compute_ratio and explained is not None
                 and explained >= tun.work_explains_share):
@@ -269,102 +252,6 @@ def _explain_rank(tables, loc, metrics, links, tun: Tunables, step_ns: float, wo
     return Cause("unexplained", (r,), f"rank {r} is late but its compute, gaps and links look normal", ev)
 
 
-def work_fit(x: np.ndarray, y: np.ndarray, tun: Tunables) -> tuple[float, float] | None:
-    """Least-squares compute = icept + slope * work, when compute demonstrably follows work: the
-    work varies (by 5% of its mean at least) and the slope is positive beyond ``work_fit_t_min``
-    standard errors. None otherwise: noise correlated with work by chance explains nothing."""
-    if x.size < 3 or x.std() < 0.05 * max(abs(x.mean()), 1e-9):
-        return None
-    slope, icept = np.polyfit(x, y, 1)
-    resid = y - (icept + slope * x)
-    dof = x.size - 2
-    if dof <= 0:
-        return None
-    se = float(np.sqrt((resid @ resid) / dof / ((x - x.mean()) @ (x - x.mean()))))
-    if slope <= 0 or (se > 0 and slope / se < tun.work_fit_t_min):
-        return None
-    return float(slope), float(icept)
-
-
-def _work_explains(work: pl.DataFrame, metrics: pl.DataFrame, rank: int, peers: list[int],
-                   tun: Tunables) -> float | None:
-    """How much of the rank's extra compute its extra attention work predicts, from how compute
-    follows work over its peers' (rank, step) cells (least squares). A kernel whose cost ignores
-    the mask (dense attention) gives a flat fit and explains nothing, however uneven the documents.
-    None when the peers' work hardly varies (nothing to learn the relation from)."""
-    w = work.group_by("rank", "step").agg(pl.col("work").sum())
-    cells = w.join(metrics.select("rank", "step", "compute_ns"), on=["rank", "step"])
-    peer = cells.filter(pl.col("rank").is_in(peers))
-    own = cells.filter(pl.col("rank") == rank)
-    if peer.height < 3 or not own.height:
-        return None
-    x, y = peer["work"].to_numpy().astype(float), peer["compute_ns"].to_numpy().astype(float)
-    fit = work_fit(x, y, tun)
-    if fit is None:
-        return None if x.std() < 0.05 * max(abs(x.mean()), 1e-9) else 0.0
-    slope, icept = fit
-    base = float(np.median(y))
-    actual = float(own["compute_ns"].median()) - base
-    predicted = float(np.median(icept + slope * own["work"].to_numpy().astype(float))) - base
-    return max(0.0, predicted / actual) if actual > 0 else None
-
-
-def _group_work_share(work: pl.DataFrame, metrics: pl.DataFrame, tables: RunTables, group: set[int],
-                      tun: Tunables) -> float | None:
-    """How much of a late group's extra compute (over the rest of its stages' ranks) its extra
-    attention work predicts, compute following work as fitted over every rank of those stages and
-    every step. None without a compute excess or without work variation to fit."""
-    lay = tables.layout
-    stages = {lay.coords(r).pp for r in group}
-    ranks = [r for r in range(lay.world_size) if lay.coords(r).pp in stages]
-    cells = work.group_by("rank", "step").agg(pl.col("work").sum()).join(
-        metrics.select("rank", "step", "compute_ns"), on=["rank", "step"]).filter(pl.col("rank").is_in(ranks))
-    if cells.height < 3 or not (~cells["rank"].is_in(list(group))).any():
-        return None
-    x, y = cells["work"].to_numpy().astype(float), cells["compute_ns"].to_numpy().astype(float)
-    fit = work_fit(x, y, tun)
-    if fit is None:
-        return None if x.std() < 0.05 * max(abs(x.mean()), 1e-9) else 0.0
-    slope, _ = fit
-    inside = cells["rank"].is_in(list(group)).to_numpy()
-    actual = float(np.median(y[inside]) - np.median(y[~inside]))
-    predicted = float(slope * (np.median(x[inside]) - np.median(x[~inside])))
-    return max(0.0, predicted / actual) if actual > 0 else None
-
-
-def _moving_work_share(work: pl.DataFrame, m: pl.DataFrame, hits: pl.DataFrame, level: str,
-                       tun: Tunables) -> float | None:
-    """Median over the standout steps of how much of the late member's extra compute (over its
-    step's mean) its extra work predicts, compute following work as fitted over all (rank, step)."""
-    cells = work.group_by("rank", "step").agg(pl.col("work").sum()).join(m, on=["rank", "step"])
-    if cells.height < 3:
-        return None
-    x, y = cells["work"].to_numpy().astype(float), cells["compute_ns"].to_numpy().astype(float)
-    fit = work_fit(x, y, tun)
-    if fit is None:
-        return None if x.std() < 0.05 * max(abs(x.mean()), 1e-9) else 0.0
-    slope, _ = fit
-    cells = cells.with_columns((pl.col("work") * float(slope)).alias("pred"))
-    shares = []
-    for step, member in hits.select("step", level).iter_rows():
-        at = cells.filter(pl.col("step") == step)
-        late = at.filter(pl.col(level) == member)
-        actual = float(late["compute_ns"].mean() - at["compute_ns"].mean()) if late.height else 0.0
-        if actual > 0:
-            shares.append(max(0.0, float(late["pred"].mean() - at["pred"].mean())) / actual)
-    return float(np.median(shares)) if shares else None
-
-
-def _work_ratio(work: pl.DataFrame, rank: int, peers: list[int], steps) -> float | None:
-    w = work.group_by("rank", "step").agg(pl.col("work").sum())
-    if steps is not None:
-        w = w.filter(pl.col("step").is_in(steps))
-    own = w.filter(pl.col("rank") == rank).select("step", pl.col("work").alias("own"))
-    ref = w.filter(pl.col("rank").is_in(peers)).group_by("step").agg(pl.col("work").median().alias("ref"))
-    j = own.join(ref, on="step").filter(pl.col("ref") > 0)
-    return float((j["own"] / j["ref"]).median()) if j.height else None
-
-
 def _explain_moving(tables, loc, metrics, tun: Tunables, work) -> Cause:
     """The slowest member changes from step to step: is the late member the one with more work?"""
     level = next(lv.level for lv in loc.levels if lv.verdict == "moving")
@@ -382,10 +269,10 @@ def _explain_moving(tables, loc, metrics, tun: Tunables, work) -> Cause:
     ev = {"level": level, "imbalance_degree": degree, "steps_with_standout": hits.height,
           "explained_by_compute": explained, "distinct_slowest": distinct}
     if work is not None:
-        j = work.group_by("rank", "step").agg(pl.col("work").sum()).join(metrics, on=["rank", "step"])
+        j = attention.per_cell(work).join(metrics, on=["rank", "step"])
         ev["work_compute_corr"] = float(np.corrcoef(j["work"], j["compute_ns"])[0, 1]) if j.height > 2 else None
     what = {"dp": "replica", "pp": "stage", "cp": "CP rank", "tp": "TP rank"}[level]
-    by_work = _moving_work_share(work, m, hits, level, tun) if work is not None else None
+    by_work = attention.moving_share(work, m, hits, level, tun) if work is not None else None
     ev["work_explained_share"] = by_work
     device = level in ("tp", "pp") or (by_work is not None and by_work < tun.work_explains_share)
     if device and hits.height and explained / hits.height >= tun.moving_explained_min:

@@ -1,10 +1,10 @@
 """Kineto (PyTorch profiler) Chrome traces into events, steps, collectives and p2p.
 
 Columnar end to end: the file's ``traceEvents`` array is streamed out (jsonsplit, hashing on the
-way) to the native scanner (kineto_scan; DuckDB's JSON reader where it is not built), and the X
-events go into one scratch table ``raw`` with the columns the store needs; steps, launches and the communication tables are small SQL over it
-(kineto_comm), and the store's rows are inserted straight from these tables at commit
-(common.Query): no Python object per event, no Arrow copy. Python only sees the few distinct
+way) to the native scanner (kineto_scan: Arrow batches; DuckDB's JSON reader where it is not
+built), and the X events go into one scratch table ``raw`` with the columns the store needs;
+steps, launches and the communication tables are small SQL over it (kineto_comm), and the store's
+rows are inserted straight from these tables at commit (common.Query): no Python object per event. Python only sees the few distinct
 ``tk.*`` span names, which it parses with tracekit.conventions (the one parser).
 
 The step of an event is the ``ProfilerStep#N`` span containing it; a GPU event takes the step of
@@ -39,7 +39,7 @@ COLUMNS: dict[str, str | dict[str, str]] = {
     "args": {"correlation": "VARCHAR", **{k: "VARCHAR" for k in ARGS}},
 }
 # "native": the C scanner (kineto_scan), "duckdb": DuckDB's JSON reader; the default is the scanner
-# when it is built. Both give the same rows; the scanner is about 4x faster.
+# when it is built. Both give the same rows; the scanner reads about 2.2x faster (docs/ingest.md).
 READER_ENV = "TRACEKIT_KINETO_READER"
 KINDS = {
     "cpu_op": "cpu_op", "user_annotation": "user_annotation", "gpu_user_annotation": "gpu_annotation",
