@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -100,3 +101,35 @@ def test_report_lists_files_in_the_order_given(tmp_path: Path) -> None:
     write_trace(small, nccl_trace(1, world=2))
     rep = ingest([big, small], tmp_path / "s.duckdb", workers=2)
     assert not rep.failed and [f.path for f in rep.files] == [big, small]
+
+
+def test_kineto_ingest_does_not_import_pandas(tmp_path: Path) -> None:
+    """pyarrow imports pandas (0.5 CPU-s) for any ``pa.array`` built from Python lists; ingest builds
+    its small tables in DuckDB instead, so a Kineto ingest never pays for it."""
+    pytest.importorskip("pandas")  # without pandas installed the check would say nothing
+    run = _run(tmp_path, ranks=2)
+    code = ("import sys; from tracekit.ingest.pipeline import ingest; "
+            f"rep = ingest([{str(run)!r}], {str(tmp_path / 's.duckdb')!r}); "
+            "assert [f.status for f in rep.files] == ['ok', 'ok'], rep.files; "
+            "print('pandas' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_ingest_puts_the_database_settings_back(tmp_path: Path) -> None:
+    """Ingest tunes the database instance (one thread, no vacuum, a memory limit); a connection of
+    the same process to the same store shares that instance and must find its settings unchanged."""
+    db = tmp_path / "s.duckdb"
+    duckdb.connect(str(db)).close()
+    other = duckdb.connect(str(db))
+    try:
+        before = other.execute("SELECT current_setting('threads'), current_setting('max_vacuum_tasks'), "
+                               "current_setting('memory_limit')").fetchall()
+        rep = ingest([_run(tmp_path, ranks=2)], db)
+        assert [f.status for f in rep.files] == ["ok", "ok"]
+        after = other.execute("SELECT current_setting('threads'), current_setting('max_vacuum_tasks'), "
+                              "current_setting('memory_limit')").fetchall()
+        assert after == before
+        assert other.execute("SELECT count(DISTINCT rank) FROM events").fetchall() == [(2,)]
+    finally:
+        other.close()

@@ -33,11 +33,10 @@ from pathlib import Path
 from typing import Callable
 
 import duckdb
-import pyarrow as pa
 
 from tracekit import classify
 from tracekit.conventions import COMM_PREFIX, COMPUTE_PREFIX, ConventionError, parse_comm, parse_compute
-from tracekit.ingest.common import IngestError, Query
+from tracekit.ingest.common import IngestError, Query, create_table
 
 DTYPE_BYTES = {
     "float": 4, "float32": 4, "half": 2, "float16": 2, "bfloat16": 2, "double": 8, "float64": 8,
@@ -75,16 +74,11 @@ def register_annotations(con: duckdb.DuckDBPyConnection, ns: str) -> Annotations
                 comp.append({"name": n, "phase": p.phase, "vstage": p.vstage, "mb": p.mb})
         except ConventionError:
             continue  # a malformed annotation stays a plain event; it carries no comm metadata
-    con.register("comm_ann_arrow", pa.Table.from_pylist(comm, schema=pa.schema([
-        ("name", pa.string()), ("op", pa.string()), ("pg", pa.string()), ("dim", pa.string()),
-        ("seq", pa.int64()), ("ranks", pa.list_(pa.int32())), ("nbytes", pa.int64()),
-        ("dtype", pa.string()), ("peer", pa.int32())])))
-    con.register("comp_ann_arrow", pa.Table.from_pylist(comp, schema=pa.schema([
-        ("name", pa.string()), ("phase", pa.string()), ("vstage", pa.int32()), ("mb", pa.int32())])))
-    con.execute(f"CREATE TABLE {ns}.comm_ann AS SELECT * FROM comm_ann_arrow")
-    con.execute(f"CREATE TABLE {ns}.comp_ann AS SELECT * FROM comp_ann_arrow")
-    con.unregister("comm_ann_arrow")
-    con.unregister("comp_ann_arrow")
+    create_table(con, f"{ns}.comm_ann", [("name", "VARCHAR"), ("op", "VARCHAR"), ("pg", "VARCHAR"),
+                                         ("dim", "VARCHAR"), ("seq", "BIGINT"), ("ranks", "INTEGER[]"),
+                                         ("nbytes", "BIGINT"), ("dtype", "VARCHAR"), ("peer", "INTEGER")], comm)
+    create_table(con, f"{ns}.comp_ann", [("name", "VARCHAR"), ("phase", "VARCHAR"), ("vstage", "INTEGER"),
+                                         ("mb", "INTEGER")], comp)
     return Annotations(comm=bool(comm), compute=bool(comp))
 
 
@@ -151,12 +145,9 @@ def _create_lookups(con: duckdb.DuckDBPyConnection, ns: str) -> None:
         "widths": [(d, DTYPE_BYTES.get(d.lower())) for d in distinct("dtype")],
     }
     for table, rows in lookups.items():
-        value = pa.int64() if table == "widths" else pa.string()
-        arrow = pa.table({"key": pa.array([k for k, _ in rows], pa.string()),
-                          "op" if table != "widths" else "width": pa.array([v for _, v in rows], value)})
-        con.register("tk_lookup_arrow", arrow)
-        con.execute(f"CREATE TABLE {ns}.{table} AS SELECT * FROM tk_lookup_arrow")
-        con.unregister("tk_lookup_arrow")
+        value = ("width", "BIGINT") if table == "widths" else ("op", "VARCHAR")
+        create_table(con, f"{ns}.{table}", [("key", "VARCHAR"), value],
+                     [{"key": k, value[0]: v} for k, v in rows])
 
 
 def _ordinal(key: str, first_step_ns: int | None) -> str:

@@ -17,12 +17,8 @@ from a run are reported. After the files, each touched run's ``runs``, ``ranks``
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import itertools
 import os
-import sys
-import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +66,6 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
            optable_reader: parse_mod.OptableReader | None = None) -> IngestReport:
     """Ingest files and run directories into the store at ``store_path``; never raises for bad files."""
     jobs = rundir.collect([Path(p) for p in paths], run_id)
-    _import_pandas_early()
     n_workers = max(1, workers or min(len(jobs), os.cpu_count() or 1))
     con = store.connect(store_path)
     report = IngestReport()
@@ -79,6 +74,10 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
         # own threads as well, a batch's appends were not written straight to the file: the final
         # checkpoint then compressed them again, +0.1 CPU-s per 150k-event trace.)
         con.execute("SET threads = 1")
+        # A file's last, partial row group of events goes to the store file as it is; the
+        # checkpoint's vacuum would rewrite each one to merge it with the next (about 0.1 CPU-s per
+        # 150k-event trace, docs/ingest.md). A later checkpoint outside ingest still may.
+        con.execute("SET max_vacuum_tasks = 0")
         # Bounded memory: DuckDB keeps what it wrote cached and the scratch tables in memory only
         # up to this, then evicts or spills (to <store>.tmp). Each reading thread also holds about
         # 64 MiB of JSON buffers that cannot be spilled.
@@ -123,27 +122,21 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
                 report.missing.update(topo.finalize(con, rb))
                 report.runs.append(rid)
     finally:
-        con.close()
+        _close(con)
     order = {job.path: i for i, job in reversed(list(enumerate(jobs)))}
     report.files.sort(key=lambda f: order.get(f.path, len(order)))  # input order, not completion order
     return report
 
 
-def _import_pandas_early() -> None:
-    """DuckDB imports pandas (when it is installed) in the middle of the first file's parse, and
-    every worker waits on that import: about 0.4 s at the start of an ingest. Importing it on a
-    thread of its own from the start lets it overlap the first files' scanning, which runs without
-    the GIL."""
-    if "pandas" in sys.modules or importlib.util.find_spec("pandas") is None:
-        return
-
-    def load() -> None:
-        try:
-            importlib.import_module("pandas")
-        except Exception:  # noqa: BLE001 - a broken pandas fails DuckDB's own import, with its message
-            pass
-
-    threading.Thread(target=load, name="tk-import-pandas", daemon=True).start()
+def _close(con: duckdb.DuckDBPyConnection) -> None:
+    """Close, first putting back the settings ingest changed: they belong to the database instance,
+    which another connection of this process to the same store may share."""
+    try:
+        for setting in ("threads", "max_vacuum_tasks", "memory_limit"):
+            con.execute(f"RESET {setting}")
+    except duckdb.Error:
+        pass  # a connection that cannot reset is closing anyway
+    con.close()
 
 
 def _unless_known(job: rundir.Job, out: parse_mod.Outcome, known: dict[str, set[str]],
