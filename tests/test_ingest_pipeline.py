@@ -80,6 +80,24 @@ def test_failed_batch_write_is_redone_file_by_file(tmp_path: Path, monkeypatch: 
     assert log == [(0, "ok"), (1, "failed"), (2, "ok")]
 
 
+def test_last_files_are_committed_as_they_come(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches fill up to BATCH_ROWS, except once fewer files are left than workers (all of them
+    already being parsed): then each is committed as soon as it is parsed, overlapping the others."""
+    run = _run(tmp_path, ranks=5)
+    monkeypatch.setattr(pipeline, "BATCH_ROWS", 10**9)
+    sizes: list[int] = []
+    real = pipeline._commit_batch
+
+    def commit_batch(con, items):  # type: ignore[no-untyped-def]
+        sizes.append(len(items))
+        return real(con, items)
+
+    monkeypatch.setattr(pipeline, "_commit_batch", commit_batch)
+    rep = ingest([run], tmp_path / "s.duckdb", workers=2)
+    assert [f.status for f in rep.files] == ["ok"] * 5
+    assert [s for s in sizes if s] == [4, 1]  # after the 4th file, the one left is being parsed
+
+
 def test_threads_and_batches_change_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run = _run(tmp_path, ranks=4)
     ingest([run], tmp_path / "one.duckdb", workers=1)

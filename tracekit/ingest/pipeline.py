@@ -110,10 +110,13 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
             batch.clear()
 
         rows = 0
-        for job, ns, out in _outcomes(con, jobs, stored, n_workers, optable_reader):
+        for i, (job, ns, out) in enumerate(_outcomes(con, jobs, stored, n_workers, optable_reader)):
             batch.append((job, ns, _unless_known(job, out, known, batch)))
             rows += out.parsed.rows if out.parsed is not None else 0
-            if rows >= BATCH_ROWS or len(batch) >= BATCH_FILES:
+            # Once fewer files are left than workers (all being parsed), commit each as it comes: its
+            # commit then overlaps the others' parsing instead of running alone after the last one.
+            last_round = len(jobs) - (i + 1) < n_workers
+            if rows >= BATCH_ROWS or len(batch) >= BATCH_FILES or last_round:
                 flush()
                 rows = 0
         flush()
