@@ -164,9 +164,14 @@ class Comm:
     def remove_hook(self, hook: CommHook) -> None:
         self.hooks.remove(hook)
 
-    def shutdown(self) -> None:
+    def shutdown(self, sync: bool = True) -> None:
+        """Tear the process groups down. With ``sync`` (a run that ended normally) every rank first
+        waits for the others at a barrier, so that none closes its connections while a peer is
+        still using them (a rank of a gloo world was seen to abort at exit under CPU contention)."""
         self.wait_sends()
         if self.world_size > 1 and dist.is_initialized():
+            if sync:
+                dist.barrier()
             dist.destroy_process_group()
 
     # -- the dispatch --------------------------------------------------------------------------

@@ -167,5 +167,7 @@ def rank_main(rank: int, world_size: int, jobs: list[tuple[dict, str]], init_met
             comm.reduce_order = cfg.reduce_order
             from .observe import observed_training  # (observe imports this module)
             observed_training(cfg, comm, Path(out))
-    finally:
-        comm.shutdown()
+    except BaseException:
+        comm.shutdown(sync=False)  # the others may never reach a barrier
+        raise
+    comm.shutdown()
