@@ -46,9 +46,9 @@ class Dashboard:
         self.errors = pn.pane.Alert("", alert_type="warning", visible=False, css_classes=["tk-errors"],
                                     sizing_mode="stretch_width")
         header = pn.Row(pn.pane.Markdown(f"# tracekit &middot; `{title}`"),
-                        pn.widgets.Select.from_param(sel.param.run_id, name="run"),
-                        pn.widgets.IntInput.from_param(sel.param.rank, name="rank"),
-                        pn.widgets.IntInput.from_param(sel.param.step, name="step"), sizing_mode="stretch_width")
+                        pn.widgets.Select.from_param(sel.param.run_id, label="run"),
+                        pn.widgets.IntInput.from_param(sel.param.rank, label="rank"),
+                        pn.widgets.IntInput.from_param(sel.param.step, label="step"), sizing_mode="stretch_width")
         left = pn.Column(self.overview.panel, self.heatmap.panel, self.cpwait.panel, sizing_mode="stretch_width")
         right = pn.Column(self.drilldown.panel, self.timeline.panel, self.memory.panel, self.numerics.panel,
                           sizing_mode="stretch_width")

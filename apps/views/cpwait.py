@@ -54,7 +54,7 @@ class CPWaitView:
         self.group_src.selected.on_change("indices", self._picked)
         self.position_note = pn.pane.Markdown("", sizing_mode="stretch_width")
         self.group_note = pn.pane.Markdown("", sizing_mode="stretch_width")
-        self.only_step = pn.widgets.Checkbox(name="selected step only", value=False)
+        self.only_step = pn.widgets.Checkbox(label="selected step only", value=False)
         self.only_step.param.watch(lambda e: self.show_focus(self.sel.rank, self.sel.step), "value")
         self.plots = pn.Column(self.position_note, bokeh_pane(self.position_fig), self.only_step, self.group_note,
                                bokeh_pane(self.group_fig), sizing_mode="stretch_width")
