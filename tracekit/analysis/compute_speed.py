@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import polars as pl
 
+from tracekit.analysis.standout import spread
 from tracekit.analysis.tables import RunTables, compute_events, prefer_profiler
 from tracekit.analysis.tunables import Tunables
 
@@ -101,16 +102,12 @@ def compute_speed(tables: RunTables) -> pl.DataFrame:
     ).sort("step", "rank").cast(_SCHEMA)
 
 
-def _robust_sd(x: np.ndarray) -> float:
-    return float(1.4826 * np.median(np.abs(x - np.median(x)))) if x.size > 1 else 0.0
-
-
 def step_scatter(mat: np.ndarray) -> float:
     """Step-to-step scatter of a (step x rank) log-ratio matrix pooled over every rank (two-way
     residuals: rank and step effects removed), as a robust standard deviation."""
     resid = mat - np.nanmedian(mat, axis=0, keepdims=True)
     resid = resid - np.nanmedian(resid, axis=1, keepdims=True)
-    return _robust_sd(resid[np.isfinite(resid)])
+    return spread(resid[np.isfinite(resid)])
 
 
 def compute_excess(speed: pl.DataFrame, tunables: Tunables = Tunables()) -> tuple[pl.DataFrame, float]:
@@ -165,7 +162,7 @@ def compute_outlier(speed: pl.DataFrame, tunables: Tunables = Tunables()) -> Com
     stage_of = dict(speed.select("rank", "pp").unique().iter_rows())
     unaffected = [i for i, r in enumerate(ranks) if i != top and stage_of.get(r) != stage_of.get(ranks[top])]
     others_means = means[unaffected] if len(unaffected) >= 2 else np.delete(means, top)
-    noise = max(sem, _robust_sd(others_means[np.isfinite(others_means)]), tun.compute_noise_floor)
+    noise = max(sem, spread(others_means[np.isfinite(others_means)]), tun.compute_noise_floor)
     margin = effect / noise
     slower = int((diffs > 0).sum())
     ok = (margin >= bar and effect >= math.log(tun.compute_effect_min_ratio)

@@ -16,7 +16,7 @@ member changes from step to step (data imbalance) ends the search with "moving".
 ``per_step``.
 
 Waits carry every kind of timing noise, so the descent is checked against each rank's compute speed
-(``compute_speed.py``: the same compute spans compared among the ranks of a stage). A rank that
+(``compute_speed.py``: the same compute spans compared among the ranks of a stage; ``episodes.py``). A rank that
 computes persistently slower than its peers names the culprit when the waits alone stayed open,
 narrows a late group to its slow member, and a "moving" straggler needs, step by step, a rank whose
 compute stood out (or no compute records to check against): moving wait noise is not a finding;
@@ -33,8 +33,10 @@ import numpy as np
 import polars as pl
 
 from tracekit.analysis.collectives import match_collectives
-from tracekit.analysis.compute_speed import ComputeFinding, compute_excess, compute_outlier, compute_speed
+from tracekit.analysis.compute_speed import ComputeFinding, compute_outlier, compute_speed
+from tracekit.analysis.episodes import moving_supported, with_compute
 from tracekit.analysis.scores import collective_scores, level_matrix, pipeline_scores
+from tracekit.analysis.standout import margin_bar, spread, standout
 from tracekit.analysis.tables import RunTables
 from tracekit.analysis.tunables import Tunables
 from tracekit.topology import OUTER_TO_INNER
@@ -109,53 +111,31 @@ def _stage_wide(level: str, rng: dict[str, int], lay) -> bool:
     return level == "pp" and (lay.dp == 1 or "dp" not in rng)
 
 
-def _spread(values: np.ndarray) -> float:
-    if values.size < 2:
-        return 0.0
-    return float(1.4826 * np.median(np.abs(values - np.median(values))))
-
-
-def _standout(row: np.ndarray, step_ns: float, tun: Tunables, effect_min_frac: float) -> tuple[int, float, bool]:
-    """One step's top member, its effect over the others' median, and whether it stands out
-    (beyond ``margin_min`` noise units of the others' spread, and a minimum share of the step)."""
-    top = int(np.argmax(row))
-    others = np.delete(row, top)
-    eff = float(row[top] - np.median(others))
-    noise = max(_spread(others), tun.noise_floor_frac * step_ns)
-    return top, eff, eff >= tun.margin_min * noise and eff >= effect_min_frac * step_ns
-
-
-def _bar(tun: Tunables, searched: int) -> float:
-    """The margin a top member must reach when ``searched`` members compete for the top (the
-    largest of many noisy scores is large by chance): margin_min for a pair, higher beyond."""
-    return tun.margin_min + tun.margin_per_log * math.log(max(1.0, searched / 2))
-
-
 def _evaluate(level: str, mat: np.ndarray, step_ns: float, tun: Tunables, effect_min_frac: float,
               within: dict[str, int], groups: int = 1) -> LevelFinding:
     """Aggregate decision for one level over all steps (steps x candidates score matrix), when
     ``groups`` such matrices are searched for the clearest culprit."""
     T, n = mat.shape
-    margin_min = _bar(tun, n * groups)
+    margin_min = margin_bar(tun, n * groups)
     floor = tun.noise_floor_frac * step_ns
-    per_step = [_standout(row, step_ns, tun, effect_min_frac) for row in mat]
+    per_step = [standout(row, step_ns, tun, effect_min_frac) for row in mat]
     tops = [p[0] for p in per_step]
     effects = [p[1] for p in per_step]
-    standout = [p[2] for p in per_step]
+    stood_out = [p[2] for p in per_step]
     mean = mat.mean(axis=0)
     top = int(np.argmax(mean))
     others = np.delete(mean, top)
     diffs = mat[:, top] - np.median(np.delete(mat, top, axis=1), axis=1)
     effect = float(mean[top] - np.median(others))
     sem = float(np.std(diffs) / math.sqrt(T)) if T > 1 else 0.0
-    noise = max(_spread(others), floor, sem)
+    noise = max(spread(others), floor, sem)
     margin = effect / noise if noise > 0 else math.inf
     agree = sum(1 for t in tops if t == top)
-    n_out = sum(standout)
-    agree_out = sum(1 for t, s in zip(tops, standout) if s and t == top)
+    n_out = sum(stood_out)
+    agree_out = sum(1 for t, s in zip(tops, stood_out) if s and t == top)
     passes = margin >= margin_min and effect >= effect_min_frac * step_ns
     persistent = agree / T >= tun.persist_min or (n_out > 0 and agree_out / n_out >= tun.persist_min)
-    winners = [t for t, s in zip(tops, standout) if s]
+    winners = [t for t, s in zip(tops, stood_out) if s]
     # moving: standouts in most steps, and no member holds the top in persist_min of them
     dominant = max((winners.count(w) for w in set(winners)), default=0) / max(len(winners), 1)
     if passes and persistent:
@@ -194,7 +174,7 @@ def localize(tables: RunTables, tunables: Tunables = Tunables()) -> Localization
         # A stage is only blamed across every replica if the effect is large (pipelines are uneven).
         eff_min = tunables.stage_effect_min_frac if _stage_wide(level, rng, lay) else tunables.effect_min_frac
         finding = _evaluate(level, mat, step_ns, tunables, eff_min, rng)
-        if finding.verdict == "moving" and not _moving_supported(level, steps, mat, speed, coords, rng, step_ns,
+        if finding.verdict == "moving" and not moving_supported(level, steps, mat, speed, coords, rng, step_ns,
                                                                  tunables):
             finding = replace(finding, verdict="none")  # moving wait noise: no compute stood out
         if finding.verdict == "none":
@@ -207,132 +187,7 @@ def localize(tables: RunTables, tunables: Tunables = Tunables()) -> Localization
     _resolve_last_open(levels, scores, rng, lay, step_ns, tunables)
     per_step = _per_step(scores, coords, lay, step_ns, tunables)
     waits = _conclude(lay, rng, levels, step_ns, per_step, tunables)
-    return _with_compute(waits, compute_outlier(speed, tunables), lay, speed, tunables)
-
-
-def _transient(per_step: pl.DataFrame, speed: pl.DataFrame, step_ns: float,
-               tun: Tunables) -> tuple[int, tuple[int, ...], float] | None:
-    """A transient straggler: nothing persists, but one rank holds ``transient_share_min`` of the
-    lateness of the steps that stand out (effect at least ``episode_effect_min_frac`` of a step) in
-    two or more of them, and, where compute was recorded, computed slower than its stage peers in
-    the steps that carry ``moving_compute_agree_min`` of its lateness. Weighing steps by their
-    effect keeps a two-step episode of a 2x slowdown from being outvoted by per-step jitter, which
-    names some rank in every step. Returns (rank, its episode's steps, share of the lateness)."""
-    hits = per_step.filter(pl.col("culprit_rank").is_not_null()
-                           & (pl.col("effect_ns") >= tun.episode_effect_min_frac * step_ns))
-    if hits.height < 2:
-        return None
-    by_rank = hits.group_by("culprit_rank").agg(pl.col("effect_ns").sum(), pl.len()).sort("effect_ns", descending=True)
-    rank, effect, n = by_rank.row(0)
-    share = effect / float(hits["effect_ns"].sum())
-    if n < 2 or share < tun.transient_share_min:
-        return None
-    own = hits.filter(pl.col("culprit_rank") == rank).select("step", "effect_ns")
-    if not speed.height:
-        return int(rank), tuple(sorted(own["step"].to_list())), float(share)
-    excess, bar = compute_excess(speed, tun)
-    slow = excess.filter((pl.col("rank") == rank) & (pl.col("excess") >= bar))["step"].to_list()
-    episode = own.filter(pl.col("step").is_in(slow))
-    if episode.height < 2 or float(episode["effect_ns"].sum()) < tun.moving_compute_agree_min * effect:
-        return None
-    return int(rank), tuple(sorted(episode["step"].to_list())), float(share)
-
-
-def _moving_ranks(loc: Localization, speed: pl.DataFrame, lay, tun: Tunables) -> str | None:
-    """A moving straggler seen rank by rank, for when no level's members alternate cleanly (a slow
-    device moving over three ranks of two replicas leaves one replica late in two steps of three,
-    which reads as a dominant member at the DP level). The steps whose standout rank costs at least
-    ``episode_effect_min_frac`` of a step and computed slower than its stage peers that step (the
-    transient bar) cover ``moving_min_share`` of the steps; two or more ranks hold them and none
-    holds ``persist_min`` of them. Returns the outermost level whose member changes among those
-    steps (the level the slowness moves across), or None."""
-    if not speed.height or not loc.per_step.height:
-        return None
-    hits = loc.per_step.filter(pl.col("culprit_rank").is_not_null()
-                               & (pl.col("effect_ns") >= tun.episode_effect_min_frac * loc.step_time_ns))
-    excess, bar = compute_excess(speed, tun)
-    slow = excess.filter(pl.col("excess") >= bar).select("step", pl.col("rank").alias("culprit_rank"))
-    hits = hits.join(slow, on=["step", "culprit_rank"], how="semi")
-    T = loc.per_step.height
-    if hits.height < max(2, math.ceil(tun.moving_min_share * T)):
-        return None
-    counts = hits["culprit_rank"].value_counts()["count"]
-    if counts.len() < 2 or int(counts.max()) / hits.height >= tun.persist_min:
-        return None
-    return next((d for d in OUTER_TO_INNER if getattr(lay, d) > 1 and hits[d].n_unique() >= 2), None)
-
-
-def _with_compute(loc: Localization, cf: ComputeFinding, lay, speed: pl.DataFrame, tun: Tunables) -> Localization:
-    """Combine the wait-based verdict with the compute-speed check (see the module docstring)."""
-    loc = replace(loc, compute=cf)
-    if loc.verdict == "no_straggler" and (episode := _transient(loc.per_step, speed, loc.step_time_ns, tun)):
-        rank, steps, share = episode
-        loc = replace(loc, verdict="transient", culprit_rank=rank, culprit_ranks=(rank,),
-                      coords=lay.coords(rank).as_dict(), confidence=share, episode_steps=steps)
-    elif loc.verdict == "no_straggler" and cf.verdict != "culprit" and (level := _moving_ranks(loc, speed, lay, tun)):
-        levels = [replace(lv, verdict="moving") if lv.level == level else lv for lv in loc.levels]
-        share = loc.per_step["culprit_rank"].is_not_null().mean()
-        loc = replace(loc, verdict="moving", levels=levels, confidence=float(share or 0.0))
-    if cf.verdict != "culprit":
-        return loc
-    r = cf.rank
-    if loc.verdict == "straggler":
-        return replace(loc, basis="both") if loc.culprit_rank == r else loc
-    # a stage blamed in every replica while one rank of a stage computes slower than its peers: the
-    # pipeline waits came from that rank (a heavier stage would slow all its ranks alike)
-    if loc.verdict in ("group", "no_straggler", "moving", "transient", "stage") and (loc.verdict != "group"
-                                                                                    or r in loc.culprit_ranks):
-        conf = (cf.steps_slower / max(cf.steps_total, 1)) * (1 - math.exp(-cf.margin / cf.bar))
-        return replace(loc, verdict="straggler", culprit_rank=r, culprit_ranks=(r,), coords=lay.coords(r).as_dict(),
-                       confidence=float(conf), basis="both" if loc.verdict == "group" else "compute")
-    return loc
-
-
-def _moving_supported(level: str, steps: list, mat: np.ndarray, speed: pl.DataFrame, coords: pl.DataFrame,
-                      rng: dict[str, int], step_ns: float, tun: Tunables) -> bool:
-    """A moving straggler (more work landing on a different member each step) shows in compute as
-    well as in waits: in most steps where a member stood out, its extra compute over the other
-    members (its ranks' mean, ns) explains at least ``moving_explained_min`` of the wait it caused.
-    Waits that move while compute does not are timing noise. Only DP replicas and CP ranks see
-    different data; at the TP and PP levels a moving straggler is a moving slow device, whose
-    compute speed must also stand out each time (beyond ``compute_margin_min`` spreads of the
-    step-to-step scatter of every rank's speed). Without compute records there is nothing to check
-    against, and the waits stand."""
-    if not speed.height:
-        return True
-    sel = coords
-    for d, v in rng.items():
-        sel = sel.filter(pl.col(d) == v)
-    per = speed.join(sel.select("rank", level), on="rank").group_by("step", level).agg(
-        pl.col("excess_ns").mean(), pl.col("log_ratio").mean())
-    extra = {(int(t), int(m)): float(v) for t, m, v in per.select("step", level, "excess_ns").iter_rows()}
-    speed_of = {(int(t), int(m)): float(v) for t, m, v in per.select("step", level, "log_ratio").iter_rows()}
-    need_speed = level not in ("dp", "cp")
-    if need_speed:
-        resid = per.with_columns((pl.col("log_ratio") - pl.col("log_ratio").median().over("step")).alias("r"))
-        resid = resid.filter(pl.col("log_ratio") < pl.col("log_ratio").max().over("step"))["r"].to_numpy()
-        spread = float(1.4826 * np.median(np.abs(resid - np.median(resid)))) if resid.size > 1 else 0.0
-        speed_bar = max(tun.compute_margin_min * max(spread, tun.compute_noise_floor),
-                        math.log(tun.compute_effect_min_ratio))
-    standout = explained = 0
-    for t, row in zip(steps, mat):
-        top, effect, ok = _standout(row, step_ns, tun, tun.effect_min_frac)
-        if not ok:
-            continue
-        standout += 1
-        vals = [extra.get((int(t), m)) for m in range(row.size)]
-        if vals[top] is None or effect <= 0:
-            continue
-        others = [v for m, v in enumerate(vals) if m != top and v is not None]
-        if not others or vals[top] - float(np.median(others)) < tun.moving_explained_min * effect:
-            continue
-        if need_speed:
-            sp = [speed_of.get((int(t), m)) for m in range(row.size)]
-            rest = [v for m, v in enumerate(sp) if m != top and v is not None]
-            if sp[top] is None or not rest or sp[top] - float(np.median(rest)) < speed_bar:
-                continue
-        explained += 1
-    return standout > 0 and explained / standout >= tun.moving_compute_agree_min
+    return with_compute(waits, compute_outlier(speed, tunables), lay, speed, tunables)
 
 
 def _revisit_open(levels: list[LevelFinding], scores, coords, rng: dict[str, int], lay, step_ns: float,
@@ -395,7 +250,7 @@ def _search_open(level: str, scores: pl.DataFrame, coords: pl.DataFrame, rng: di
 def _search_groups(level: str, scores: pl.DataFrame, coords: pl.DataFrame, rng: dict[str, int],
                    split: list[str], lay, step_ns: float, tun: Tunables) -> LevelFinding | None:
     """Evaluate the level within each combination of the ``split`` coordinates and return the
-    clearest culprit; searching more groups raises the bar (``_bar``)."""
+    clearest culprit; searching more groups raises the bar (``standout.margin_bar``)."""
     combos = list(itertools.product(*[range(getattr(lay, d)) for d in split]))
     best = None
     for combo in combos:
@@ -427,7 +282,7 @@ def _per_step(scores, coords, lay, step_ns: float, tun: Tunables) -> pl.DataFram
             if not mat.shape[0]:
                 continue
             eff_min = tun.stage_effect_min_frac if _stage_wide(level, rng, lay) else tun.effect_min_frac
-            top, eff, ok = _standout(mat[0], step_ns, tun, eff_min)
+            top, eff, ok = standout(mat[0], step_ns, tun, eff_min)
             if ok:
                 rng[level] = top
                 first_effect = eff if first_effect is None else first_effect
