@@ -136,18 +136,25 @@ def test_kineto_ingest_does_not_import_pandas(tmp_path: Path) -> None:
 
 def test_ingest_puts_the_database_settings_back(tmp_path: Path) -> None:
     """Ingest tunes the database instance (one thread, no vacuum, a memory limit); a connection of
-    the same process to the same store shares that instance and must find its settings unchanged."""
+    the same process to the same store shares that instance and must find its settings as it left
+    them, defaults or its own."""
     db = tmp_path / "s.duckdb"
     duckdb.connect(str(db)).close()
     other = duckdb.connect(str(db))
+    settings = ("SELECT current_setting('threads'), current_setting('max_vacuum_tasks'), "
+                "current_setting('memory_limit')")
     try:
-        before = other.execute("SELECT current_setting('threads'), current_setting('max_vacuum_tasks'), "
-                               "current_setting('memory_limit')").fetchall()
+        defaults = other.execute(settings).fetchall()
         rep = ingest([_run(tmp_path, ranks=2)], db)
         assert [f.status for f in rep.files] == ["ok", "ok"]
-        after = other.execute("SELECT current_setting('threads'), current_setting('max_vacuum_tasks'), "
-                              "current_setting('memory_limit')").fetchall()
-        assert after == before
-        assert other.execute("SELECT count(DISTINCT rank) FROM events").fetchall() == [(2,)]
+        assert other.execute(settings).fetchall() == defaults
+        other.execute("SET max_vacuum_tasks = 7")
+        other.execute("SET memory_limit = '3GB'")
+        tuned = other.execute(settings).fetchall()
+        assert tuned != defaults
+        rep = ingest([tmp_path / "run"], db, run_id="again")
+        assert [f.status for f in rep.files] == ["ok", "ok"]
+        assert other.execute(settings).fetchall() == tuned
+        assert other.execute("SELECT count(DISTINCT run_id || rank) FROM events").fetchall() == [(4,)]
     finally:
         other.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,6 @@ from tracekit.ingest.commit import FileResult
 __all__ = ["FileResult", "IngestReport", "ingest"]
 
 Progress = Callable[[int, int, Path, str], None]  # (done, total, path, status)
-SCRATCH = "_tk_scratch"
 # A transaction commits once it holds this many rows (DuckDB writes appends of two or more row
 # groups, 122880 rows each, straight to the file) or this many files (bounded memory, steady progress).
 BATCH_ROWS = 250_000
@@ -68,6 +68,10 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
     jobs = rundir.collect([Path(p) for p in paths], run_id)
     n_workers = max(1, workers or min(len(jobs), os.cpu_count() or 1))
     con = store.connect(store_path)
+    saved = _settings(con)
+    # Named per ingest: an ATTACH belongs to the database instance, which outlives this
+    # connection when another one in the process is open on the same store.
+    scratch = f"_tk_scratch_{uuid.uuid4().hex[:12]}"
     report = IngestReport()
     try:
         # Parallelism comes from the worker threads, each query on its own thread. (With DuckDB's
@@ -81,8 +85,9 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
         # Bounded memory: DuckDB keeps what it wrote cached and the scratch tables in memory only
         # up to this, then evicts or spills (to <store>.tmp). Each reading thread also holds about
         # 64 MiB of JSON buffers that cannot be spilled.
-        con.execute(f"SET memory_limit = '{MEMORY_PER_WORKER_MB * (n_workers + 1)}MB'")
-        con.execute(f"ATTACH ':memory:' AS {SCRATCH}")
+        if saved["memory_limit"] == _default_memory_limit():  # else someone in this process chose one
+            con.execute(f"SET memory_limit = '{MEMORY_PER_WORKER_MB * (n_workers + 1)}MB'")
+        con.execute(f"ATTACH ':memory:' AS {scratch}")
         known: dict[str, set[str]] = {}
         for rid, h in con.execute("SELECT run_id, content_hash FROM ingest_log WHERE status = 'ok'").fetchall():
             known.setdefault(rid, set()).add(h)
@@ -110,7 +115,7 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
             batch.clear()
 
         rows = 0
-        for i, (job, ns, out) in enumerate(_outcomes(con, jobs, stored, n_workers, optable_reader)):
+        for i, (job, ns, out) in enumerate(_outcomes(con, scratch, jobs, stored, n_workers, optable_reader)):
             batch.append((job, ns, _unless_known(job, out, known, batch)))
             rows += out.parsed.rows if out.parsed is not None else 0
             # Once fewer files are left than workers (all being parsed), commit each as it comes: its
@@ -125,18 +130,38 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
                 report.missing.update(topo.finalize(con, rb))
                 report.runs.append(rid)
     finally:
-        _close(con)
+        _close(con, saved, scratch)
     order = {job.path: i for i, job in reversed(list(enumerate(jobs)))}
     report.files.sort(key=lambda f: order.get(f.path, len(order)))  # input order, not completion order
     return report
 
 
-def _close(con: duckdb.DuckDBPyConnection) -> None:
-    """Close, first putting back the settings ingest changed: they belong to the database instance,
-    which another connection of this process to the same store may share."""
+def _settings(con: duckdb.DuckDBPyConnection) -> dict[str, str]:
+    """The instance settings ingest changes, as they are now."""
+    names = ("threads", "max_vacuum_tasks", "memory_limit")
+    values = con.execute("SELECT " + ", ".join(f"current_setting('{n}')" for n in names)).fetchone()
+    return {n: str(v) for n, v in zip(names, values or ())}
+
+
+def _default_memory_limit() -> str:
+    probe = duckdb.connect(":memory:")
     try:
-        for setting in ("threads", "max_vacuum_tasks", "memory_limit"):
-            con.execute(f"RESET {setting}")
+        return str(probe.execute("SELECT current_setting('memory_limit')").fetchone()[0])  # type: ignore[index]
+    finally:
+        probe.close()
+
+
+def _close(con: duckdb.DuckDBPyConnection, saved: dict[str, str], scratch: str) -> None:
+    """Close, first dropping the scratch database and putting back the settings ingest changed:
+    they belong to the database instance, which another connection of this process to the same
+    store may share (and may have tuned)."""
+    try:
+        con.execute(f"DETACH DATABASE IF EXISTS {scratch}")
+        con.execute(f"SET threads = {int(saved['threads'])}")
+        con.execute(f"SET max_vacuum_tasks = {int(saved['max_vacuum_tasks'])}")
+        # memory_limit reads back rounded ('2.7 GiB'), so it is only ever changed from the default
+        if _settings(con)["memory_limit"] != saved["memory_limit"]:
+            con.execute("RESET memory_limit")
     except duckdb.Error:
         pass  # a connection that cannot reset is closing anyway
     con.close()
@@ -168,7 +193,7 @@ def _commit_batch(con: duckdb.DuckDBPyConnection,
     return [commit.apply_alone(con, job, out) for job, out in items]
 
 
-def _outcomes(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], known: dict[str, frozenset[str]],
+def _outcomes(con: duckdb.DuckDBPyConnection, scratch: str, jobs: list[rundir.Job], known: dict[str, frozenset[str]],
               n: int, reader: parse_mod.OptableReader | None
               ) -> Iterator[tuple[rundir.Job, str, parse_mod.Outcome]]:
     """(job, its scratch schema, its outcome) in completion order; at most ``workers + 1`` files
@@ -183,7 +208,7 @@ def _outcomes(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], known: dic
             cur.close()
 
     def start(j: rundir.Job) -> tuple[duckdb.DuckDBPyConnection, str]:
-        return con.cursor(), f"{SCRATCH}.j{next(ids)}"
+        return con.cursor(), f"{scratch}.j{next(ids)}"
 
     if len(jobs) <= 1:
         for j in jobs:
