@@ -219,7 +219,8 @@ def _resolve_last_open(levels: list[LevelFinding], scores: dict[str, pl.DataFram
         return
     dim = open_dims[0]
     ranks = [lay.rank_of(**{**rng, dim: v}) for v in range(getattr(lay, dim))]
-    inner = [scores[lv].select("step", "rank", "score") for lv in COLLECTIVE_LEVELS if lv != dim and getattr(lay, lv) > 1]
+    inner = [scores[lv].select("step", "rank", "score") for lv in COLLECTIVE_LEVELS
+             if lv != dim and getattr(lay, lv) > 1]
     if not inner:
         return
     own = pl.concat(inner).filter(pl.col("rank").is_in(ranks)).group_by("step", "rank").agg(pl.col("score").sum())

@@ -4,8 +4,9 @@ Columnar end to end: the file's ``traceEvents`` array is streamed out (jsonsplit
 way) to the native scanner (kineto_scan: Arrow batches; DuckDB's JSON reader where it is not
 built), and the X events go into one scratch table ``raw`` with the columns the store needs;
 steps, launches and the communication tables are small SQL over it (kineto_comm), and the store's
-rows are inserted straight from these tables at commit (common.Query): no Python object per event. Python only sees the few distinct
-``tk.*`` span names, which it parses with tracekit.conventions (the one parser).
+rows are inserted straight from these tables at commit (common.Query): no Python object per event.
+Python only sees the few distinct ``tk.*`` span names, which it parses with tracekit.conventions
+(the one parser).
 
 The step of an event is the ``ProfilerStep#N`` span containing it; a GPU event takes the step of
 the runtime call that launched it (same ``correlation``), since kernels run after their launch.

@@ -1,7 +1,7 @@
 """Ingest orchestration: parallel parsing, atomic commits, a log of what happened.
 
 Worker threads hash, sniff and parse files, each on its own connection to the store's database:
-a Kineto trace's rows stay in DuckDB, in tables of a scratch schema (``_tk_scratch.j<N>``, an
+a Kineto trace's rows stay in DuckDB, in tables of a scratch schema (``_tk_scratch_<id>.j<N>``, an
 attached in-memory database), other formats come back as Arrow tables. DuckDB works outside the
 GIL, so the threads use every core with no processes to start and no results to copy. This
 thread, the store's only writer, commits the parsed files (commit.py) while the workers parse the
