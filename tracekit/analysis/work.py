@@ -56,6 +56,18 @@ def work_fit(x: np.ndarray, y: np.ndarray, tun: Tunables) -> tuple[float, float]
     return float(slope), float(icept)
 
 
+def _cells_fit(cells: pl.DataFrame, tun: Tunables
+               ) -> tuple[np.ndarray, np.ndarray, tuple[float, float]] | float | None:
+    """Work (x), compute (y) and the fit over (rank, step) ``cells``; when compute does not follow
+    work, the share to report instead: None if the work hardly varies (nothing to learn from),
+    else 0.0 (the work explains nothing)."""
+    x, y = cells["work"].to_numpy().astype(float), cells["compute_ns"].to_numpy().astype(float)
+    fit = work_fit(x, y, tun)
+    if fit is None:
+        return None if _flat(x) else 0.0
+    return x, y, fit
+
+
 def explained_share(work: pl.DataFrame, metrics: pl.DataFrame, rank: int, peers: list[int],
                    tun: Tunables) -> float | None:
     """How much of the rank's extra compute its extra attention work predicts, from how compute
@@ -68,11 +80,10 @@ def explained_share(work: pl.DataFrame, metrics: pl.DataFrame, rank: int, peers:
     own = cells.filter(pl.col("rank") == rank)
     if peer.height < 3 or not own.height:
         return None
-    x, y = peer["work"].to_numpy().astype(float), peer["compute_ns"].to_numpy().astype(float)
-    fit = work_fit(x, y, tun)
-    if fit is None:
-        return None if _flat(x) else 0.0
-    slope, icept = fit
+    fitted = _cells_fit(peer, tun)
+    if not isinstance(fitted, tuple):
+        return fitted
+    _, y, (slope, icept) = fitted
     base = float(np.median(y))
     actual = float(own["compute_ns"].median()) - base
     predicted = float(np.median(icept + slope * own["work"].to_numpy().astype(float))) - base
@@ -80,7 +91,7 @@ def explained_share(work: pl.DataFrame, metrics: pl.DataFrame, rank: int, peers:
 
 
 def group_share(work: pl.DataFrame, metrics: pl.DataFrame, tables: RunTables, group: set[int],
-                      tun: Tunables) -> float | None:
+                tun: Tunables) -> float | None:
     """How much of a late group's extra compute (over the rest of its stages' ranks) its extra
     attention work predicts, compute following work as fitted over every rank of those stages and
     every step. None without a compute excess or without work variation to fit."""
@@ -91,11 +102,10 @@ def group_share(work: pl.DataFrame, metrics: pl.DataFrame, tables: RunTables, gr
         metrics.select("rank", "step", "compute_ns"), on=["rank", "step"]).filter(pl.col("rank").is_in(ranks))
     if cells.height < 3 or not (~cells["rank"].is_in(list(group))).any():
         return None
-    x, y = cells["work"].to_numpy().astype(float), cells["compute_ns"].to_numpy().astype(float)
-    fit = work_fit(x, y, tun)
-    if fit is None:
-        return None if _flat(x) else 0.0
-    slope, _ = fit
+    fitted = _cells_fit(cells, tun)
+    if not isinstance(fitted, tuple):
+        return fitted
+    x, y, (slope, _) = fitted
     inside = cells["rank"].is_in(list(group)).to_numpy()
     actual = float(np.median(y[inside]) - np.median(y[~inside]))
     predicted = float(slope * (np.median(x[inside]) - np.median(x[~inside])))
@@ -103,17 +113,16 @@ def group_share(work: pl.DataFrame, metrics: pl.DataFrame, tables: RunTables, gr
 
 
 def moving_share(work: pl.DataFrame, m: pl.DataFrame, hits: pl.DataFrame, level: str,
-                       tun: Tunables) -> float | None:
+                 tun: Tunables) -> float | None:
     """Median over the standout steps of how much of the late member's extra compute (over its
     step's mean) its extra work predicts, compute following work as fitted over all (rank, step)."""
     cells = per_cell(work).join(m, on=["rank", "step"])
     if cells.height < 3:
         return None
-    x, y = cells["work"].to_numpy().astype(float), cells["compute_ns"].to_numpy().astype(float)
-    fit = work_fit(x, y, tun)
-    if fit is None:
-        return None if _flat(x) else 0.0
-    slope, _ = fit
+    fitted = _cells_fit(cells, tun)
+    if not isinstance(fitted, tuple):
+        return fitted
+    _, _, (slope, _) = fitted
     cells = cells.with_columns((pl.col("work") * float(slope)).alias("pred"))
     shares = []
     for step, member in hits.select("step", level).iter_rows():

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
 
-from typing import Any, Sequence
-
-import duckdb
 import pyarrow as pa
 
 from tracekit import schema
+
+if TYPE_CHECKING:  # only a type here; `tracekit ingest --help` need not load DuckDB
+    import duckdb
 
 
 class IngestError(ValueError):
