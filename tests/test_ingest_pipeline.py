@@ -4,6 +4,7 @@ ingest, batched commits that fall back to one file per transaction, and threads 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -132,6 +133,27 @@ def test_kineto_ingest_does_not_import_pandas(tmp_path: Path) -> None:
             "print('pandas' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_cli_keeps_openblas_from_starting_its_thread_pool() -> None:
+    """numpy (under pyarrow) starts OpenBLAS's thread pool, which spins for about 0.2 CPU-s while
+    the ingest's workers need the cores; the CLI asks for one BLAS thread unless the user chose."""
+    code = ("import os, sys; from click.testing import CliRunner; from tracekit.cli import main; "
+            "r = CliRunner().invoke(main, ['ingest', '--help']); assert r.exit_code == 0, r.output; "
+            "assert 'numpy' in sys.modules; "  # else the thread count says nothing
+            "print(os.environ['OPENBLAS_NUM_THREADS'], len(os.listdir('/proc/self/task')))")
+
+    def cli(user_value: str | None) -> tuple[str, int]:
+        env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+        if user_value is not None:
+            env["OPENBLAS_NUM_THREADS"] = user_value
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+        value, threads = out.stdout.split()
+        return value, int(threads)
+
+    unset, one, three = cli(None), cli("1"), cli("3")
+    assert unset == one == ("1", one[1])  # as if the user had asked for one thread
+    assert three[0] == "3" and three[1] > one[1]  # the user's choice wins, pool and all
 
 
 def test_ingest_puts_the_database_settings_back(tmp_path: Path) -> None:

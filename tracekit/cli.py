@@ -7,6 +7,7 @@ not to exist); 2 bad input (unreadable or invalid files, impossible configs).
 from __future__ import annotations
 
 import importlib
+import os
 
 import click
 
@@ -38,6 +39,10 @@ class LazyGroup(click.Group):
         if name not in COMMANDS:
             return None
         module, attr = COMMANDS[name]
+        # No command does large linear algebra, but numpy (imported by pyarrow and polars) starts
+        # OpenBLAS's thread pool, which spins for about 0.2 CPU-s: a tenth of a small ingest, on
+        # the core the ingest's other worker needs. A user's own setting wins.
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
         return getattr(importlib.import_module(module), attr)
 
 
