@@ -122,14 +122,19 @@ def test_report_lists_files_in_the_order_given(tmp_path: Path) -> None:
     assert not rep.failed and [f.path for f in rep.files] == [big, small]
 
 
-def test_kineto_ingest_does_not_import_pandas(tmp_path: Path) -> None:
-    """pyarrow imports pandas (0.5 CPU-s) for any ``pa.array`` built from Python lists; ingest builds
-    its small tables in DuckDB instead, so a Kineto ingest never pays for it."""
+SAMPLE = Path(__file__).parent.parent / "sample_traces" / "slow_rank_8"
+
+
+@pytest.mark.parametrize("files", [["traces/rank0.json.gz"], ["fr/rank0", "memory/rank0.pickle"]],
+                         ids=["kineto", "fr+memory"])
+def test_ingest_does_not_import_pandas(tmp_path: Path, files: list[str]) -> None:
+    """pyarrow imports pandas (0.5 CPU-s) when it converts Python objects or numpy arrays; ingest
+    builds its tables in DuckDB or from Arrow buffers instead, so no format pays for it."""
     pytest.importorskip("pandas")  # without pandas installed the check would say nothing
-    run = _run(tmp_path, ranks=2)
+    paths = [str(SAMPLE / f) for f in files]
     code = ("import sys; from tracekit.ingest.pipeline import ingest; "
-            f"rep = ingest([{str(run)!r}], {str(tmp_path / 's.duckdb')!r}); "
-            "assert [f.status for f in rep.files] == ['ok', 'ok'], rep.files; "
+            f"rep = ingest({paths!r}, {str(tmp_path / 's.duckdb')!r}); "
+            f"assert [f.status for f in rep.files] == {['ok'] * len(files)!r}, rep.files; "
             "print('pandas' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

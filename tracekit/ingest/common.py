@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import pyarrow as pa
 
 from tracekit import schema
+from tracekit.ingest import columns
 
 if TYPE_CHECKING:  # only a type here; `tracekit ingest --help` need not load DuckDB
     import duckdb
@@ -64,16 +65,17 @@ _ARROW: dict[str, pa.DataType] = {
 
 
 def table_from_rows(table: str, rows: list[dict], without: tuple[str, ...] = ("run_id", "rank")) -> pa.Table:
-    """A store table from a list of row dicts (for small formats: dumps, snapshots)."""
+    """A store table from a list of row dicts (for small formats: dumps, snapshots). Raises
+    TypeError or OverflowError for a value that does not fit its column, naming the column."""
     sch = arrow_schema(table, without)
-    return pa.Table.from_pylist([{n: r.get(n) for n in sch.names} for r in rows], schema=sch)
+    return columns.table({f.name: columns.from_values([r.get(f.name) for r in rows], f.type, f"{table}.{f.name}")
+                          for f in sch})
 
 
 def create_table(con: duckdb.DuckDBPyConnection, table: str, columns: Sequence[tuple[str, str]],
                  rows: Sequence[dict[str, Any]]) -> None:
     """Create ``table`` (columns as (name, DuckDB type)) holding ``rows`` (dicts; a missing key is
     NULL), one list parameter per column. For the few rows Python classified (distinct names,
-    lookups): unlike building them with pyarrow, this does not import pandas (0.5 CPU-s, pyarrow's
-    ``pa.array`` on Python lists does, when pandas is installed)."""
+    lookups), without importing pandas (tracekit.ingest.columns says why)."""
     select = ", ".join(f'unnest(${i + 1}::{typ}[]) AS "{name}"' for i, (name, typ) in enumerate(columns))
     con.execute(f"CREATE TABLE {table} AS SELECT {select}", [[r.get(name) for r in rows] for name, _ in columns])

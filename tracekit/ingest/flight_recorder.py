@@ -103,7 +103,7 @@ def parse_dump(path: Path, dump: dict) -> Parsed:
         tables = {"fr_entries": table_from_rows("fr_entries", entries),
                   "collectives": table_from_rows("collectives", colls),
                   "p2p": table_from_rows("p2p", p2ps)}
-    except (TypeError, ValueError, OverflowError) as err:  # pyarrow conversion errors
+    except (TypeError, OverflowError) as err:  # a value that does not fit its column
         raise IngestError(f"{path}: flight-recorder entries have fields of the wrong type ({err})") from None
     groups = [{"pg_name": n, "pg_desc": (dump["pg_config"][n] or {}).get("desc"), "ranks": r}
               for n, r in ranks_of.items()]

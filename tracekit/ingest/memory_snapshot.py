@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from tracekit import pickle_stream
+from tracekit.ingest import columns
 from tracekit.ingest.common import IngestError, Parsed, arrow_schema, table_from_rows
 
 _CPU_FRAME = re.compile(r"^(?P<file>.+)\((?P<line>\d+)\): (?P<func>.+)$")  # 'train.py(83): step'
@@ -86,8 +87,8 @@ class _Strings:
 
     def arrow(self) -> pa.Array:
         codes = np.frombuffer(self.codes, dtype=np.int32)
-        return pa.DictionaryArray.from_arrays(pa.array(codes, mask=codes < 0),
-                                              pa.array(list(self.index), pa.string()))
+        return pa.DictionaryArray.from_arrays(columns.from_numpy(codes, codes >= 0),
+                                              columns.from_values(list(self.index), pa.string()))
 
 
 class _Ints:
@@ -110,11 +111,11 @@ class _Ints:
         values = np.frombuffer(self.values, dtype=np.int64)  # a view: Arrow wraps the same buffer
         if scale != 1:
             values *= scale
-        mask = None
+        valid = None
         if self.nulls:
-            mask = np.zeros(len(values), dtype=bool)
-            mask[np.frombuffer(self.nulls, dtype=np.int64)] = True
-        return pa.array(values, mask=mask)
+            valid = np.ones(len(values), dtype=bool)
+            valid[np.frombuffer(self.nulls, dtype=np.int64)] = False
+        return columns.from_numpy(values, valid)
 
 
 class _Events:
@@ -153,11 +154,11 @@ class _Events:
             self.n += 1
 
     def table(self) -> pa.Table:
-        cols = {"seq": pa.array(np.arange(self.n, dtype=np.int64)), "ts_ns": self.ints["ts_ns"].arrow(1000),
+        cols = {"seq": columns.from_numpy(np.arange(self.n, dtype=np.int64)), "ts_ns": self.ints["ts_ns"].arrow(1000),
                 "addr": self.ints["addr"].arrow(), "size": self.ints["size"].arrow(),
                 "stream": self.ints["stream"].arrow(), **{c: s.arrow() for c, s in self.strs.items()}}
         names = arrow_schema("memory_events").names
-        return pa.table([cols[c] for c in names], names=names)
+        return columns.table({c: cols[c] for c in names})
 
 
 class _Segments:
@@ -195,7 +196,7 @@ class _Segments:
         try:
             return {"memory_segments": table_from_rows("memory_segments", self.segments),
                     "memory_blocks": table_from_rows("memory_blocks", self.blocks)}
-        except (pa.ArrowException, OverflowError) as err:
+        except (TypeError, OverflowError) as err:
             raise IngestError(f"{self.path}: memory snapshot has a malformed segment ({err})") from None
 
 

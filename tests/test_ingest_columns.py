@@ -1,0 +1,69 @@
+"""Arrow columns built from buffers (tracekit.ingest.columns) hold exactly what pyarrow's own
+conversion holds, and refuse what does not fit with an error naming the column."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tracekit.ingest import columns
+from tracekit.ingest.common import table_from_rows
+
+VALUES = {
+    pa.int32(): st.integers(-(1 << 31), (1 << 31) - 1),
+    pa.int64(): st.integers(-(1 << 63), (1 << 63) - 1),
+    pa.float64(): st.floats(allow_nan=False) | st.integers(-(1 << 53), 1 << 53),
+    pa.bool_(): st.booleans(),
+    pa.string(): st.text(st.characters(blacklist_categories=("Cs",))),  # no lone surrogates
+}
+
+
+@pytest.mark.parametrize("typ", list(VALUES), ids=str)
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_from_values_equals_pyarrow(typ: pa.DataType, data: st.DataObject) -> None:
+    values = data.draw(st.lists(st.none() | VALUES[typ], max_size=70))
+    got = columns.from_values(values, typ)
+    got.validate(full=True)
+    assert got.equals(pa.array(values, typ))
+
+
+@pytest.mark.parametrize(("values", "typ", "error", "says"), [
+    ([1, 2 ** 31], pa.int32(), OverflowError, "row 1 does not fit in int32"),
+    ([2 ** 63], pa.int64(), OverflowError, "does not fit in int64"),
+    ([None, 1.5], pa.int64(), TypeError, "row 1 holds float 1.5"),
+    ([True], pa.int64(), TypeError, "row 0 holds bool True"),  # numpy would store 1
+    (["7"], pa.float64(), TypeError, "holds str '7'"),
+    ([1], pa.bool_(), TypeError, "holds int 1"),
+    (["ok", "\ud800"], pa.string(), TypeError, "not valid Unicode"),
+    ([[1, 2]], pa.string(), TypeError, "holds list"),
+])
+def test_from_values_refuses_what_does_not_fit(values: list, typ: pa.DataType, error: type, says: str) -> None:
+    with pytest.raises(error, match=says) as e:
+        columns.from_values(values, typ, "fr_entries.record_id")
+    assert str(e.value).startswith("fr_entries.record_id: ")
+
+
+def test_from_numpy_shares_the_buffer_and_marks_nulls() -> None:
+    values = np.arange(10, dtype=np.int64) * 3
+    arr = columns.from_numpy(values, valid=values % 2 == 0)
+    assert arr.type == pa.int64() and arr.null_count == 5
+    assert arr.to_pylist() == [v if v % 2 == 0 else None for v in range(0, 30, 3)]
+    values[0] = 99  # no copy: Arrow reads the numpy memory
+    assert arr[0].as_py() == 99
+    assert columns.from_numpy(np.array([1.5, 2.5])).to_pylist() == [1.5, 2.5]
+
+
+def test_table_from_rows_follows_the_store_schema() -> None:
+    rows = [{"pg_name": "0", "seq": 3, "op": "all_reduce", "start_ns": 10, "end_ns": 20, "nbytes": None,
+             "dtype": "float", "source": "fr", "ignored_key": object()}, {"pg_name": "1", "seq": 4}]
+    t = table_from_rows("collectives", rows)
+    assert t.column_names == ["pg_name", "seq", "op", "start_ns", "end_ns", "nbytes", "dtype", "step", "source"]
+    assert t.schema.field("step").type == pa.int32()
+    assert t.to_pylist()[1] == {"pg_name": "1", "seq": 4, "op": None, "start_ns": None, "end_ns": None,
+                                "nbytes": None, "dtype": None, "step": None, "source": None}
+    with pytest.raises(TypeError, match=r"collectives\.seq: row 1 holds str"):
+        table_from_rows("collectives", [{"seq": 1}, {"seq": "2"}])
