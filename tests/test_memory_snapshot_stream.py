@@ -26,9 +26,12 @@ from hypothesis import strategies as st
 
 from tracekit import pickle_stream
 from tracekit.cli import main as cli_main
+from tracekit.ingest import memory_snapshot
 from tracekit.ingest.common import IngestError
 from tracekit.ingest.memory_snapshot import looks_like_snapshot, parse, parse_snapshot
+from tracekit.ingest.parse import parse_path
 from tracekit.ingest.pipeline import ingest
+from tracekit.ingest.sniff import sniff
 from tracekit.safe_pickle import UnsafePickleError
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -220,7 +223,10 @@ FORBIDDEN = {  # opcode -> a pickle that reaches it after a snapshot-like start
 }
 
 
-def test_malicious_snapshot_runs_nothing_and_names_the_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stream_above", [0, 2 << 20], ids=["streamed", "loaded-whole"])
+def test_malicious_snapshot_runs_nothing_and_names_the_file(tmp_path: Path, stream_above: int,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory_snapshot, "STREAM_ABOVE", stream_above)  # ingest takes either path
     marker = tmp_path / "pwned"
     _Boom.marker = str(marker)
     evil = write(tmp_path / "run" / "memory" / "rank0.pickle",
@@ -264,7 +270,32 @@ def test_not_a_snapshot_and_malformed_entries(tmp_path: Path) -> None:
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(how=st.sampled_from(["truncate", "overwrite", "delete"]), pos=st.floats(0.0, 1.0),
        blob=st.binary(min_size=1, max_size=6))
-def test_mangled_snapshots_fail_clearly_and_write_nothing(tmp_path: Path, how: str, pos: float, blob: bytes) -> None:
+@pytest.mark.parametrize("stream_above", [0, 2 << 20], ids=["streamed", "loaded-whole"])
+def test_mangled_snapshots_fail_clearly_and_write_nothing(tmp_path: Path, how: str, pos: float, blob: bytes,
+                                                          stream_above: int) -> None:
+    saved, memory_snapshot.STREAM_ABOVE = memory_snapshot.STREAM_ABOVE, stream_above
+    try:
+        _mangled_snapshot_ingest(tmp_path, how, pos, blob)
+    finally:
+        memory_snapshot.STREAM_ABOVE = saved
+
+
+def test_small_snapshots_are_loaded_whole_large_ones_streamed(snapshot, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same tables either way (test above); the size decides which reader runs."""
+    snap, _ = snapshot
+    path = write(tmp_path / "memory" / "rank0.pickle", pickle.dumps(snap, protocol=4))
+    streamed = []
+    monkeypatch.setattr(memory_snapshot, "parse", lambda p: streamed.append(p) or parse(p))
+    whole = parse_path(path, sniff(path))
+    assert streamed == [] and path.stat().st_size <= memory_snapshot.STREAM_ABOVE
+    monkeypatch.setattr(memory_snapshot, "STREAM_ABOVE", path.stat().st_size - 1)
+    again = parse_path(path, sniff(path))
+    assert streamed == [path]
+    assert {k: t.to_pylist() for k, t in whole.tables.items()} == {k: t.to_pylist() for k, t in again.tables.items()}
+
+
+def _mangled_snapshot_ingest(tmp_path: Path, how: str, pos: float, blob: bytes) -> None:
     snap, _ = cuda_snapshot(60, depth=6, seed=1)
     data = pickle.dumps(snap, protocol=4)
     i = int(pos * len(data))

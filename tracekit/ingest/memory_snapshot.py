@@ -224,6 +224,9 @@ def parse_snapshot(path: Path, snap: dict) -> Parsed:
     return _parsed(events, segments)
 
 
+STREAM_ABOVE = 2 << 20  # bytes: a snapshot pickle larger than this is streamed (parse_path)
+
+
 def parse(path: Path) -> Parsed:
     """Stream a snapshot pickle: no more than a batch of entries is alive as Python objects."""
     events, segments = _Events(path), _Segments(path)

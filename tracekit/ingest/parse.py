@@ -71,7 +71,9 @@ def parse_path(path: Path, format: str) -> Parsed:
     if format == sn.FR:
         return flight_recorder.parse(path)
     if format == sn.PICKLE:
-        if memory_snapshot.looks_like_snapshot(path):  # streamed: snapshots reach hundreds of MB
+        # Snapshots reach hundreds of MB: streamed, in bounded memory. A small pickle is loaded whole
+        # by the C unpickler instead, 4-5x faster, into about 60x its size of Python objects.
+        if path.stat().st_size > memory_snapshot.STREAM_ABOVE and memory_snapshot.looks_like_snapshot(path):
             return memory_snapshot.parse(path)
         data = path.read_bytes()
         obj = safe_pickle.loads(data, str(path))
