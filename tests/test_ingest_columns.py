@@ -55,6 +55,8 @@ def test_from_numpy_shares_the_buffer_and_marks_nulls() -> None:
     values[0] = 99  # no copy: Arrow reads the numpy memory
     assert arr[0].as_py() == 99
     assert columns.from_numpy(np.array([1.5, 2.5])).to_pylist() == [1.5, 2.5]
+    with pytest.raises(TypeError, match="not bool"):  # Arrow booleans are bits, numpy's are bytes
+        columns.from_numpy(np.array([True, False]))
 
 
 def test_table_from_rows_follows_the_store_schema() -> None:

@@ -40,8 +40,9 @@ class LazyGroup(click.Group):
             return None
         module, attr = COMMANDS[name]
         # No command does large linear algebra, but numpy (imported by pyarrow and polars) starts
-        # OpenBLAS's thread pool, which spins for about 0.2 CPU-s: a tenth of a small ingest, on
-        # the core the ingest's other worker needs. A user's own setting wins.
+        # OpenBLAS's thread pool, which spins for about 0.2 CPU-s (a one-file ingest: 0.89 CPU-s
+        # with it, 0.61-0.67 without), on the core the ingest's other worker needs. A user's own
+        # setting wins.
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
         return getattr(importlib.import_module(module), attr)
 

@@ -23,6 +23,8 @@ _INT32_MAX = (1 << 31) - 1
 def from_numpy(values: np.ndarray, valid: np.ndarray | None = None) -> pa.Array:
     """A numeric numpy array as an Arrow array sharing its buffer; ``valid`` (bool) marks non-nulls."""
     values = np.ascontiguousarray(values)
+    if values.dtype.kind not in "iuf":  # Arrow packs booleans into bits; strings are not numbers
+        raise TypeError(f"from_numpy takes integers or floats, not {values.dtype}")
     typ = pa.from_numpy_dtype(values.dtype)
     bitmap, nulls = _validity(valid)
     return pa.Array.from_buffers(typ, len(values), [bitmap, pa.py_buffer(values)], null_count=nulls)

@@ -26,6 +26,9 @@ from tracekit.ingest.common import IngestError, Parsed, arrow_schema, table_from
 _CPU_FRAME = re.compile(r"^(?P<file>.+)\((?P<line>\d+)\): (?P<func>.+)$")  # 'train.py(83): step'
 _INTERNAL = ("/torch/", "torch/", "<built-in", "multiprocessing/", "threading.py", "<string>")
 TRACE, SEGMENTS = ("device_traces", "*", "*"), ("segments", "*")
+# Bytes: a larger snapshot pickle is streamed (parse_path); a smaller one is loaded whole, which
+# peaks at about 60x the file (docs/ingest.md).
+STREAM_ABOVE = 2 << 20
 
 
 def top_user_frame(frames: object) -> str | None:
@@ -222,9 +225,6 @@ def parse_snapshot(path: Path, snap: dict) -> Parsed:
         events.add(device, device)
     segments.add(snap["segments"], snap["segments"])
     return _parsed(events, segments)
-
-
-STREAM_ABOVE = 2 << 20  # bytes: a snapshot pickle larger than this is streamed (parse_path)
 
 
 def parse(path: Path) -> Parsed:
