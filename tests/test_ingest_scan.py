@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import duckdb
+import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -315,12 +316,15 @@ def test_scanner_field_spec_is_checked() -> None:
 # ---- the native reader against DuckDB's reader, in the store ----
 
 def _raw(path: Path, reader: str, monkeypatch) -> list[tuple]:
+    """The reader's record batches, as sorted rows."""
     monkeypatch.setenv(kineto.READER_ENV, reader)
     con = duckdb.connect()
-    con.execute("CREATE SCHEMA s")
     import hashlib
-    kineto.load_events(con, "s", path, hashlib.sha256())
-    return con.execute("SELECT * FROM s.raw ORDER BY ALL").fetchall()
+    batches: list[pa.RecordBatch] = []
+    kineto.read_events(con, path, hashlib.sha256(), batches.append)
+    assert all(b.schema == kineto_scan.schema(kineto.COLUMNS) for b in batches)
+    con.register("batches", pa.Table.from_batches(batches))
+    return con.execute("SELECT * FROM batches ORDER BY ALL").fetchall()
 
 
 @pytest.fixture(scope="module")

@@ -100,6 +100,12 @@ def is_comm(name: str) -> bool:
     return comm_op(name) is not None
 
 
+def has_comm_name(name: str) -> bool:
+    """Is the event communication by its name's prefix alone (what :func:`sql_is_comm` says)? Unlike
+    :func:`is_comm`, a malformed ``tk.comm`` name counts: ingest keeps its row with the others."""
+    return name.startswith(NCCL_KERNEL_PREFIXES + SPAN_PREFIXES + (COMM_PREFIX,)) or name == PARAM_COMMS
+
+
 # ---- the same rules rendered as SQL (DuckDB), for columnar ingest ------------------------------
 def _sql_str(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"

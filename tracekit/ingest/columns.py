@@ -30,6 +30,14 @@ def from_numpy(values: np.ndarray, valid: np.ndarray | None = None) -> pa.Array:
     return pa.Array.from_buffers(typ, len(values), [bitmap, pa.py_buffer(values)], null_count=nulls)
 
 
+def from_bools(values: np.ndarray, valid: np.ndarray | None = None) -> pa.Array:
+    """A numpy bool array as an Arrow boolean array (bit-packed); ``valid`` marks non-nulls."""
+    values = np.asarray(values, dtype=bool)
+    bitmap, nulls = _validity(valid)
+    return pa.Array.from_buffers(pa.bool_(), len(values), [bitmap, pa.py_buffer(np.packbits(values, bitorder="little"))],
+                                 null_count=nulls)
+
+
 def from_values(values: Sequence[Any], typ: pa.DataType, name: str = "column") -> pa.Array:
     """Python values (None for null) as an Arrow array of ``typ`` (int32, int64, float64, bool,
     string). Raises TypeError for a value of another type (or a string that is not valid Unicode)
@@ -68,6 +76,36 @@ def from_values(values: Sequence[Any], typ: pa.DataType, name: str = "column") -
             raise OverflowError(f"{name}: row {int(np.argmax(out))} does not fit in {typ}")
         data = data.astype(np.int32)
     return pa.Array.from_buffers(typ, n, [bitmap, pa.py_buffer(data)], null_count=nulls)
+
+
+def to_numpy(values: pa.Array) -> np.ndarray:
+    """A numeric Arrow array without nulls as a numpy view of its buffer (``to_numpy`` would
+    import pandas)."""
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    if values.null_count or not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type)):
+        raise TypeError(f"to_numpy takes numbers without nulls, not {values.type} with {values.null_count} nulls")
+    dtype = values.type.to_pandas_dtype()
+    return np.frombuffer(values.buffers()[1], dtype=dtype)[values.offset:values.offset + len(values)]
+
+
+def to_bools(values: pa.Array) -> np.ndarray:
+    """A boolean Arrow array as numpy (null as False), unpacked from its buffers
+    (``to_numpy`` would import pandas)."""
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    n, off = len(values), values.offset
+    validity, data = values.buffers()[:2]
+    out = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little", count=off + n)[off:].astype(bool)
+    if validity is not None and values.null_count:
+        out &= np.unpackbits(np.frombuffer(validity, dtype=np.uint8), bitorder="little", count=off + n)[off:].astype(bool)
+    return out
+
+
+def scalar(value: Any, typ: pa.DataType) -> pa.Scalar:
+    """An Arrow scalar: compute functions given a plain Python value convert it with ``pa.scalar``,
+    which imports pandas too."""
+    return from_values([value], typ, "scalar")[0]
 
 
 def table(columns: dict[str, pa.Array]) -> pa.Table:

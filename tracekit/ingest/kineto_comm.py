@@ -30,13 +30,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import duckdb
 
 from tracekit import classify
-from tracekit.conventions import COMM_PREFIX, COMPUTE_PREFIX, ConventionError, parse_comm, parse_compute
+from tracekit.conventions import COMM_PREFIX, ConventionError
 from tracekit.ingest.common import IngestError, Query, create_table
+from tracekit.ingest.kineto_rows import COMM_FIELDS
 
 DTYPE_BYTES = {
     "float": 4, "float32": 4, "half": 2, "float16": 2, "bfloat16": 2, "double": 8, "float64": 8,
@@ -46,61 +46,31 @@ DTYPE_BYTES = {
 COLLECTIVE_COLUMNS = ("pg_name", "seq", "op", "start_ns", "end_ns", "nbytes", "dtype", "step", "source")
 P2P_COLUMNS = ("peer", "direction", "pg_name", "seq", "start_ns", "end_ns", "nbytes", "step", "microbatch",
                "source")
-Stepped = Callable[[str], str]
 
 
 @dataclass(frozen=True)
 class Annotations:
-    comm: bool  # temp table comm_ann has rows
-    compute: bool  # temp table comp_ann has rows
+    comm: bool  # table comm_ann has rows
 
 
-def register_annotations(con: duckdb.DuckDBPyConnection, ns: str) -> Annotations:
-    """Parse the distinct tk.comm / tk.compute span names with the convention's own parser."""
-    names = [n for (n,) in con.execute(
-        f"SELECT DISTINCT name FROM {ns}.raw WHERE starts_with(name, '{COMM_PREFIX}') "
-        f"OR starts_with(name, '{COMPUTE_PREFIX}')").fetchall()]
-    comm, comp = [], []
-    for n in names:
-        try:
-            c = parse_comm(n)
-            if c is not None:
-                comm.append({"name": n, "op": classify.normalize_op(c.op), "pg": c.pg, "dim": c.dim,
-                             "seq": c.seq, "ranks": list(c.ranks), "nbytes": c.nbytes,
-                             "dtype": c.dtype, "peer": c.peer})
-                continue
-            p = parse_compute(n)
-            if p is not None:
-                comp.append({"name": n, "phase": p.phase, "vstage": p.vstage, "mb": p.mb})
-        except ConventionError:
-            continue  # a malformed annotation stays a plain event; it carries no comm metadata
+def register_annotations(con: duckdb.DuckDBPyConnection, ns: str, comm: list[dict]) -> Annotations:
+    """Table comm_ann: the trace's tk.comm names, parsed (kineto_rows)."""
     create_table(con, f"{ns}.comm_ann", [("name", "VARCHAR"), ("op", "VARCHAR"), ("pg", "VARCHAR"),
                                          ("dim", "VARCHAR"), ("seq", "BIGINT"), ("ranks", "INTEGER[]"),
                                          ("nbytes", "BIGINT"), ("dtype", "VARCHAR"), ("peer", "INTEGER")], comm)
-    create_table(con, f"{ns}.comp_ann", [("name", "VARCHAR"), ("phase", "VARCHAR"), ("vstage", "INTEGER"),
-                                         ("mb", "INTEGER")], comp)
-    return Annotations(comm=bool(comm), compute=bool(comp))
+    return Annotations(comm=bool(comm))
 
 
-# raw.comm_args keys, by the name used below
-FIELDS = {"coll": "Collective name", "pg": "Process Group Name", "pg_desc": "Process Group Description",
-          "pg_ranks": "Process Group Ranks", "in_nelems": "In msg nelems", "out_nelems": "Out msg nelems",
-          "dtype": "dtype", "seq_arg": "Seq", "seq_num": "seq_num", "ext": "External id",
-          "dst_rank": "Dst Rank", "src_rank": "Src Rank", "rank_arg": "Rank", "rank_start": "Global rank start",
-          "rank_stride": "Global rank stride"}
+FIELDS = COMM_FIELDS  # comm_args's columns of event args, by the name used below
 
 
 def _int(expr: str) -> str:
     return f"TRY_CAST({expr} AS BIGINT)"
 
 
-def _create_comm_tables(con: duckdb.DuckDBPyConnection, ns: str, stepped: Stepped) -> None:
-    """Tables ``comm`` (the communication events with their step, args, op and dtype width) and
-    ``ck`` (NCCL kernels with their metadata: their own args, else their record_param_comms')."""
-    schema = "{" + ", ".join(f'"{k}": "VARCHAR"' for k in FIELDS.values()) + "}"
-    fields = ", ".join(f'a."{k}" AS {v}' for v, k in FIELDS.items())
-    con.execute(f"CREATE TABLE {ns}.comm_args AS SELECT ts_ns, dur_ns, kind, name, tid, step, {fields} "
-                f"FROM (SELECT *, from_json(comm_args, '{schema}') AS a FROM {stepped('is_comm')})")
+def _create_comm_tables(con: duckdb.DuckDBPyConnection, ns: str) -> None:
+    """Tables ``comm`` (the communication events of ``comm_args`` with their op and dtype width)
+    and ``ck`` (NCCL kernels with their metadata: their own args, else their record_param_comms')."""
     _create_lookups(con, ns)
     con.execute(f"""
         CREATE TABLE {ns}.comm AS SELECT c.*, n.op AS name_op, o.op AS coll_op, w.width
@@ -157,10 +127,11 @@ def _ordinal(key: str, first_step_ns: int | None) -> str:
     return f"(row_number() OVER (PARTITION BY {key} ORDER BY ts_ns) - 1{before})"
 
 
-def tables(con: duckdb.DuckDBPyConnection, ns: str, base: int, stepped: Stepped, first_step_ns: int | None,
+def tables(con: duckdb.DuckDBPyConnection, ns: str, base: int, first_step_ns: int | None,
            ann: Annotations) -> dict[str, Query]:
-    """collectives and p2p of the trace in ``raw`` (times relative to ``base``)."""
-    _create_comm_tables(con, ns, stepped)
+    """collectives and p2p of the communication events in table ``comm_args`` (kineto_rows.Built.comm,
+    times relative to ``base``)."""
+    _create_comm_tables(con, ns)
     group = "coalesce(pg, 'stream ' || tid)"
     direction = "CASE op WHEN 'send' THEN 'send' WHEN 'recv' THEN 'recv' END"
     peer = ("coalesce(CASE op WHEN 'send' THEN dst_rank WHEN 'recv' THEN src_rank END, "

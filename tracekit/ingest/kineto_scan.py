@@ -57,6 +57,11 @@ def _fields(columns: dict[str, str | dict[str, str]]) -> tuple[list[tuple[int, s
     return spec, pa.schema(schema)
 
 
+def schema(columns: dict[str, str | dict[str, str]]) -> pa.Schema:
+    """The Arrow schema of the batches for ``columns`` (as in ``_fields``)."""
+    return _fields(columns)[1]
+
+
 class EventSink:
     """A binary file-like sink for the event array's text; ``close`` checks that the array ended."""
 
