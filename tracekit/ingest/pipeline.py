@@ -157,6 +157,10 @@ def _close(con: duckdb.DuckDBPyConnection, saved: dict[str, str], scratch: str) 
     store may share (and may have tuned)."""
     try:
         con.execute(f"DETACH DATABASE IF EXISTS {scratch}")
+        # The checkpoint that closing would run, but while the vacuum is still off: with it on,
+        # the checkpoint merges every file's last partial row group of events into its neighbour
+        # (0.25 CPU-s at 8 ranks of 157k events, at the very end, on one core).
+        _checkpoint(con)
         con.execute(f"SET threads = {int(saved['threads'])}")
         con.execute(f"SET max_vacuum_tasks = {int(saved['max_vacuum_tasks'])}")
         # memory_limit reads back rounded ('2.7 GiB'), so it is only ever changed from the default
@@ -165,6 +169,13 @@ def _close(con: duckdb.DuckDBPyConnection, saved: dict[str, str], scratch: str) 
     except duckdb.Error:
         pass  # a connection that cannot reset is closing anyway
     con.close()
+
+
+def _checkpoint(con: duckdb.DuckDBPyConnection) -> None:
+    try:
+        con.execute("CHECKPOINT")
+    except duckdb.Error:
+        pass  # another connection's open transaction: the last connection to close checkpoints
 
 
 def _unless_known(job: rundir.Job, out: parse_mod.Outcome, known: dict[str, set[str]],
