@@ -210,3 +210,17 @@ def test_files_last_row_groups_are_not_rewritten_at_close(tmp_path: Path) -> Non
         con.close()
     assert all(n > 122_880 for n in per_file)
     assert groups == [122_880, per_file[0] - 122_880, 122_880, per_file[1] - 122_880]
+
+
+@pytest.mark.parametrize("user_value", [None, "mimalloc"])
+def test_cli_gives_arrow_the_system_allocator(user_value: str | None) -> None:
+    """Arrow's mimalloc pool costs the Kineto path page faults and peak memory; the CLI picks the
+    system allocator before pyarrow loads, unless the user chose one."""
+    code = ("import sys; from click.testing import CliRunner; from tracekit.cli import main; "
+            "r = CliRunner().invoke(main, ['ingest', '--help']); assert r.exit_code == 0, r.output; "
+            "assert 'pyarrow' in sys.modules; import pyarrow; print(pyarrow.default_memory_pool().backend_name)")
+    env = {k: v for k, v in os.environ.items() if k != "ARROW_DEFAULT_MEMORY_POOL"}
+    if user_value is not None:
+        env["ARROW_DEFAULT_MEMORY_POOL"] = user_value
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == (user_value or "system")

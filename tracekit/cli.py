@@ -31,6 +31,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# Environment defaults for the libraries the commands load, set before they are imported:
+# - No command does large linear algebra, but numpy (imported by pyarrow and polars) starts
+#   OpenBLAS's thread pool, which spins for about 0.2 CPU-s (a one-file ingest: 0.89 CPU-s with
+#   it, 0.61-0.67 without), on the core the ingest's other worker needs.
+# - Arrow's default allocator (mimalloc) faults in fresh pages for each Kineto batch: at 8 ranks
+#   of 61 MB, the system allocator saves 0.2-0.45 CPU-s (most of it kernel time) and 20-45 MB of
+#   peak memory (docs/ingest.md).
+PROCESS_DEFAULTS = {"OPENBLAS_NUM_THREADS": "1", "ARROW_DEFAULT_MEMORY_POOL": "system"}
+
+
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
@@ -39,11 +49,8 @@ class LazyGroup(click.Group):
         if name not in COMMANDS:
             return None
         module, attr = COMMANDS[name]
-        # No command does large linear algebra, but numpy (imported by pyarrow and polars) starts
-        # OpenBLAS's thread pool, which spins for about 0.2 CPU-s (a one-file ingest: 0.89 CPU-s
-        # with it, 0.61-0.67 without), on the core the ingest's other worker needs. A user's own
-        # setting wins.
-        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+        for var, value in PROCESS_DEFAULTS.items():  # before pyarrow and numpy load; the user's own win
+            os.environ.setdefault(var, value)
         return getattr(importlib.import_module(module), attr)
 
 
