@@ -16,7 +16,7 @@ from tracekit.ingest.common import IngestError
 @click.option("--store", "store_path", required=True, type=click.Path(path_type=Path),
               help="DuckDB store to create or add to.")
 @click.option("--run-id", default=None, help="Run id for every file (default: manifest, else directory name).")
-@click.option("--workers", type=int, default=None, help="Parser processes (default: one per core).")
+@click.option("--workers", type=int, default=None, help="Parser threads (default: one per core).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def ingest_cmd(paths: tuple[Path, ...], store_path: Path, run_id: str | None, workers: int | None,
                as_json: bool) -> None:

@@ -3,13 +3,13 @@
 ``EventSink`` is what ``jsonsplit.stream_events`` writes the array's bytes to: it hands them to
 the scanner in pieces of a few MiB (the scanner consumes whole events and the rest waits for the
 next piece), and every ``BATCH_ROWS`` rows it passes a record batch with the schema of
-``kineto.COLUMNS`` to a callback, which appends it to the scratch table. Memory stays bounded by
-a piece plus a batch, whatever the file's size. The scanner runs without the GIL, so worker
+``kineto.COLUMNS`` to a callback (kineto_rows reduces it to the store's columns). Memory stays
+bounded by a piece plus a batch, whatever the file's size. The scanner runs without the GIL, so worker
 threads scan in parallel.
 
 The extension is optional (pyproject.toml builds it when a C compiler is there); without it,
 ``AVAILABLE`` is False and kineto.py reads the array with DuckDB's JSON reader instead, which
-gives the same table (tests/test_ingest_scan.py holds both to that).
+gives the same batches (tests/test_ingest_scan.py holds both to that).
 """
 
 from __future__ import annotations

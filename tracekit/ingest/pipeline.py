@@ -1,9 +1,10 @@
 """Ingest orchestration: parallel parsing, atomic commits, a log of what happened.
 
 Worker threads hash, sniff and parse files, each on its own connection to the store's database:
-a Kineto trace's rows stay in DuckDB, in tables of a scratch schema (``_tk_scratch_<id>.j<N>``, an
-attached in-memory database), other formats come back as Arrow tables. DuckDB works outside the
-GIL, so the threads use every core with no processes to start and no results to copy. This
+files come back as Arrow tables, and a Kineto trace's communication tables stay in DuckDB, in a
+scratch schema (``_tk_scratch_<id>.j<N>``, an attached in-memory database). The scanner, Arrow's
+kernels and DuckDB work outside the GIL, so the threads use every core with no processes to
+start and no results to copy. This
 thread, the store's only writer, commits the parsed files (commit.py) while the workers parse the
 next ones: a few files per transaction, enough rows for DuckDB to write them straight into the
 store file rather than through its write-ahead log. A transaction holds whole files, so each file
