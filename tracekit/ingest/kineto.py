@@ -100,9 +100,10 @@ def _read_duckdb(con: duckdb.DuckDBPyConnection, path: Path, hasher: Hasher,
         except OSError as e:
             raise TraceFormatError(f"{path}: unreadable, or no room for a temporary copy ({e})") from None
         names = ", ".join(f'"{k}"' for k in COLUMNS)
-        batches = con.sql(f"SELECT {names} FROM {_reader(array)} WHERE ph = 'X'").to_arrow_reader(
-            kineto_scan.BATCH_ROWS)
-        for batch in batches:
+        rel = con.sql(f"SELECT {names} FROM {_reader(array)} WHERE ph = 'X'")
+        # to_arrow_reader in recent DuckDB (2.0 deprecates fetch_record_batch); older ones lack it
+        arrow_reader = getattr(rel, "to_arrow_reader", None) or rel.fetch_record_batch
+        for batch in arrow_reader(kineto_scan.BATCH_ROWS):
             on_batch(batch if batch.schema == schema else batch.cast(schema))
     return meta
 
