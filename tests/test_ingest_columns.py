@@ -69,3 +69,31 @@ def test_table_from_rows_follows_the_store_schema() -> None:
                                 "nbytes": None, "dtype": None, "step": None, "source": None}
     with pytest.raises(TypeError, match=r"collectives\.seq: row 1 holds str"):
         table_from_rows("collectives", [{"seq": 1}, {"seq": "2"}])
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(st.none() | st.booleans(), max_size=70), start=st.integers(0, 9))
+def test_bools_round_trip_through_bits_at_any_offset(values: list, start: int) -> None:
+    """from_bools packs, to_bools unpacks (null as False), also from a slice whose bits start
+    mid-byte, as Arrow's filters and slices hand them over."""
+    valid = np.array([v is not None for v in values], dtype=bool)
+    arr = columns.from_bools(np.array([bool(v) for v in values], dtype=bool), valid)
+    arr.validate(full=True)
+    assert arr.to_pylist() == values
+    part = arr.slice(min(start, len(values)))
+    assert columns.to_bools(part).tolist() == [v is True for v in part.to_pylist()]
+
+
+def test_to_numpy_views_numbers_without_nulls() -> None:
+    arr = columns.from_values([5, 6, 7, 8], pa.int64()).slice(1, 2)
+    assert columns.to_numpy(arr).tolist() == [6, 7]
+    assert columns.to_numpy(pa.chunked_array([arr, arr])).tolist() == [6, 7, 6, 7]
+    with pytest.raises(TypeError, match="without nulls"):
+        columns.to_numpy(columns.from_values([1, None], pa.int64()))
+    with pytest.raises(TypeError, match="numbers"):
+        columns.to_numpy(columns.from_values(["a"], pa.string()))
+
+
+def test_scalar_has_the_column_type() -> None:
+    s = columns.scalar(1000, pa.int64())
+    assert isinstance(s, pa.Scalar) and s.type == pa.int64() and s.as_py() == 1000

@@ -68,12 +68,12 @@ class Dictionary:
                 self.on_new(value)
         return i
 
-    def encode(self, column: pa.Array) -> np.ndarray:
-        """Ids of a string column's values, -1 for null (int32)."""
+    def encode(self, column: pa.Array, as_value: Callable[[str], str] = lambda v: v) -> np.ndarray:
+        """Ids of a string column's values (mapped by ``as_value``), -1 for null (int32)."""
         enc = pc.dictionary_encode(column)
         if isinstance(enc, pa.ChunkedArray):
             enc = enc.combine_chunks()
-        remap = np.array([self.id(v) for v in enc.dictionary.to_pylist()] + [-1], dtype=np.int32)
+        remap = np.array([self.id(as_value(v)) for v in enc.dictionary.to_pylist()] + [-1], dtype=np.int32)
         local = _filled(enc.indices, len(remap) - 1)
         return remap[local]
 
@@ -97,7 +97,6 @@ class Built:
     steps: list[Span]  # by start (spans without a start last)
     comm: pa.Table  # communication events: ts_ns, dur_ns, kind, name, tid, step and COMM_FIELDS
     comm_annotations: list[dict]  # parsed tk.comm names
-    compute_annotations: list[dict]  # parsed tk.compute names
     pids: list[int]  # host pids, most events first
 
 
@@ -124,7 +123,7 @@ class EventRows:
         if pc.any(trace_span).as_py():
             batch = batch.filter(pc.invert(trace_span))
         n = batch.num_rows
-        kind = self._kind_ids(batch.column("cat"))
+        kind = self.kinds.encode(batch.column("cat"), lambda cat: KINDS.get(cat, cat))
         name = self.names.encode(batch.column("name"))
         ts, ts_valid = self._ns(batch.column("ts"))
         dur, _ = self._ns(pc.fill_null(batch.column("dur"), _ZERO), split=False)
@@ -142,11 +141,6 @@ class EventRows:
             picked = args.take(columns.from_numpy(rows))
             p["comm_args"].append({k: pc.struct_field(picked, key) for k, key in COMM_FIELDS.items()})
         self.rows += n
-
-    def _kind_ids(self, cat: pa.Array) -> np.ndarray:
-        enc = pc.dictionary_encode(cat)
-        remap = np.array([self.kinds.id(KINDS.get(c, c)) for c in enc.dictionary.to_pylist()] + [-1], dtype=np.int32)
-        return remap[_filled(enc.indices, len(remap) - 1)]
 
     def _ns(self, us: pa.Array, split: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Microseconds (double) as integer nanoseconds, and where they are not null."""
@@ -208,7 +202,6 @@ class EventRows:
                               else -1 for v in self.names.values] + [-1], dtype=np.int32)
         lut_vstage, lut_mb = ([(by_name[v][k] if v in by_name else None) for v in self.names.values] + [None]
                               for k in ("vstage", "mb"))
-        n = len(ts)
         step_valid = step != _NO_STEP
         events = columns.table({
             "ts_ns": columns.from_numpy(ts, ts_valid if not ts_valid.all() else None),
@@ -223,10 +216,8 @@ class EventRows:
             "correlation": columns.from_numpy(corr, corr_valid),
             "is_comm": columns.from_bools(np.array(self.comm_name + [False], dtype=bool)[name], name >= 0),
         })
-        assert events.num_rows == n
         comm = self._comm_table(events, step, step_valid)
-        return Built(events=events, steps=steps, comm=comm, comm_annotations=comm_ann,
-                     compute_annotations=comp_ann, pids=self._pids())
+        return Built(events=events, steps=steps, comm=comm, comm_annotations=comm_ann, pids=self._pids())
 
     def _steps(self, ts: np.ndarray, ts_valid: np.ndarray, dur: np.ndarray, kind: np.ndarray,
                name: np.ndarray) -> list[Span]:
