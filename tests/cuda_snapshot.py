@@ -27,9 +27,15 @@ import random
 TORCH_FRAMES = [("torch/nn/modules/module.py", "_call_impl"), ("torch/nn/functional.py", "linear"),
                 ("torch/autograd/graph.py", "_engine_run_backward"), ("torch/optim/adamw.py", "_single_tensor_adamw"),
                 ("torch/_tensor.py", "backward"), ("torch/nn/modules/linear.py", "forward")]
-CPP_FRAMES = [("??", "c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::malloc"),
-              ("??", "at::native::empty_cuda"), ("??", "at::_ops::empty_memory_format::call"),
-              ("??", "torch::autograd::Engine::evaluate_function"), ("??", "at::native::addmm_out_cuda_impl")]
+# C++ frames as an H100 recording (tests/gpu_fixtures) names them: line 0, a source file or '??' or ''
+CPP_FRAMES = [("??", "torch::CapturedTraceback::gather(bool, bool, bool)"),
+              ("memory_snapshot.cpp", "torch::cuda::(anonymous namespace)::gather_with_cpp()"),
+              ("CUDACachingAllocator.cpp",
+               "c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::malloc(unsigned long, CUstream_st*)"),
+              ("", "c10::cuda::CUDACachingAllocator::Native::NativeCachingAllocator::allocate(unsigned long)"),
+              ("RegisterCUDA_0.cpp", "at::(anonymous namespace)::(anonymous namespace)::wrapper_CUDA__empty_strided"),
+              ("??", "at::_ops::empty_memory_format::call"),
+              ("python_variable_methods.cpp", "torch::autograd::THPVariable_to_type(_object*, c10::ScalarType)")]
 USER_SITES = [("train.py", "forward", "activation"), ("train.py", "backward_step", "gradient"),
               ("model.py", "attention", "activation"), ("model.py", "mlp", "activation"),
               ("optim.py", "step", "optimizer_state"), ("train.py", "loss_fn", "temporary")]
@@ -55,7 +61,8 @@ def cuda_snapshot(entries: int, depth: int = 40, seed: int = 0) -> tuple[dict, d
         return {k["name"]: "".join(name), k["filename"]: "".join(filename), k["line"]: line}
 
     # symbolized frames: torch's Python frames and C++ frames (stacks="all"), one dict each
-    pool = [frame(f"/usr/lib/python3/site-packages/{f}" if f != "??" else f, n, rng.randrange(1, 4000))
+    pool = [frame(f"/usr/lib/python3/site-packages/{f}", n, rng.randrange(1, 4000)) if f.endswith(".py")
+            else frame(f, n, 0)
             for _ in range(POOL // len(TORCH_FRAMES + CPP_FRAMES))
             for f, n in TORCH_FRAMES + CPP_FRAMES]
 

@@ -164,7 +164,7 @@ def test_snapshot_streams_to_the_same_tables_as_a_full_load(snapshot, tmp_path: 
     first = snap["device_traces"][0][2]
     assert (events[2]["action"], events[2]["addr"], events[2]["size"], events[2]["ts_ns"]) == \
         (first["action"], first["addr"], first["size"], first["time_us"] * 1000)
-    # the top user frame: the innermost frame outside torch, C++ frames ('??') skipped
+    # the top user frame: the innermost frame outside torch; C++ frames ('??', '', a .cpp file) skipped
     assert all(e["frame"].startswith("/home/me/project/") for e in events), events[0]
 
 

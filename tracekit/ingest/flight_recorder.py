@@ -3,6 +3,8 @@ into collectives / p2p (source 'fr').
 
 A dump names no rank: the caller resolves it (manifest, file name). gloo dumps from torch carry an
 empty ``pg_config`` and no times (only ``time_created_ns``); the trainer's own records carry both.
+NCCL dumps carry watchdog discovery times (coarse) and, with ``TORCH_NCCL_ENABLE_TIMING``, each
+op's measured ``duration_ms``, which sets the row's end (tests/gpu_fixtures: a real H100 dump).
 """
 
 from __future__ import annotations
@@ -89,6 +91,11 @@ def parse_dump(path: Path, dump: dict) -> Parsed:
         entries.append(row)
         if started is None or completed is None:
             continue
+        # On NCCL the discovered times are the watchdog's polls (an H100 dump: 4-108 ms after
+        # creation, start and completion 0.5 us apart); duration_ms is the op's own, timed with
+        # CUDA events (TORCH_NCCL_ENABLE_TIMING). An op lasts at least that long.
+        if row["duration_ms"] is not None and math.isfinite(row["duration_ms"]):
+            completed = max(completed, started + round(row["duration_ms"] * 1e6))
         op = classify.comm_op(pname) or classify.normalize_op(pname)
         nbytes = _nbytes(e.get("input_sizes"), e.get("input_dtypes"))
         if row["is_p2p"] or op in classify.P2P_NORMALIZED:

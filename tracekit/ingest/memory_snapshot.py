@@ -25,16 +25,37 @@ from tracekit.ingest.common import IngestError, Parsed, arrow_schema, table_from
 
 _CPU_FRAME = re.compile(r"^(?P<file>.+)\((?P<line>\d+)\): (?P<func>.+)$")  # 'train.py(83): step'
 _INTERNAL = ("/torch/", "torch/", "<built-in", "multiprocessing/", "threading.py", "<string>")
+# C++ frames of a CUDA snapshot recorded with torch's default stacks="all" (the allocator, ATen's
+# dispatch, the Python bindings) come before the Python ones and name their source files.
+_NATIVE = (".cpp", ".cc", ".cxx", ".c", ".h", ".hpp", ".cu", ".cuh")
 TRACE, SEGMENTS = ("device_traces", "*", "*"), ("segments", "*")
 # Bytes: a larger snapshot pickle is streamed (parse_path); a smaller one is loaded whole, which
 # peaks at about 60x the file (docs/ingest.md).
 STREAM_ABOVE = 2 << 20
 
 
+# An allocation made by the autograd engine's thread (backward) has no Python frame in a CUDA
+# snapshot; its innermost autograd frame says which backward node or which engine step made it.
+_AUTOGRAD = re.compile(r"^torch::autograd::(?:generated::(\w+?)(?:_apply_functional|::apply)\b"
+                       r"|((?:Engine|InputBuffer)::\w+))")
+
+
 def top_user_frame(frames: object) -> str | None:
-    """'file:line:function' of the innermost frame outside torch and the interpreter's plumbing."""
+    """'file:line:function' of the innermost frame outside torch and the interpreter's plumbing;
+    for backward work with no such frame, '<autograd>:0:<node>' (e.g. MmBackward0)."""
     if not isinstance(frames, list):
         return None
+    return _python_frame(frames) or _autograd_frame(frames)
+
+
+def _autograd_frame(frames: list) -> str | None:
+    for f in frames:
+        if isinstance(f, dict) and (m := _AUTOGRAD.match(str(f.get("name", "")))):
+            return f"<autograd>:0:{m[1] or m[2]}"
+    return None
+
+
+def _python_frame(frames: list) -> str | None:
     for f in frames:
         if not isinstance(f, dict):
             continue
@@ -44,7 +65,8 @@ def top_user_frame(frames: object) -> str | None:
             if not m:
                 continue
             file, line, func = m["file"], m["line"], m["func"]
-        if any(s in file or file.startswith(s) for s in _INTERNAL) or func.startswith("<built-in"):
+        if file.endswith(_NATIVE) or any(s in file or file.startswith(s) for s in _INTERNAL) \
+                or func.startswith("<built-in"):
             continue
         return f"{file}:{line}:{func}"
     return None

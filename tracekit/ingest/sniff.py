@@ -17,6 +17,7 @@ SNIFF_BYTES = 1 << 16
 KINETO, FR, PICKLE, OPTABLE, JSON, UNKNOWN = "kineto", "fr", "pickle", "optable", "json", "unknown"
 # Names that say "I am a trace": in a directory walk, such a file that is not recognized is an
 # error rather than something to pass over (a README or a result.json is passed over).
+_FR_KEYS = (b'"pg_config"', b'"version"', b'"collective_seq_id"', b'"profiling_name"')
 TRACE_SUFFIXES = (".json.gz", ".pt.trace.json", ".pickle", ".pkl", ".parquet")
 
 
@@ -46,7 +47,9 @@ def sniff(path: Path) -> str:
         return UNKNOWN
     if b'"traceEvents"' in head:
         return KINETO
-    if b'"entries"' in head and (b'"pg_config"' in head or b'"version"' in head):
+    # torch writes the FR JSON's keys sorted: a dump whose entries fill the head shows its
+    # "pg_config" and "version" only after them, so an entry's own keys count as well.
+    if b'"entries"' in head and any(k in head for k in _FR_KEYS):
         return FR
     return JSON
 
