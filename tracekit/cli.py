@@ -13,21 +13,34 @@ import click
 
 from tracekit import __version__
 
-# (module, attribute) of each subcommand, imported lazily so `tracekit --help` stays fast and a
-# broken optional dependency of one command does not take the others down.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "estimate": ("tracekit.memory.estimate_cli", "estimate_command"),
-    "memory": ("tracekit.memory.cli", "memory_command"),
-    "numerics": ("numerics.cli", "main"),
-    "train": ("reference_trainer.cli", "train_command"),
-    "ingest": ("tracekit.ingest.cli", "ingest_cmd"),
-    "stragglers": ("tracekit.analysis_cli", "stragglers_command"),
-    "cp-wait": ("tracekit.analysis_cli", "cp_wait_command"),
-    "steps": ("tracekit.analysis_cli", "steps_command"),
-    "hangs": ("tracekit.analysis_cli", "hangs_command"),
-    "report": ("tracekit.analysis_cli", "report_command"),
-    "demo": ("tracekit.analysis_cli", "demo_command"),
-    "dashboard": ("tracekit.dashboard_cli", "dashboard_command"),
+# (module, attribute, summary) of each subcommand, imported lazily so that `tracekit --help` stays
+# fast (the summaries are here, not read from the commands: listing them imported torch, DuckDB and
+# Panel, 3.4 s) and a broken optional dependency of one command does not take the others down. A
+# summary is the first line of its command's docstring (tests/test_cli.py holds them together).
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "estimate": ("tracekit.memory.estimate_cli", "estimate_command",
+                 "Estimate per-GPU memory of a Llama model under 4D parallelism (Fujii et al. 2024)."),
+    "memory": ("tracekit.memory.cli", "memory_command",
+               "Per-rank peak memory, when it happened, what was live at it, imbalance across ranks, and"),
+    "numerics": ("numerics.cli", "main",
+                 "Numerics checks for parallel training: accumulation order, bit-exactness, BF16/FP32 buffers."),
+    "train": ("reference_trainer.cli", "train_command",
+              "Train the reference model on a spawned world of ranks and write a run directory."),
+    "ingest": ("tracekit.ingest.cli", "ingest_cmd",
+               "Ingest run directories, trace folders or single files into a store."),
+    "stragglers": ("tracekit.analysis_cli", "stragglers_command",
+                   "Which rank made the run slow, and why (top-down DP -> PP -> CP -> TP, then root cause)."),
+    "cp-wait": ("tracekit.analysis_cli", "cp_wait_command",
+                "Exposed CP communication: waiting vs transfer, and what the waiting is due to."),
+    "steps": ("tracekit.analysis_cli", "steps_command",
+              "Step times per rank, the slow steps and what made each slow."),
+    "hangs": ("tracekit.analysis_cli", "hangs_command",
+              "Where the ranks stopped (flight-recorder entries) and which never joined."),
+    "report": ("tracekit.analysis_cli", "report_command", "Everything: stragglers, steps, CP wait and hangs."),
+    "demo": ("tracekit.analysis_cli", "demo_command",
+             "Train the reference model with rank 3 computing 3x slower, ingest, report culprit and cause"),
+    "dashboard": ("tracekit.dashboard_cli", "dashboard_command",
+                  "Serve the dashboard for a tracekit store, or for a run directory (ingested on the fly)."),
 }
 
 
@@ -45,10 +58,16 @@ class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
 
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        limit = formatter.width - 6 - max(map(len, COMMANDS))
+        rows = [(name, click.utils.make_default_short_help(COMMANDS[name][2], limit)) for name in sorted(COMMANDS)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in COMMANDS:
             return None
-        module, attr = COMMANDS[name]
+        module, attr, _ = COMMANDS[name]
         for var, value in PROCESS_DEFAULTS.items():  # before pyarrow and numpy load; the user's own win
             os.environ.setdefault(var, value)
         return getattr(importlib.import_module(module), attr)
