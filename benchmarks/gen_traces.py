@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import random
 from pathlib import Path
 
@@ -112,15 +113,25 @@ def write_rank(path: Path, rank: int, world: int, n_events: int, seed: int = 0) 
     return written + 1
 
 
-def generate(out: Path, ranks: int, events: int) -> list[Path]:
-    """Write (or reuse, when already complete) rank<R>.json for ``ranks`` ranks under ``out``."""
+def _write(job: tuple[Path, int, int, int]) -> int:
+    return write_rank(*job)
+
+
+def generate(out: Path, ranks: int, events: int, jobs: int = 1) -> list[Path]:
+    """Write (or reuse, when already complete) rank<R>.json for ``ranks`` ranks under ``out``, in
+    ``jobs`` processes (each rank's content depends only on its rank, so the files are the same)."""
     out.mkdir(parents=True, exist_ok=True)
     done = out / f".complete-{ranks}x{events}"
     paths = [out / f"rank{r}.json" for r in range(ranks)]
     if done.exists() and all(p.exists() for p in paths):
         return paths
-    for r, p in enumerate(paths):
-        write_rank(p, r, ranks, events)
+    work = [(p, r, ranks, events) for r, p in enumerate(paths)]
+    if jobs > 1:
+        with multiprocessing.Pool(min(jobs, ranks)) as pool:
+            pool.map(_write, work, chunksize=1)
+    else:
+        for job in work:
+            _write(job)
     done.touch()
     return paths
 

@@ -4,7 +4,10 @@
     python benchmarks/ingest_vs_hta.py --ranks 8 64    # both sizes (64 ranks: 3.9 GB, about 8 min)
     python benchmarks/ingest_vs_hta.py --repeats 3     # alternating runs, medians (this VM drifts by 25%)
 
-Traces (NCCL flavour, benchmarks/gen_traces.py) are cached under benchmarks/_work/. HTA 0.5.0 runs in
+    python benchmarks/ingest_vs_hta.py --hta-python python3   # an existing HTA install (no network)
+
+Traces (NCCL flavour, benchmarks/gen_traces.py, written by --gen-jobs processes, one per core by
+default) are cached under benchmarks/_work/. HTA 0.5.0 runs in
 its own venv (benchmarks/_work/hta-venv, pandas<3), created on first use with --no-deps and an
 explicit dependency list so that it never pulls torch; it runs ``TraceAnalysis(trace_dir=...)`` with
 its defaults (stdlib json parser, a fork pool of min(ranks, cores) workers, and for more than 8
@@ -47,7 +50,13 @@ print(sum(len(a.t.get_trace(r)) for r in a.t.get_ranks()), "events")
 """
 
 
-def ensure_hta() -> Path:
+def ensure_hta(python: str | None = None) -> Path:
+    """The interpreter that runs HTA: ``python`` as given (an existing installation, e.g. on a machine
+    without network), else the benchmark's own venv, created on first use."""
+    if python is not None:
+        if subprocess.run([python, "-c", "import hta.trace_analysis"], capture_output=True).returncode != 0:
+            raise SystemExit(f"{python} cannot import hta.trace_analysis")
+        return Path(python)
     py = HTA_VENV / "bin" / "python"
     if py.exists() and subprocess.run([py, "-c", "import hta.trace_analysis"], capture_output=True).returncode == 0:
         return py
@@ -133,19 +142,20 @@ def warm(paths: list[Path]) -> None:
                 pass
 
 
-def run_case(ranks: int, events: int, workers: int, hta: bool) -> dict:
-    traces = generate(WORK / f"traces-{ranks}x{events}", ranks, events)
+def run_case(ranks: int, events: int, workers: int, hta: bool, hta_python: str | None = None,
+             gen_jobs: int = 1) -> dict:
+    traces = generate(WORK / f"traces-{ranks}x{events}", ranks, events, gen_jobs)
     mb = sum(p.stat().st_size for p in traces) / 1e6
     res: dict = {"ranks": ranks, "raw_mb": mb}
     with tempfile.TemporaryDirectory(dir=WORK) as tmp:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         cmd = [sys.executable, "-c", "from tracekit.cli import main; main()", "ingest", str(traces[0].parent),
                "--store", str(Path(tmp) / "bench.duckdb"), "--workers", str(workers), "--json"]
         warm(traces)
         load = os.getloadavg()[0]
         res["tracekit"] = (*measure(cmd, env)[:3], load)
     if hta:
-        py = ensure_hta()
+        py = ensure_hta(hta_python)
         warm(traces)
         load = os.getloadavg()[0]
         res["hta"] = (*measure([str(py), "-c", HTA_RUN, str(traces[0].parent)])[:3], load)
@@ -160,6 +170,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of each tool, alternating (a shared machine drifts): the summary gives medians")
     ap.add_argument("--skip-hta", action="store_true")
+    ap.add_argument("--hta-python", help="an interpreter that already has HTA 0.5.0 and pandas<3 (else a venv is made)")
+    ap.add_argument("--gen-jobs", type=int, default=os.cpu_count() or 1, help="processes generating the traces")
     a = ap.parse_args()
     WORK.mkdir(exist_ok=True)
     print(f"cpus={os.cpu_count()} workers={a.workers}; load = 1-min load average when the tool started")
@@ -168,7 +180,7 @@ def main() -> None:
     for r in a.ranks:
         runs = []
         for _ in range(a.repeats):
-            res = run_case(r, a.events, a.workers, not a.skip_hta)
+            res = run_case(r, a.events, a.workers, not a.skip_hta, a.hta_python, a.gen_jobs)
             runs.append(res)
             for tool in ("tracekit", "hta"):
                 if tool in res:
