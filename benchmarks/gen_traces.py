@@ -113,10 +113,6 @@ def write_rank(path: Path, rank: int, world: int, n_events: int, seed: int = 0) 
     return written + 1
 
 
-def _write(job: tuple[Path, int, int, int]) -> int:
-    return write_rank(*job)
-
-
 def generate(out: Path, ranks: int, events: int, jobs: int = 1) -> list[Path]:
     """Write (or reuse, when already complete) rank<R>.json for ``ranks`` ranks under ``out``, in
     ``jobs`` processes (each rank's content depends only on its rank, so the files are the same)."""
@@ -128,10 +124,10 @@ def generate(out: Path, ranks: int, events: int, jobs: int = 1) -> list[Path]:
     work = [(p, r, ranks, events) for r, p in enumerate(paths)]
     if jobs > 1:
         with multiprocessing.Pool(min(jobs, ranks)) as pool:
-            pool.map(_write, work, chunksize=1)
+            pool.starmap(write_rank, work, chunksize=1)
     else:
         for job in work:
-            _write(job)
+            write_rank(*job)
     done.touch()
     return paths
 

@@ -33,7 +33,7 @@ def h100(tmp_path_factory: pytest.TempPathFactory) -> tuple[pipeline.IngestRepor
     return _ingest(tmp_path_factory.mktemp("h100"), H100)
 
 
-def _raw_snapshot(path: Path) -> dict:
+def _unpickle(path: Path) -> dict:
     with open(path, "rb") as f:
         return pickle.load(f)  # our own committed fixture, not a user's file
 
@@ -78,7 +78,7 @@ def test_nccl_profiler_trace(h100) -> None:
 
 def test_nccl_flight_recorder_pickle(h100) -> None:
     _, s = h100
-    dump = _raw_snapshot(H100 / "fr_rank0.pkl")
+    dump = _unpickle(H100 / "fr_rank0.pkl")
     entries = dump["entries"]
     assert (dump["version"], dump["comm_lib_version"], len(entries)) == ("2.10", "2.28.9", 174)
     fr = s.sql("SELECT * FROM fr_entries ORDER BY record_id")
@@ -115,7 +115,7 @@ def test_nccl_flight_recorder_json_is_recognized_and_equals_the_pickle(tmp_path:
 def test_cuda_snapshot_matches_torch_memory_viz(h100) -> None:
     torch_viz = pytest.importorskip("torch.cuda._memory_viz")
     _, s = h100
-    raw = _raw_snapshot(H100 / "snapshot_rank0.pickle")
+    raw = _unpickle(H100 / "snapshot_rank0.pickle")
     summary = torch_viz.segsum(raw)
     count = int(re.search(r"segments: (\d+)", summary)[1])
     seg = s.sql("SELECT count(*), sum(total_size)::BIGINT, sum(allocated_size)::BIGINT FROM memory_segments").row(0)
@@ -133,7 +133,7 @@ def test_cuda_snapshot_sites_skip_cpp_frames(h100) -> None:
     """torch's default stacks="all" puts the allocator's and ATen's C++ frames first: the site is
     the first Python frame of user code, and backward work (no Python frame) is named by its node."""
     _, s = h100
-    raw = _raw_snapshot(H100 / "snapshot_rank0.pickle")
+    raw = _unpickle(H100 / "snapshot_rank0.pickle")
     allocs = [t for t in raw["device_traces"][0] if t["action"] == "alloc"]
 
     def expected(frames: list[dict]) -> str | None:
@@ -169,7 +169,7 @@ def test_trainer_nccl_run_ingests(trainer_run) -> None:
     assert sorted(f.format for f in report.files) == ["fr", "kineto", "memory"]
     manifest = json.loads((FIX / "trainer_nccl_h100" / "manifest.json").read_text())
     assert manifest["config"]["backend"] == "nccl"
-    raw = _raw_snapshot(FIX / "trainer_nccl_h100" / "memory" / "rank0.pickle")
+    raw = _unpickle(FIX / "trainer_nccl_h100" / "memory" / "rank0.pickle")
     assert s.sql("SELECT count(*) FROM memory_events").item() == len(raw["device_traces"][0])
     # The trainer's model code is where forward memory is allocated; backward by autograd node.
     sites = dict(s.sql("SELECT frame, count(*) FROM memory_events WHERE action = 'alloc' GROUP BY frame").rows())
@@ -185,7 +185,7 @@ def test_trainer_nccl_run_memory_peak(trainer_run) -> None:
     (blocks freed in the trace without an alloc entry there, and blocks still allocated at the end
     without one) plus the trace's allocations minus its completed frees."""
     _, s = trainer_run
-    raw = _raw_snapshot(FIX / "trainer_nccl_h100" / "memory" / "rank0.pickle")
+    raw = _unpickle(FIX / "trainer_nccl_h100" / "memory" / "rank0.pickle")
     trace = raw["device_traces"][0]
     allocated: set[int] = set()
     before = 0
@@ -198,7 +198,7 @@ def test_trainer_nccl_run_memory_peak(trainer_run) -> None:
             allocated.discard(t["addr"])
     in_trace = {t["addr"] for t in trace if t["action"] == "alloc"}
     before += sum(b["size"] for seg in raw["segments"] for b in seg["blocks"]
-                  if b["state"] == "active_allocated" and seg["address"] <= b["address"] and b["address"] not in in_trace)
+                  if b["state"] == "active_allocated" and b["address"] not in in_trace)
     live = peak = before
     for t in trace:
         if t["action"] == "alloc":

@@ -65,7 +65,7 @@ def train(out: Path, notes: dict) -> None:
     flat = torch.zeros(sum(p.numel() for p in model.parameters()), device=dev, dtype=torch.float32)
     gathered = torch.empty(flat.numel(), device=dev, dtype=torch.float32)
 
-    def step(i: int) -> None:
+    def step() -> None:
         x = torch.randn(8, 128, 256, device=dev, dtype=torch.bfloat16)
         with record_function("forward"):
             loss = model(x).float().pow(2).mean()
@@ -94,8 +94,8 @@ def train(out: Path, notes: dict) -> None:
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], schedule=PROFILED,
                  on_trace_ready=save, record_shapes=True) as prof:
-        for i in range(STEPS):
-            step(i)
+        for _ in range(STEPS):
+            step()
             prof.step()
     torch.cuda.synchronize()
     try:

@@ -28,16 +28,14 @@ _INTERNAL = ("/torch/", "torch/", "<built-in", "multiprocessing/", "threading.py
 # C++ frames of a CUDA snapshot recorded with torch's default stacks="all" (the allocator, ATen's
 # dispatch, the Python bindings) come before the Python ones and name their source files.
 _NATIVE = (".cpp", ".cc", ".cxx", ".c", ".h", ".hpp", ".cu", ".cuh")
-TRACE, SEGMENTS = ("device_traces", "*", "*"), ("segments", "*")
-# Bytes: a larger snapshot pickle is streamed (parse_path); a smaller one is loaded whole, which
-# peaks at about 60x the file (docs/ingest.md).
-STREAM_ABOVE = 2 << 20
-
-
 # An allocation made by the autograd engine's thread (backward) has no Python frame in a CUDA
 # snapshot; its innermost autograd frame says which backward node or which engine step made it.
 _AUTOGRAD = re.compile(r"^torch::autograd::(?:generated::(\w+?)(?:_apply_functional|::apply)\b"
                        r"|((?:Engine|InputBuffer)::\w+))")
+TRACE, SEGMENTS = ("device_traces", "*", "*"), ("segments", "*")
+# Bytes: a larger snapshot pickle is streamed (parse_path); a smaller one is loaded whole, which
+# peaks at about 60x the file (docs/ingest.md).
+STREAM_ABOVE = 2 << 20
 
 
 def top_user_frame(frames: object) -> str | None:

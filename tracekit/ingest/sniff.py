@@ -15,9 +15,9 @@ from tracekit.ingest.common import IngestError
 
 SNIFF_BYTES = 1 << 16
 KINETO, FR, PICKLE, OPTABLE, JSON, UNKNOWN = "kineto", "fr", "pickle", "optable", "json", "unknown"
+_FR_KEYS = (b'"pg_config"', b'"version"', b'"collective_seq_id"', b'"profiling_name"')
 # Names that say "I am a trace": in a directory walk, such a file that is not recognized is an
 # error rather than something to pass over (a README or a result.json is passed over).
-_FR_KEYS = (b'"pg_config"', b'"version"', b'"collective_seq_id"', b'"profiling_name"')
 TRACE_SUFFIXES = (".json.gz", ".pt.trace.json", ".pickle", ".pkl", ".parquet")
 
 
