@@ -111,8 +111,7 @@ def test_rows_match_the_sql_oracle(evs: list[dict], tmp_path: Path) -> None:
     _write(path, evs)
     want_events, want_steps, want_pids = _oracle(path)
     con = duckdb.connect()
-    con.execute("CREATE SCHEMA s")
-    parsed = kineto.parse(path, con, "s")
+    parsed = kineto.parse(path, con)
     con.register("events", parsed.tables["events"])
     con.register("steps", parsed.tables["steps"])
     got = con.execute("SELECT * FROM events ORDER BY ALL").fetchall()
@@ -134,8 +133,7 @@ def test_gpu_events_take_the_step_of_their_launch(tmp_path: Path) -> None:
     path = tmp_path / "rank0.json"
     path.write_text(json.dumps({"traceEvents": evs}))
     con = duckdb.connect()
-    con.execute("CREATE SCHEMA s")
-    ev = kineto.parse(path, con, "s").tables["events"]
+    ev = kineto.parse(path, con).tables["events"]
     steps = dict(zip(zip(ev.column("name").to_pylist(), ev.column("ts_ns").to_pylist()), ev.column("step").to_pylist()))
     assert steps[("gemm", 120_000)] == 0
     assert steps[("gemm", 130_000)] == 1
@@ -147,9 +145,8 @@ def test_a_time_out_of_range_names_the_file(tmp_path: Path, ts: float) -> None:
     path = tmp_path / "rank0.json"
     path.write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "a", "ts": ts, "dur": 1}]}))
     con = duckdb.connect()
-    con.execute("CREATE SCHEMA s")
     with pytest.raises(IngestError, match=r"rank0\.json: malformed trace events \(a time out of range"):
-        kineto.parse(path, con, "s")
+        kineto.parse(path, con)
 
 
 def test_base_time_overflow_is_a_bad_file_not_a_crash(tmp_path: Path) -> None:

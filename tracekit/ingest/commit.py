@@ -17,7 +17,7 @@ import pyarrow as pa
 from tracekit import schema
 from tracekit.ingest import parse as parse_mod
 from tracekit.ingest import rundir, topo
-from tracekit.ingest.common import IngestError, Parsed, Query
+from tracekit.ingest.common import IngestError, Parsed, RankDependent
 
 # What a re-ingest of a changed file replaces, per format: table -> extra row filter.
 OWNED: dict[str, dict[str, str]] = {
@@ -132,23 +132,18 @@ def rollback(con: duckdb.DuckDBPyConnection) -> None:
         pass  # a failed COMMIT has already rolled back
 
 
-def _insert(con: duckdb.DuckDBPyConnection, table: str, src: pa.Table | Query, run_id: str,
+def _insert(con: duckdb.DuckDBPyConnection, table: str, src: pa.Table | RankDependent, run_id: str,
             rank: int | None) -> None:
-    """Append a parsed table (Arrow, or a Query over the parse's scratch tables) with run and rank."""
-    have = src.columns if isinstance(src, Query) else src.column_names
-    cols = [c for c in schema.columns(table) if c in have]
-    fill = ["run_id"] + (["rank"] if "rank" in schema.columns(table) and "rank" not in have else [])
+    """Append a parsed table with its run (and rank, unless it has its own)."""
+    if isinstance(src, RankDependent):
+        src = src.build(rank)
+    cols = [c for c in schema.columns(table) if c in src.column_names]
+    fill = ["run_id"] + (["rank"] if "rank" in schema.columns(table) and "rank" not in cols else [])
+    params = {"run_id": run_id} | ({"rank": rank} if "rank" in fill else {})
     select = ", ".join([f"${c}" for c in fill] + [f'"{c}"' for c in cols])
-    params = {"run_id": run_id}
-    if "rank" in fill or (isinstance(src, Query) and "$rank" in src.sql):
-        params["rank"] = rank
-    into = f"INSERT INTO main.{table} ({', '.join(fill + cols)})"
-    if isinstance(src, Query):
-        con.execute(f"{into} SELECT {select} FROM ({src.sql})", params)
-        return
     con.register("_tk_incoming", src)
     try:
-        con.execute(f"{into} SELECT {select} FROM _tk_incoming", params)
+        con.execute(f"INSERT INTO main.{table} ({', '.join(fill + cols)}) SELECT {select} FROM _tk_incoming", params)
     finally:
         con.unregister("_tk_incoming")
 

@@ -3,29 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Callable
 
 import pyarrow as pa
 
 from tracekit import schema
 from tracekit.ingest import columns
 
-if TYPE_CHECKING:  # only a type here; `tracekit ingest --help` need not load DuckDB
-    import duckdb
-
-
 class IngestError(ValueError):
     """A file that cannot be ingested; the message names the file and what is wrong with it."""
 
 
 @dataclass(frozen=True)
-class Query:
-    """A store table's rows still inside the DuckDB connection that parsed the file: a SELECT over
-    that connection's temp tables, inserted from there without a copy through Python or Arrow.
-    It may use the named parameter ``$rank`` (the file's rank, known only at commit)."""
+class RankDependent:
+    """A table whose values depend on the file's rank, which is known only at commit (Kineto p2p:
+    in a two-rank group the peer is the member that is not this rank)."""
 
-    sql: str
-    columns: tuple[str, ...]
+    build: Callable[[int | None], pa.Table]  # the rank -> the table
     rows: int
 
 
@@ -34,7 +28,7 @@ class Parsed:
     """One file, parsed. Tables lack ``run_id`` (and ``rank`` unless ``multi_rank``)."""
 
     format: str  # kineto | fr | memory | optable
-    tables: dict[str, pa.Table | Query]
+    tables: dict[str, pa.Table | RankDependent]
     rank: int | None = None  # the rank the file itself states (Kineto distributedInfo)
     world_size: int | None = None
     backend: str | None = None
@@ -44,7 +38,7 @@ class Parsed:
 
     @property
     def rows(self) -> int:
-        return sum(t.rows if isinstance(t, Query) else t.num_rows for t in self.tables.values())
+        return sum(t.rows if isinstance(t, RankDependent) else t.num_rows for t in self.tables.values())
 
 
 def arrow_schema(table: str, without: tuple[str, ...] = ("run_id", "rank")) -> pa.Schema:
@@ -70,12 +64,3 @@ def table_from_rows(table: str, rows: list[dict], without: tuple[str, ...] = ("r
     sch = arrow_schema(table, without)
     return columns.table({f.name: columns.from_values([r.get(f.name) for r in rows], f.type, f"{table}.{f.name}")
                           for f in sch})
-
-
-def create_table(con: duckdb.DuckDBPyConnection, table: str, columns: Sequence[tuple[str, str]],
-                 rows: Sequence[dict[str, Any]]) -> None:
-    """Create ``table`` (columns as (name, DuckDB type)) holding ``rows`` (dicts; a missing key is
-    NULL), one list parameter per column. For the few rows Python classified (distinct names,
-    lookups), without importing pandas (tracekit.ingest.columns says why)."""
-    select = ", ".join(f'unnest(${i + 1}::{typ}[]) AS "{name}"' for i, (name, typ) in enumerate(columns))
-    con.execute(f"CREATE TABLE {table} AS SELECT {select}", [[r.get(name) for r in rows] for name, _ in columns])

@@ -5,13 +5,12 @@ way) to the native scanner (kineto_scan; DuckDB's JSON reader where it is not bu
 hands over Arrow record batches of the fields in COLUMNS. kineto_rows reduces each batch to the
 store's columns (dictionary-encoded text, integer nanoseconds) and then derives steps and the
 step of every event; the events go to the store as one Arrow table, and only the communication
-events go on to SQL, in a scratch schema, for the collectives and p2p tables (kineto_comm). No
-Python object per event: Python sees only the distinct names, categories and threads.
+events go on, in numpy, to the collectives and p2p tables (kineto_comm). No Python object per
+event: Python sees only the distinct names, categories and threads.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -62,7 +61,7 @@ def reader() -> str:
     return want or ("native" if kineto_scan.AVAILABLE else "duckdb")
 
 
-def read_events(con: duckdb.DuckDBPyConnection, path: Path, hasher: Hasher,
+def read_events(con: duckdb.DuckDBPyConnection, path: Path, hasher: Hasher | None,
                 on_batch: Callable[[pa.RecordBatch], None]) -> dict:
     """Pass the trace's X events to ``on_batch`` as record batches with the fields of COLUMNS;
     return the file's top-level keys."""
@@ -77,7 +76,7 @@ def read_events(con: duckdb.DuckDBPyConnection, path: Path, hasher: Hasher,
         raise IngestError(f"{path}: malformed trace events ({str(e).splitlines()[0]})") from None
 
 
-def _read_scanned(path: Path, hasher: Hasher, on_batch: Callable[[pa.RecordBatch], None]) -> dict:
+def _read_scanned(path: Path, hasher: Hasher | None, on_batch: Callable[[pa.RecordBatch], None]) -> dict:
     sink = kineto_scan.EventSink(path, COLUMNS, on_batch, keep=("ph", "X"), max_event_bytes=MAX_EVENT_BYTES)
     try:
         meta = stream_events(path, sink, hasher)
@@ -87,7 +86,7 @@ def _read_scanned(path: Path, hasher: Hasher, on_batch: Callable[[pa.RecordBatch
     return meta
 
 
-def _read_duckdb(con: duckdb.DuckDBPyConnection, path: Path, hasher: Hasher,
+def _read_duckdb(con: duckdb.DuckDBPyConnection, path: Path, hasher: Hasher | None,
                  on_batch: Callable[[pa.RecordBatch], None]) -> dict:
     """The array copied to a temporary file, hashed on the way, which DuckDB's JSON reader then
     parses: from a regular file it needs about 60 MiB less memory and less CPU than from a pipe."""
@@ -108,11 +107,12 @@ def _read_duckdb(con: duckdb.DuckDBPyConnection, path: Path, hasher: Hasher,
     return meta
 
 
-def parse(path: Path, con: duckdb.DuckDBPyConnection, ns: str, hasher: Hasher | None = None) -> Parsed:
-    """Parse one Kineto trace file (.json or .json.gz): events and steps as Arrow tables, the
-    communication tables as Queries over tables of the (empty) schema ``ns`` of ``con``."""
+def parse(path: Path, con: duckdb.DuckDBPyConnection, hasher: Hasher | None = None) -> Parsed:
+    """Parse one Kineto trace file (.json or .json.gz) into events, steps, collectives and p2p as
+    Arrow tables. ``con`` (the worker's own cursor) reads the events where the scanner is not
+    built, and evaluates DuckDB's TRY_CAST for args that are not plain integers."""
     rows = kineto_rows.EventRows(con, str(path))
-    meta = read_events(con, path, hasher or hashlib.sha256(), rows.add)
+    meta = read_events(con, path, hasher, rows.add)
     base = meta.get("baseTimeNanoseconds") or 0
     if not isinstance(base, int) or isinstance(base, bool):
         raise IngestError(f"{path}: baseTimeNanoseconds is not an integer: {base!r}")
@@ -120,14 +120,6 @@ def parse(path: Path, con: duckdb.DuckDBPyConnection, ns: str, hasher: Hasher | 
     if not isinstance(info, dict):
         raise IngestError(f"{path}: distributedInfo is not an object")
     built = rows.build()
-    try:
-        return _parsed(con, ns, path, base, info, built)
-    except duckdb.Error as e:
-        raise IngestError(f"{path}: malformed trace events ({str(e).splitlines()[0]})") from None
-
-
-def _parsed(con: duckdb.DuckDBPyConnection, ns: str, path: Path, base: int, info: dict,
-            built: kineto_rows.Built) -> Parsed:
     try:  # times on the epoch: the base usually follows the event array, so is known only now
         events = built.events.set_column(0, "ts_ns", pc.add_checked(built.events.column("ts_ns"), columns.scalar(base, pa.int64())))
         steps = columns.table({
@@ -136,18 +128,13 @@ def _parsed(con: duckdb.DuckDBPyConnection, ns: str, path: Path, base: int, info
                                       pa.int64(), f"steps.{k}") for k in ("start_ns", "end_ns")}})
     except (pa.ArrowInvalid, OverflowError) as e:
         raise IngestError(f"{path}: malformed trace events (a time out of range: {e})") from None
-    view = "tk_comm_" + ns.replace(".", "_")
-    con.register(view, built.comm)
-    try:
-        con.execute(f"CREATE TABLE {ns}.comm_args AS SELECT * FROM {view}")
-    finally:
-        con.unregister(view)
-    ann = kineto_comm.register_annotations(con, ns, built.comm_annotations)
+    comm = kineto_comm.CommEvents(built.comm, con, path)
     first_step_ns = built.steps[0].start_ns if built.steps else None
-    comm = kineto_comm.tables(con, ns, base, first_step_ns, ann)
-    return Parsed(format="kineto", tables={"events": events, "steps": steps, **comm}, rank=_int(info.get("rank")),
-                  world_size=_int(info.get("world_size")), backend=info.get("backend"),
-                  groups=kineto_comm.groups(con, ns, info, path), pids=built.pids)
+    return Parsed(format="kineto",
+                  tables={"events": events, "steps": steps,
+                          **kineto_comm.tables(comm, base, first_step_ns, built.comm_annotations)},
+                  rank=_int(info.get("rank")), world_size=_int(info.get("world_size")), backend=info.get("backend"),
+                  groups=kineto_comm.groups(comm, built.comm_annotations, info, path), pids=built.pids)
 
 
 def _int(v: object) -> int | None:

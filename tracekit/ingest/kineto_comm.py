@@ -1,9 +1,12 @@
-"""The communication tables of a Kineto trace (collectives, p2p, groups), as SQL over ``raw``.
+"""The communication tables of a Kineto trace (collectives, p2p, groups), in numpy over its
+communication events (kineto_rows.Built.comm: a few thousand rows of a trace's hundreds of
+thousands).
 
 Sources, by flavour (FORMATS.md section 1):
 - NCCL: GPU kernels (``ncclKernel_*``/``ncclDevKernel_*``) give the times. Their metadata comes
   from their own args or, where the kernel has none, from the ``record_param_comms`` CPU op that
-  launched it (same ``External id``): op, group, sizes, ``Seq``, and for p2p the peer.
+  launched it (same ``External id``; the earliest such op): op, group, sizes, ``Seq``, and for p2p
+  the peer.
 - gloo with the trainer's ``tk.comm`` spans: group, sequence, size, dtype and peer from the span
   name (tracekit.conventions), times from the span (the comm layer waits inside it).
 - gloo without annotations: the ``gloo:*`` worker spans; the group is unknown (NULL) and ``seq``
@@ -23,6 +26,12 @@ The p2p peer (a global rank): ``Dst Rank``/``Src Rank`` (recent torch, 2.13 incl
 the member that is not this rank (applied at commit, when the rank is known). Kernels with no
 metadata at all (e.g. ``ncclKernel_SendRecv`` launched outside any ``record_param_comms``) keep a
 NULL peer, group and direction.
+
+Integer and list args are text in the trace; they are read as DuckDB's ``TRY_CAST`` reads them
+(kineto_rows.try_bigint, try_cast_values), so that ``" 12 "`` or ``"1e1"`` mean here what they mean in SQL. The
+derivation was SQL over a scratch table until it moved here, 10x cheaper; tests hold it to that
+SQL (tests/kineto_comm_sql.py) on generated traces, and the stores of every sample, fixture and
+benchmark trace came out identical.
 """
 
 from __future__ import annotations
@@ -30,68 +39,291 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from tracekit import classify
 from tracekit.conventions import COMM_PREFIX, ConventionError
-from tracekit.ingest.common import IngestError, Query, create_table
-from tracekit.ingest.kineto_rows import COMM_FIELDS
+from tracekit.ingest import columns
+from tracekit.ingest.common import IngestError, RankDependent, arrow_schema
+from tracekit.ingest.kineto_rows import COMM_FIELDS, try_bigint, try_cast_values
 
 DTYPE_BYTES = {
     "float": 4, "float32": 4, "half": 2, "float16": 2, "bfloat16": 2, "double": 8, "float64": 8,
     "int": 4, "int32": 4, "long": 8, "int64": 8, "short": 2, "int16": 2, "byte": 1, "uint8": 1,
     "char": 1, "int8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
 }
-COLLECTIVE_COLUMNS = ("pg_name", "seq", "op", "start_ns", "end_ns", "nbytes", "dtype", "step", "source")
-P2P_COLUMNS = ("peer", "direction", "pg_name", "seq", "start_ns", "end_ns", "nbytes", "step", "microbatch",
-               "source")
+# The integer args, read with TRY_CAST(... AS BIGINT)
+INT_FIELDS = ("in_nelems", "out_nelems", "seq_arg", "seq_num", "dst_rank", "src_rank", "rank_arg",
+              "rank_start", "rank_stride")
+_I64 = np.iinfo(np.int64)
+PAIR = ("pair_a", "pair_b")  # a two-rank group's members, for the peer known only at commit
 
 
-@dataclass(frozen=True)
-class Annotations:
-    comm: bool  # table comm_ann has rows
+@dataclass
+class _Text:
+    """A text column as codes (int32, -1 for null) into its distinct values."""
+
+    codes: np.ndarray
+    values: list[str]
+
+    @classmethod
+    def of(cls, column: pa.Array) -> "_Text":
+        enc = pc.dictionary_encode(column)
+        if isinstance(enc, pa.ChunkedArray):
+            enc = enc.combine_chunks()
+        values = enc.dictionary.to_pylist()
+        codes = columns.to_numpy(pc.fill_null(enc.indices, columns.scalar(-1, enc.indices.type))).astype(np.int32)
+        return cls(codes, values)
+
+    def code_of(self, value: str) -> int:
+        try:
+            return self.values.index(value)
+        except ValueError:
+            return -2  # matches no row (and not a null)
+
+    def lut(self, fn: Callable[[str], object]) -> list:
+        """fn of every distinct value, plus None for the null code (-1, the last entry)."""
+        return [fn(v) for v in self.values] + [None]
 
 
-def register_annotations(con: duckdb.DuckDBPyConnection, ns: str, comm: list[dict]) -> Annotations:
-    """Table comm_ann: the trace's tk.comm names, parsed (kineto_rows)."""
-    create_table(con, f"{ns}.comm_ann", [("name", "VARCHAR"), ("op", "VARCHAR"), ("pg", "VARCHAR"),
-                                         ("dim", "VARCHAR"), ("seq", "BIGINT"), ("ranks", "INTEGER[]"),
-                                         ("nbytes", "BIGINT"), ("dtype", "VARCHAR"), ("peer", "INTEGER")], comm)
-    return Annotations(comm=bool(comm))
+class _Ints:
+    """Nullable int64 values: ``v`` where ``ok``."""
+
+    def __init__(self, v: np.ndarray, ok: np.ndarray) -> None:
+        self.v, self.ok = v.astype(np.int64), ok.astype(bool)
+
+    @classmethod
+    def of(cls, values: list[int | None], codes: np.ndarray) -> "_Ints":
+        """The value of each row's code, from one value per distinct code (+ None for null)."""
+        v = np.array([0 if x is None else x for x in values], dtype=np.int64)
+        ok = np.array([x is not None for x in values], dtype=bool)
+        return cls(v[codes], ok[codes])
+
+    def take(self, idx: np.ndarray) -> "_Ints":
+        return _Ints(self.v[idx], self.ok[idx])
+
+    def coalesce(self, other: "_Ints") -> "_Ints":
+        return _Ints(np.where(self.ok, self.v, other.v), self.ok | other.ok)
+
+    def arrow(self) -> pa.Array:
+        """As int64; ``_table`` casts to the store's type, an error where a value does not fit."""
+        return columns.from_numpy(np.where(self.ok, self.v, 0), self.ok)
 
 
-FIELDS = COMM_FIELDS  # comm_args's columns of event args, by the name used below
+def _overflow(what: str, path: Path) -> IngestError:
+    return IngestError(f"{path}: malformed trace events (a {what} out of the 64-bit range)")
 
 
-def _int(expr: str) -> str:
-    return f"TRY_CAST({expr} AS BIGINT)"
+def _add(a: _Ints, b: _Ints, what: str, path: Path) -> _Ints:
+    """a + b where both are valid; an error on overflow, as DuckDB's BIGINT arithmetic."""
+    ok = a.ok & b.ok
+    with np.errstate(over="ignore"):
+        out = a.v + b.v  # wraps; overflow shows as a result of the other sign than both operands
+    if (ok & (((a.v ^ out) & (b.v ^ out)) < 0)).any():
+        raise _overflow(what, path)
+    return _Ints(out, ok)
 
 
-def _create_comm_tables(con: duckdb.DuckDBPyConnection, ns: str) -> None:
-    """Tables ``comm`` (the communication events of ``comm_args`` with their op and dtype width)
-    and ``ck`` (NCCL kernels with their metadata: their own args, else their record_param_comms')."""
-    _create_lookups(con, ns)
-    con.execute(f"""
-        CREATE TABLE {ns}.comm AS SELECT c.*, n.op AS name_op, o.op AS coll_op, w.width
-        FROM {ns}.comm_args c LEFT JOIN {ns}.name_ops n ON c.name = n.key
-             LEFT JOIN {ns}.coll_ops o ON c.coll = o.key LEFT JOIN {ns}.widths w ON c.dtype = w.key
-    """)
-    field = {c: f"coalesce(k.{c}, r.{c})" for c in FIELDS if c not in ("coll", "ext")}
-    con.execute(f"""
-        CREATE TABLE {ns}.ck AS
-        SELECT k.ts_ns, k.dur_ns, k.tid, k.step, coalesce(k.coll_op, r.coll_op, k.name_op) AS op,
-               {field['pg']} AS pg, TRY_CAST({field['pg_ranks']} AS INTEGER[]) AS ranks,
-               greatest({_int(field['in_nelems'])}, {_int(field['out_nelems'])}) AS nelems,
-               {field['dtype']} AS dtype, coalesce(k.width, r.width) AS width,
-               coalesce({_int(field['seq_arg'])}, {_int(field['seq_num'])}) AS seq,
-               {_int(field['dst_rank'])} AS dst_rank, {_int(field['src_rank'])} AS src_rank,
-               {_int(field['rank_arg'])} AS rank_arg, {_int(field['rank_start'])} AS rank_start,
-               {_int(field['rank_stride'])} AS rank_stride
-        FROM (SELECT * FROM {ns}.comm WHERE kind = 'kernel') k
-        LEFT JOIN (SELECT DISTINCT ON (ext) * FROM {ns}.comm WHERE name = '{classify.PARAM_COMMS}'
-                   AND ext IS NOT NULL ORDER BY ext, ts_ns) r ON k.ext = r.ext
-    """)
+def _mul(a: _Ints, b: _Ints, what: str, path: Path) -> _Ints:
+    """a * b where both are valid; an error on overflow. Products that could overflow (a factor
+    beyond 2**31, rare: sizes and ranks) are redone with Python's integers."""
+    ok = a.ok & b.ok
+    with np.errstate(over="ignore"):
+        out = a.v * b.v
+    for i in np.flatnonzero(ok & ((np.abs(a.v) > (1 << 31)) | (np.abs(b.v) > (1 << 31)))).tolist():
+        r = int(a.v[i]) * int(b.v[i])
+        if not _I64.min <= r <= _I64.max:
+            raise _overflow(what, path)
+        out[i] = r
+    return _Ints(out, ok)
+
+
+def _ordinal(keys: list[object], ts: _Ints, first_step_ns: int | None) -> np.ndarray:
+    """Each row's order among the rows of its key (by ts, nulls last, ties in row order), 0 at the
+    first row at or after ``first_step_ns``. ``keys`` are hashable, one per row (None is a key)."""
+    n = len(keys)
+    ids: dict[object, int] = {}
+    gid = np.fromiter((ids.setdefault(k, len(ids)) for k in keys), dtype=np.int64, count=n)
+    order = np.lexsort((ts.v, ~ts.ok, gid))
+    g = gid[order]
+    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]]) if n else np.zeros(0, dtype=np.int64)
+    pos = np.arange(n) - np.repeat(starts, np.diff(np.r_[starts, n]))
+    out = np.empty(n, dtype=np.int64)
+    out[order] = pos
+    if first_step_ns is not None:
+        before = np.bincount(gid, weights=ts.ok & (ts.v < first_step_ns), minlength=len(ids)).astype(np.int64)
+        out -= before[gid]
+    return out
+
+
+def _strings(values: list[str | None]) -> pa.Array:
+    return columns.from_values(values, pa.string())
+
+
+def _table(name: str, cols: dict[str, pa.Array], extra: tuple[str, ...] = ()) -> pa.Table:
+    """The store's columns of ``name`` in its types (a value out of range raises ArrowInvalid)."""
+    sch = arrow_schema(name)
+    out = {f.name: cols[f.name].cast(f.type) for f in sch}
+    out.update({k: cols[k] for k in extra})
+    return columns.table(out)
+
+
+def _concat(parts: list[pa.Table]) -> pa.Table:
+    return pa.concat_tables(parts).combine_chunks()
+
+
+class CommEvents:
+    """The communication events of one trace, their args decoded."""
+
+    def __init__(self, comm: pa.Table, con: duckdb.DuckDBPyConnection, path: Path) -> None:
+        self.path, self.n = path, comm.num_rows
+        self.ts, self.dur, self.step = (_ints(comm.column(k)) for k in ("ts_ns", "dur_ns", "step"))
+        self.kind, self.name, self.tid = (_Text.of(comm.column(k)) for k in ("kind", "name", "tid"))
+        self.args = {k: _Text.of(comm.column(k)) for k in COMM_FIELDS}
+        self.name_op = self.name.lut(_name_op)
+        self.con = con
+
+    def ints(self, field: str, codes: np.ndarray) -> _Ints:
+        """TRY_CAST(value AS BIGINT) of ``field``'s value for each code."""
+        text = self.args[field]
+        values = try_bigint(self.con, columns.from_values(text.values, pa.string())).to_pylist()
+        return _Ints.of(values + [None], codes)
+
+    # -- NCCL kernels and their record_param_comms ------------------------------------------------
+    def kernels(self) -> "_Kernels":
+        kern = np.flatnonzero(self.kind.codes == self.kind.code_of("kernel"))
+        ext = self.args["ext"]
+        param = np.flatnonzero((self.name.codes == self.name.code_of(classify.PARAM_COMMS)) & (ext.codes >= 0))
+        first = np.full(len(ext.values), -1, dtype=np.int64)  # the earliest record_param_comms per id
+        order = param[np.lexsort((self.ts.v[param], ~self.ts.ok[param], ext.codes[param]))]
+        ids, at = np.unique(ext.codes[order], return_index=True)
+        first[ids] = order[at]
+        k_ext = ext.codes[kern]
+        launcher = np.where(k_ext >= 0, first[k_ext.clip(0)], -1) if len(first) else np.full(len(kern), -1)
+        return _Kernels(self, kern, launcher)
+
+    def rows_named(self, prefix: str) -> np.ndarray:
+        hit = np.array([v.startswith(prefix) for v in self.name.values] + [False], dtype=bool)
+        return np.flatnonzero(hit[self.name.codes])
+
+
+class _Kernels:
+    """NCCL kernels with their metadata: their own args, else their launcher's (row -1: none)."""
+
+    def __init__(self, ev: CommEvents, rows: np.ndarray, launcher: np.ndarray) -> None:
+        self.ev, self.rows, self.launcher = ev, rows, launcher
+        has = launcher >= 0
+        safe = launcher.clip(0)
+
+        def field(k: str) -> np.ndarray:  # coalesce(kernel's, launcher's): codes
+            codes = ev.args[k].codes
+            own = codes[rows]
+            return np.where(own >= 0, own, np.where(has, codes[safe], -1))
+
+        self.code = {k: field(k) for k in COMM_FIELDS if k not in ("coll", "ext")}
+        coll = ev.args["coll"]
+        coll_op = np.array(coll.lut(classify.normalize_op), dtype=object)[coll.codes]
+        own_op, their_op = coll_op[rows], np.where(has, coll_op[safe], None)
+        name_op = np.array(ev.name_op, dtype=object)[ev.name.codes[rows]]
+        self.op = np.where(own_op != None, own_op, np.where(their_op != None, their_op, name_op))  # noqa: E711
+        dtype = ev.args["dtype"]
+        width = _Ints.of(dtype.lut(lambda d: DTYPE_BYTES.get(d.lower())), dtype.codes)
+        self.width = width.take(rows).coalesce(_Ints(width.v[safe], width.ok[safe] & has))
+        self.int = {k: ev.ints(k, self.code[k]) for k in INT_FIELDS}
+        self.ts, self.dur = ev.ts.take(rows), ev.dur.take(rows)
+        self.nelems = self._greatest(self.int["in_nelems"], self.int["out_nelems"])
+        self.seq = self.int["seq_arg"].coalesce(self.int["seq_num"])
+        self.ranks = self._ranks()
+
+    @staticmethod
+    def _greatest(a: _Ints, b: _Ints) -> _Ints:  # SQL greatest: nulls ignored
+        return _Ints(np.where(a.ok & b.ok, np.maximum(a.v, b.v), np.where(a.ok, a.v, b.v)), a.ok | b.ok)
+
+    def _ranks(self) -> list[list[int | None] | None]:
+        """TRY_CAST(Process Group Ranks AS INTEGER[]) per kernel."""
+        text = self.ev.args["pg_ranks"]
+        values = try_cast_values(self.ev.con, text.values, "INTEGER[]")
+        lut = values + [None]
+        return [lut[c] for c in self.code["pg_ranks"].tolist()]
+
+    def text(self, k: str, sel: np.ndarray) -> list[str | None]:
+        lut = self.ev.args[k].values + [None]
+        return [lut[c] for c in self.code[k][sel].tolist()]
+
+    def group(self, sel: np.ndarray) -> list[str | None]:
+        """coalesce(pg, 'stream ' || tid)"""
+        tids = self.ev.tid.values + [None]
+        tid = [tids[c] for c in self.ev.tid.codes[self.rows[sel]].tolist()]
+        return [p if p is not None else (None if t is None else "stream " + t) for p, t in zip(self.text("pg", sel), tid)]
+
+    def times(self, sel: np.ndarray, base: int) -> dict[str, pa.Array]:
+        return _times(self.ev, self.rows[sel], base)
+
+    def nbytes(self, sel: np.ndarray) -> pa.Array:
+        return _mul(self.nelems.take(sel), self.width.take(sel), "message size", self.ev.path).arrow()
+
+    def collectives(self, base: int, first_step_ns: int | None) -> pa.Table:
+        sel = np.flatnonzero(np.array([op is not None and op not in classify.P2P_NORMALIZED for op in self.op],
+                                      dtype=bool))
+        seq = self.seq.take(sel)
+        ordinal = _ordinal(self.group(sel), self.ts.take(sel), first_step_ns)
+        return _table("collectives", {
+            "pg_name": _strings(self.text("pg", sel)), "seq": columns.from_numpy(np.where(seq.ok, seq.v, ordinal)),
+            "op": _strings(self.op[sel].tolist()), **self.times(sel, base), "nbytes": self.nbytes(sel),
+            "dtype": _strings(self.text("dtype", sel)), "step": self.ev.step.take(self.rows[sel]).arrow(),
+            "source": _strings(["kernel"] * len(sel))})
+
+    def p2p(self, base: int, first_step_ns: int | None) -> pa.Table:
+        sel = np.flatnonzero(np.array([op in classify.P2P_NORMALIZED for op in self.op], dtype=bool))
+        ops = self.op[sel].tolist()
+        direction = [op if op in ("send", "recv") else None for op in ops]
+        peer = self._peer(sel, ops)
+        seq = self.seq.take(sel)
+        keys = list(zip(self.group(sel), [int(p) if ok else None for p, ok in zip(peer.v, peer.ok)], direction))
+        ordinal = _ordinal(keys, self.ts.take(sel), first_step_ns)
+        pairs = [r if r is not None and len(r) == 2 else (None, None) for r in (self.ranks[i] for i in sel.tolist())]
+        return _table("p2p", {
+            "peer": peer.arrow(), "direction": _strings(direction), "pg_name": _strings(self.text("pg", sel)),
+            "seq": columns.from_numpy(np.where(seq.ok, seq.v, ordinal)), **self.times(sel, base),
+            "nbytes": self.nbytes(sel), "step": self.ev.step.take(self.rows[sel]).arrow(),
+            "microbatch": pa.nulls(len(sel), pa.int32()), "source": _strings(["kernel"] * len(sel)),
+            **{k: columns.from_values([p[i] for p in pairs], pa.int64()) for i, k in enumerate(PAIR)}}, extra=PAIR)
+
+    def _peer(self, sel: np.ndarray, ops: list[str]) -> _Ints:
+        """dst/src rank by direction, else ranks[Rank], else start + Rank * stride."""
+        i = {k: self.int[k].take(sel) for k in ("dst_rank", "src_rank", "rank_arg", "rank_start", "rank_stride")}
+        is_send = np.array([op == "send" for op in ops], dtype=bool)
+        is_recv = np.array([op == "recv" for op in ops], dtype=bool)
+        peer = _Ints(np.where(is_send, i["dst_rank"].v, i["src_rank"].v),
+                     (is_send & i["dst_rank"].ok) | (is_recv & i["src_rank"].ok))
+        arg = i["rank_arg"]
+        for j, row in enumerate(sel.tolist()):
+            if peer.ok[j] or not arg.ok[j] or arg.v[j] < 0:
+                continue
+            ranks = self.ranks[row]
+            if ranks is not None and arg.v[j] < len(ranks) and ranks[arg.v[j]] is not None:
+                peer.v[j], peer.ok[j] = ranks[arg.v[j]], True
+        rest = ~peer.ok & arg.ok & (arg.v >= 0) & i["rank_stride"].ok & (i["rank_stride"].v > 0)
+        if rest.any():
+            idx = np.flatnonzero(rest)
+            strided = _add(i["rank_start"].take(idx),
+                           _mul(arg.take(idx), i["rank_stride"].take(idx), "peer rank", self.ev.path),
+                           "peer rank", self.ev.path)
+            peer.v[idx], peer.ok[idx] = strided.v, strided.ok
+        return peer
+
+
+def _times(ev: CommEvents, rows: np.ndarray, base: int) -> dict[str, pa.Array]:
+    ts, dur = ev.ts.take(rows), ev.dur.take(rows)
+    b = _Ints(np.full(len(rows), base, dtype=np.int64), np.ones(len(rows), dtype=bool))
+    start = _add(ts, b, "time", ev.path)
+    end = _add(_add(ts, dur, "time", ev.path), b, "time", ev.path)
+    return {"start_ns": start.arrow(), "end_ns": end.arrow()}
 
 
 def _name_op(name: str) -> str | None:
@@ -101,110 +333,118 @@ def _name_op(name: str) -> str | None:
         return None  # a malformed tk.comm name: a plain event
 
 
-def _create_lookups(con: duckdb.DuckDBPyConnection, ns: str) -> None:
-    """The few distinct names, op spellings and dtypes, classified by tracekit.classify (the one
-    place) in Python: tables name_ops, coll_ops and widths (a huge SQL CASE costs milliseconds
-    to plan even on one row)."""
-    def distinct(col: str) -> list[str]:
-        return [v for (v,) in con.execute(f"SELECT DISTINCT {col} FROM {ns}.comm_args WHERE {col} IS NOT NULL")
-                .fetchall()]
-
-    lookups = {
-        "name_ops": [(n, _name_op(n)) for n in distinct("name")],
-        "coll_ops": [(c, classify.normalize_op(c)) for c in distinct("coll")],
-        "widths": [(d, DTYPE_BYTES.get(d.lower())) for d in distinct("dtype")],
-    }
-    for table, rows in lookups.items():
-        value = ("width", "BIGINT") if table == "widths" else ("op", "VARCHAR")
-        create_table(con, f"{ns}.{table}", [("key", "VARCHAR"), value],
-                     [{"key": k, value[0]: v} for k, v in rows])
-
-
-def _ordinal(key: str, first_step_ns: int | None) -> str:
-    """The op's order within ``key`` in this trace, 0 at the first op of the first profiler step."""
-    before = (f" - count(*) FILTER (WHERE ts_ns < {first_step_ns}) OVER (PARTITION BY {key})"
-              if first_step_ns is not None else "")
-    return f"(row_number() OVER (PARTITION BY {key} ORDER BY ts_ns) - 1{before})"
-
-
-def tables(con: duckdb.DuckDBPyConnection, ns: str, base: int, first_step_ns: int | None,
-           ann: Annotations) -> dict[str, Query]:
-    """collectives and p2p of the communication events in table ``comm_args`` (kineto_rows.Built.comm,
-    times relative to ``base``)."""
-    _create_comm_tables(con, ns)
-    group = "coalesce(pg, 'stream ' || tid)"
-    direction = "CASE op WHEN 'send' THEN 'send' WHEN 'recv' THEN 'recv' END"
-    peer = ("coalesce(CASE op WHEN 'send' THEN dst_rank WHEN 'recv' THEN src_rank END, "
-            "CASE WHEN rank_arg >= 0 AND rank_arg < len(ranks) THEN ranks[rank_arg + 1] END, "
-            "CASE WHEN rank_stride > 0 AND rank_arg >= 0 THEN rank_start + rank_arg * rank_stride END)")
-    coll = [f"""
-        SELECT pg, coalesce(seq, {_ordinal(group, first_step_ns)}), op, ts_ns, ts_ns + dur_ns,
-               nelems * width, dtype, step, 'kernel'
-        FROM {ns}.ck WHERE op IS NOT NULL AND NOT {classify.sql_is_p2p('op')}"""]
-    p2p = [f"""
-        SELECT peer, direction, pg, coalesce(seq, {_ordinal(f'{group}, peer, direction', first_step_ns)}),
-               ts_ns, ts_ns + dur_ns, nelems * width, step, NULL, 'kernel',
-               CASE WHEN len(ranks) = 2 THEN ranks END
-        FROM (SELECT *, {peer} AS peer, {direction} AS direction FROM {ns}.ck WHERE {classify.sql_is_p2p('op')})"""]
-    if ann.comm:
-        spans = f"(SELECT * FROM {ns}.comm WHERE starts_with(name, '{COMM_PREFIX}'))"
-        coll.append(f"""
-            SELECT a.pg, a.seq, a.op, e.ts_ns, e.ts_ns + e.dur_ns, a.nbytes, a.dtype, e.step, 'annotation'
-            FROM {spans} e JOIN {ns}.comm_ann a ON e.name = a.name
-            WHERE a.peer IS NULL AND a.op NOT IN ('send', 'recv')""")
-        p2p.append(f"""
-            SELECT a.peer, a.op, a.pg, a.seq, e.ts_ns, e.ts_ns + e.dur_ns, a.nbytes, e.step, NULL, 'annotation',
-                   NULL
-            FROM {spans} e JOIN {ns}.comm_ann a ON e.name = a.name WHERE a.op IN ('send', 'recv')""")
-    else:
-        gloo = f"(SELECT *, name_op AS op FROM {ns}.comm WHERE starts_with(name, 'gloo:'))"
-        coll.append(f"""
-            SELECT NULL, row_number() OVER (PARTITION BY op ORDER BY ts_ns) - 1, op, ts_ns, ts_ns + dur_ns,
-                   NULL, NULL, step, 'gloo'
-            FROM {gloo} WHERE kind = 'user_annotation' AND NOT {classify.sql_is_p2p('op')}""")
-        p2p.append(f"""
-            SELECT NULL, op, NULL, row_number() OVER (PARTITION BY op ORDER BY ts_ns) - 1,
-                   ts_ns, ts_ns + dur_ns, NULL, step, NULL, 'gloo', NULL
-            FROM {gloo} WHERE op IN ('send', 'recv')""")
-    _materialize(con, ns, "collectives", coll, COLLECTIVE_COLUMNS, base)
-    _materialize(con, ns, "p2p", p2p, P2P_COLUMNS + ("pair",), base)
-    # In a two-rank group the peer is the other member: known once the file's rank is (commit).
-    other = ("coalesce(peer, CASE WHEN pair[1] = $rank THEN pair[2] WHEN pair[2] = $rank THEN pair[1] END) "
-             "AS peer")
-    return {"collectives": _query(con, ns, "collectives", COLLECTIVE_COLUMNS, "*"),
-            "p2p": _query(con, ns, "p2p", P2P_COLUMNS, ", ".join(other if c == "peer" else c for c in P2P_COLUMNS))}
+def _annotated(ev: CommEvents, annotations: list[dict], base: int) -> tuple[pa.Table, pa.Table]:
+    """tk.comm spans: metadata from the span's name (kineto_rows parsed it), times from the span."""
+    by_name = {a["name"]: a for a in annotations}
+    rows = ev.rows_named(COMM_PREFIX)
+    names = ev.name.values + [None]
+    ann = [by_name.get(names[c]) for c in ev.name.codes[rows].tolist()]
+    coll = np.array([a is not None and a["peer"] is None and a["op"] is not None and a["op"] not in ("send", "recv")
+                     for a in ann], dtype=bool)
+    pp = np.array([a is not None and a["op"] in ("send", "recv") for a in ann], dtype=bool)
+    c, p = rows[coll], rows[pp]
+    ca, pa_ = [a for a, k in zip(ann, coll) if k], [a for a, k in zip(ann, pp) if k]
+    collectives = _table("collectives", {
+        "pg_name": _strings([a["pg"] for a in ca]), "seq": columns.from_values([a["seq"] for a in ca], pa.int64()),
+        "op": _strings([a["op"] for a in ca]), **_times(ev, c, base),
+        "nbytes": columns.from_values([a["nbytes"] for a in ca], pa.int64()), "dtype": _strings([a["dtype"] for a in ca]),
+        "step": ev.step.take(c).arrow(), "source": _strings(["annotation"] * len(c))})
+    p2p = _table("p2p", {
+        "peer": columns.from_values([a["peer"] for a in pa_], pa.int32()), "direction": _strings([a["op"] for a in pa_]),
+        "pg_name": _strings([a["pg"] for a in pa_]), "seq": columns.from_values([a["seq"] for a in pa_], pa.int64()),
+        **_times(ev, p, base), "nbytes": columns.from_values([a["nbytes"] for a in pa_], pa.int64()),
+        "step": ev.step.take(p).arrow(), "microbatch": pa.nulls(len(p), pa.int32()),
+        "source": _strings(["annotation"] * len(p)), **_no_pair(len(p))}, extra=PAIR)
+    return collectives, p2p
 
 
-def _materialize(con: duckdb.DuckDBPyConnection, ns: str, name: str, parts: list[str], cols: tuple[str, ...],
-                 base: int) -> None:
-    """Table ``out_<name>``: the union of ``parts`` with named columns, times on the epoch."""
-    named = ", ".join(f"c{i} + {base} AS {c}" if c in ("start_ns", "end_ns") else f"c{i} AS {c}"
-                      for i, c in enumerate(cols))
-    aliases = ", ".join(f"c{i}" for i in range(len(cols)))
-    con.execute(f"CREATE TABLE {ns}.out_{name} AS SELECT {named} FROM ({' UNION ALL '.join(parts)}) AS u({aliases})")
+def _gloo(ev: CommEvents, base: int) -> tuple[pa.Table, pa.Table]:
+    """gloo:* worker spans: no group; seq is the op's order on the rank."""
+    rows = ev.rows_named("gloo:")
+    op = np.array(ev.name_op + [None], dtype=object)[ev.name.codes[rows]]
+    is_annotation = ev.kind.codes[rows] == ev.kind.code_of("user_annotation")
+    coll = np.array([o is not None and o not in classify.P2P_NORMALIZED for o in op], dtype=bool) & is_annotation
+    pp = np.array([o in ("send", "recv") for o in op], dtype=bool)
+    out = []
+    for sel in (coll, pp):
+        r, ops = rows[sel], op[sel].tolist()
+        out.append((r, ops, _ordinal(ops, ev.ts.take(r), None)))
+    (c, cops, cseq), (p, pops, pseq) = out
+    collectives = _table("collectives", {
+        "pg_name": pa.nulls(len(c), pa.string()), "seq": columns.from_numpy(cseq), "op": _strings(cops),
+        **_times(ev, c, base), "nbytes": pa.nulls(len(c), pa.int64()), "dtype": pa.nulls(len(c), pa.string()),
+        "step": ev.step.take(c).arrow(), "source": _strings(["gloo"] * len(c))})
+    p2p = _table("p2p", {
+        "peer": pa.nulls(len(p), pa.int32()), "direction": _strings(pops), "pg_name": pa.nulls(len(p), pa.string()),
+        "seq": columns.from_numpy(pseq), **_times(ev, p, base), "nbytes": pa.nulls(len(p), pa.int64()),
+        "step": ev.step.take(p).arrow(), "microbatch": pa.nulls(len(p), pa.int32()),
+        "source": _strings(["gloo"] * len(p)), **_no_pair(len(p))}, extra=PAIR)
+    return collectives, p2p
 
 
-def _query(con: duckdb.DuckDBPyConnection, ns: str, name: str, cols: tuple[str, ...], select: str) -> Query:
-    rows = con.execute(f"SELECT count(*) FROM {ns}.out_{name}").fetchall()[0][0]
-    return Query(f"SELECT {select} FROM {ns}.out_{name}", cols, rows)
+def tables(ev: CommEvents, base: int, first_step_ns: int | None,
+           annotations: list[dict]) -> dict[str, pa.Table | RankDependent]:
+    """collectives and p2p of the communication events (times relative to ``base``, put on the
+    epoch here). p2p's peer, where only a two-rank group tells it, waits for the file's rank."""
+    kernels = ev.kernels()
+    try:
+        coll, p2p = [kernels.collectives(base, first_step_ns)], [kernels.p2p(base, first_step_ns)]
+        c, p = _annotated(ev, annotations, base) if annotations else _gloo(ev, base)
+    except pa.ArrowInvalid as e:  # a value beyond its column's type, e.g. a peer rank beyond INTEGER
+        raise IngestError(f"{ev.path}: malformed trace events ({e})") from None
+    coll.append(c), p2p.append(p)
+    with_pairs = _concat(p2p)
+    return {"collectives": _concat(coll),
+            "p2p": RankDependent(lambda rank: _other_member(with_pairs, rank), with_pairs.num_rows)}
 
 
-def groups(con: duckdb.DuckDBPyConnection, ns: str, info: dict, path: Path) -> list[dict]:
+def _ints(col: pa.ChunkedArray | pa.Array) -> _Ints:
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    return _Ints(columns.to_numpy(pc.fill_null(arr, columns.scalar(0, arr.type))), columns.to_bools(arr.is_valid()))
+
+
+def _no_pair(n: int) -> dict[str, pa.Array]:
+    return {k: pa.nulls(n, pa.int64()) for k in PAIR}
+
+
+def _other_member(p2p: pa.Table, rank: int | None) -> pa.Table:
+    """p2p without its pair columns; where the peer is unknown and the group has two members, the
+    one that is not ``rank`` (SQL: CASE WHEN pair[1] = rank THEN pair[2] WHEN pair[2] = rank THEN
+    pair[1] END)."""
+    out = p2p.drop_columns(list(PAIR))
+    if rank is None or not p2p.num_rows:
+        return out
+    a, b = (_ints(p2p.column(k)) for k in PAIR)
+    first, second = a.ok & (a.v == rank), b.ok & (b.v == rank)
+    other = _Ints(np.where(first, b.v, a.v), np.where(first, b.ok, second & a.ok))
+    peer = _ints(p2p.column("peer")).coalesce(other)
+    return out.set_column(out.column_names.index("peer"), "peer", peer.arrow().cast(pa.int32()))
+
+
+def groups(ev: CommEvents, annotations: list[dict], info: dict, path: Path) -> list[dict]:
     """Process groups as recorded: distributedInfo.pg_config, comm event args, tk.comm spans."""
     out: list[dict] = []
     for pg in info.get("pg_config") or []:
         if isinstance(pg, dict) and isinstance(pg.get("ranks"), list):
             out.append({"pg_name": str(pg.get("pg_name")), "pg_desc": pg.get("pg_desc"),
                         "ranks": [int(r) for r in pg["ranks"]]})
-    for name, desc, ranks in con.execute(
-            f"SELECT DISTINCT pg, pg_desc, pg_ranks FROM {ns}.comm WHERE pg IS NOT NULL AND pg_ranks IS NOT NULL"
-            ).fetchall():
+    a = ev.args
+    seen = set(zip(a["pg"].codes.tolist(), a["pg_desc"].codes.tolist(), a["pg_ranks"].codes.tolist()))
+    lut = {k: a[k].values + [None] for k in ("pg", "pg_desc", "pg_ranks")}
+    for pg, desc, ranks in sorted(seen):
+        if pg < 0 or ranks < 0:
+            continue
+        text = lut["pg_ranks"][ranks]
         try:
-            parsed = json.loads(ranks)
+            parsed = json.loads(text)
         except json.JSONDecodeError:
-            raise IngestError(f"{path}: unreadable 'Process Group Ranks' {ranks!r}") from None
+            raise IngestError(f"{path}: unreadable 'Process Group Ranks' {text!r}") from None
         if isinstance(parsed, list) and parsed:
-            out.append({"pg_name": name, "pg_desc": desc, "ranks": [int(r) for r in parsed]})
-    for name, dim, ranks in con.execute(f"SELECT DISTINCT pg, dim, ranks FROM {ns}.comm_ann").fetchall():
-        out.append({"pg_name": name, "pg_desc": dim, "ranks": list(ranks)})
+            out.append({"pg_name": lut["pg"][pg], "pg_desc": lut["pg_desc"][desc], "ranks": [int(r) for r in parsed]})
+    seen_ann = set()
+    for ann in annotations:
+        key = (ann["pg"], ann["dim"], tuple(ann["ranks"]))
+        if key not in seen_ann:
+            seen_ann.add(key)
+            out.append({"pg_name": ann["pg"], "pg_desc": ann["dim"], "ranks": list(ann["ranks"])})
     return out

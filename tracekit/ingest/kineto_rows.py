@@ -156,21 +156,9 @@ class EventRows:
         return _filled(ns), columns.to_bools(ns.is_valid())
 
     def _bigint(self, text: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-        """TRY_CAST(text AS BIGINT): Arrow's cast for plain integers, DuckDB's own otherwise."""
-        try:
-            out = pc.cast(text, pa.int64())
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            out = self.try_bigint(text)
+        """TRY_CAST(text AS BIGINT), as numpy values and where they are valid."""
+        out = try_bigint(self.con, text)
         return _filled(out), columns.to_bools(out.is_valid())
-
-    def try_bigint(self, text: pa.Array) -> pa.Array:
-        cur = self.con.cursor()  # its own: DuckDB's reader may be streaming on ``con``
-        try:
-            cur.register("_tk_try_bigint", columns.table({"v": text}))
-            res = cur.sql("SELECT TRY_CAST(v AS BIGINT) AS v FROM _tk_try_bigint").to_arrow_table()
-        finally:
-            cur.close()
-        return res.column("v").combine_chunks()
 
     def _count_pids(self, pid: pa.Array, kind: np.ndarray) -> None:
         wanted = np.isin(kind, [self.kinds.ids[k] for k in PID_KINDS if k in self.kinds.ids])
@@ -273,7 +261,7 @@ class EventRows:
         if not self.pid_counts:
             return []
         texts = list(self.pid_counts)
-        ints = self.try_bigint(columns.from_values(texts, pa.string())).to_pylist()
+        ints = try_bigint(self.con, columns.from_values(texts, pa.string())).to_pylist()
         counts: dict[int, int] = {}
         for t, i in zip(texts, ints):
             if i is not None:
@@ -289,6 +277,36 @@ _FALSE = columns.scalar(False, pa.bool_())
 _ZERO = columns.scalar(0.0, pa.float64())
 _THOUSAND = columns.scalar(1000.0, pa.float64())
 _THOUSAND_INT = columns.scalar(1000, pa.int64())
+
+
+def try_bigint(con: duckdb.DuckDBPyConnection, text: pa.Array) -> pa.Array:
+    """DuckDB's TRY_CAST(text AS BIGINT) of a string array (unreadable: null): Arrow's own cast
+    where every value is a plain integer (it agrees with DuckDB there, and is cheaper), DuckDB's
+    otherwise."""
+    try:
+        return pc.cast(text, pa.int64())
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        pass
+    cur = con.cursor()  # its own: DuckDB's JSON reader may be streaming on ``con``
+    try:
+        cur.register("_tk_try_bigint", columns.table({"v": text}))
+        res = cur.sql("SELECT TRY_CAST(v AS BIGINT) AS v FROM _tk_try_bigint").to_arrow_table()
+    finally:
+        cur.close()
+    return res.column("v").combine_chunks()
+
+
+def try_cast_values(con: duckdb.DuckDBPyConnection, values: list[str], sql_type: str) -> list:
+    """DuckDB's TRY_CAST(value AS sql_type) of a few strings, as Python values (a list type through
+    Arrow would import pandas)."""
+    if not values:
+        return []
+    cur = con.cursor()
+    try:
+        row = cur.execute(f"SELECT [TRY_CAST(x AS {sql_type}) FOR x IN $1::VARCHAR[]]", [values]).fetchone()
+    finally:
+        cur.close()
+    return list(row[0]) if row else []
 
 
 def _filled(values: pa.Array, fill: int = 0) -> np.ndarray:

@@ -1,11 +1,9 @@
 """Ingest orchestration: parallel parsing, atomic commits, a log of what happened.
 
-Worker threads hash, sniff and parse files, each on its own connection to the store's database:
-files come back as Arrow tables, and a Kineto trace's communication tables stay in DuckDB, in a
-scratch schema (``_tk_scratch_<id>.j<N>``, an attached in-memory database). The scanner, Arrow's
-kernels and DuckDB work outside the GIL, so the threads use every core with no processes to
-start and no results to copy. This
-thread, the store's only writer, commits the parsed files (commit.py) while the workers parse the
+Worker threads hash, sniff and parse files, each with its own cursor on the store's database
+(for DuckDB's JSON reader where the scanner is not built, and its TRY_CAST): files come back as
+Arrow tables. The scanner, Arrow's kernels and DuckDB work outside the GIL, so the threads use
+every core with no processes to start and no results to copy. This thread, the store's only writer, commits the parsed files (commit.py) while the workers parse the
 next ones: a few files per transaction, enough rows for DuckDB to write them straight into the
 store file rather than through its write-ahead log. A transaction holds whole files, so each file
 is in the store entirely or not at all; if a batch's write fails, its files are redone one per
@@ -18,10 +16,9 @@ from a run are reported. After the files, each touched run's ``runs``, ``ranks``
 
 from __future__ import annotations
 
-import itertools
 import os
-import uuid
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+import queue
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -70,9 +67,6 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
     n_workers = max(1, workers or min(len(jobs), os.cpu_count() or 1))
     con = store.connect(store_path)
     saved = _settings(con)
-    # Named per ingest: an ATTACH belongs to the database instance, which outlives this
-    # connection when another one in the process is open on the same store.
-    scratch = f"_tk_scratch_{uuid.uuid4().hex[:12]}"
     report = IngestReport()
     try:
         # Parallelism comes from the worker threads, each query on its own thread. (With DuckDB's
@@ -83,24 +77,22 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
         # checkpoint's vacuum would rewrite each one to merge it with the next (about 0.1 CPU-s per
         # 150k-event trace, docs/ingest.md). A later checkpoint outside ingest still may.
         con.execute("SET max_vacuum_tasks = 0")
-        # Bounded memory: DuckDB keeps what it wrote cached and the scratch tables in memory only
-        # up to this, then evicts or spills (to <store>.tmp). Each reading thread also holds about
+        # Bounded memory: DuckDB keeps what it wrote cached in memory only up to this, then evicts
+        # or spills (to <store>.tmp). Each reading thread also holds about
         # 64 MiB of JSON buffers that cannot be spilled.
         if saved["memory_limit"] == _default_memory_limit():  # else someone in this process chose one
             con.execute(f"SET memory_limit = '{MEMORY_PER_WORKER_MB * (n_workers + 1)}MB'")
-        con.execute(f"ATTACH ':memory:' AS {scratch}")
         known: dict[str, set[str]] = {}
         for rid, h in con.execute("SELECT run_id, content_hash FROM ingest_log WHERE status = 'ok'").fetchall():
             known.setdefault(rid, set()).add(h)
         stored = {rid: frozenset(hs) for rid, hs in known.items()}  # workers skip these unread
         runs: dict[str, topo.RunBatch] = {}
-        batch: list[tuple[rundir.Job, str, parse_mod.Outcome]] = []
+        batch: list[tuple[rundir.Job, parse_mod.Outcome]] = []
         done = 0
 
         def flush() -> None:
             nonlocal done
-            for (job, ns, out), applied in zip(batch, _commit_batch(con, [(j, o) for j, _, o in batch])):
-                con.execute(f"DROP SCHEMA IF EXISTS {ns} CASCADE")
+            for (job, out), applied in zip(batch, _commit_batch(con, batch)):
                 rb = runs.setdefault(job.run_id, topo.RunBatch(job.run_id, job.manifest))
                 res = applied.result
                 if res is not None:
@@ -116,8 +108,8 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
             batch.clear()
 
         rows = 0
-        for i, (job, ns, out) in enumerate(_outcomes(con, scratch, jobs, stored, n_workers, optable_reader)):
-            batch.append((job, ns, _unless_known(job, out, known, batch)))
+        for i, (job, out) in enumerate(_outcomes(con, jobs, stored, n_workers, optable_reader)):
+            batch.append((job, _unless_known(job, out, known, batch)))
             rows += out.parsed.rows if out.parsed is not None else 0
             # Once fewer files are left than workers (all being parsed), commit each as it comes: its
             # commit then overlaps the others' parsing instead of running alone after the last one.
@@ -131,7 +123,7 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
                 report.missing.update(topo.finalize(con, rb))
                 report.runs.append(rid)
     finally:
-        _close(con, saved, scratch)
+        _close(con, saved)
     order = {job.path: i for i, job in reversed(list(enumerate(jobs)))}
     report.files.sort(key=lambda f: order.get(f.path, len(order)))  # input order, not completion order
     return report
@@ -152,12 +144,11 @@ def _default_memory_limit() -> str:
         probe.close()
 
 
-def _close(con: duckdb.DuckDBPyConnection, saved: dict[str, str], scratch: str) -> None:
-    """Close, first dropping the scratch database and putting back the settings ingest changed:
+def _close(con: duckdb.DuckDBPyConnection, saved: dict[str, str]) -> None:
+    """Close, first putting back the settings ingest changed:
     they belong to the database instance, which another connection of this process to the same
     store may share (and may have tuned)."""
     try:
-        con.execute(f"DETACH DATABASE IF EXISTS {scratch}")
         # The checkpoint that closing would run, but while the vacuum is still off: with it on,
         # the checkpoint merges every file's last partial row group of events into its neighbour
         # (0.25 CPU-s at 8 ranks of 157k events, at the very end, on one core).
@@ -180,12 +171,12 @@ def _checkpoint(con: duckdb.DuckDBPyConnection) -> None:
 
 
 def _unless_known(job: rundir.Job, out: parse_mod.Outcome, known: dict[str, set[str]],
-                  batch: list[tuple[rundir.Job, str, parse_mod.Outcome]]) -> parse_mod.Outcome:
+                  batch: list[tuple[rundir.Job, parse_mod.Outcome]]) -> parse_mod.Outcome:
     """``out``, or 'skipped' when the same content of the same run is in the store or in the batch."""
     if out.status != "ok":
         return out
     dup = out.content_hash in known.get(job.run_id, ()) or any(
-        o.status == "ok" and (j.run_id, o.content_hash) == (job.run_id, out.content_hash) for j, _, o in batch)
+        o.status == "ok" and (j.run_id, o.content_hash) == (job.run_id, out.content_hash) for j, o in batch)
     if not dup:
         return out
     return parse_mod.Outcome(out.path, "skipped", None, out.content_hash, error="already ingested (same content)",
@@ -205,44 +196,58 @@ def _commit_batch(con: duckdb.DuckDBPyConnection,
     return [commit.apply_alone(con, job, out) for job, out in items]
 
 
-def _outcomes(con: duckdb.DuckDBPyConnection, scratch: str, jobs: list[rundir.Job], known: dict[str, frozenset[str]],
-              n: int, reader: parse_mod.OptableReader | None
-              ) -> Iterator[tuple[rundir.Job, str, parse_mod.Outcome]]:
-    """(job, its scratch schema, its outcome) in completion order; at most ``workers + 1`` files
-    in the workers' hands at a time (bounded memory)."""
-    ids = itertools.count()
+def _outcomes(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], known: dict[str, frozenset[str]],
+              n: int, reader: parse_mod.OptableReader | None) -> Iterator[tuple[rundir.Job, parse_mod.Outcome]]:
+    """(job, its outcome) in completion order, parsed by ``n`` worker threads.
 
-    def parse(j: rundir.Job, cur: duckdb.DuckDBPyConnection, ns: str) -> parse_mod.Outcome:
-        try:
-            cur.execute(f"CREATE SCHEMA {ns}")
-            return parse_mod.run(j.path, j.explicit, known.get(j.run_id, frozenset()), cur, ns, reader)
-        finally:
-            cur.close()
-
-    def start(j: rundir.Job) -> tuple[duckdb.DuckDBPyConnection, str]:
-        return con.cursor(), f"{scratch}.j{next(ids)}"
-
-    if len(jobs) <= 1:
+    Each worker takes its next file as soon as it is done with one, whether or not this generator's
+    consumer (the committing thread) has come back for the outcomes: a worker that waited for the
+    consumer idled through every commit (a quarter of its time at 8 ranks on 2 cores). Memory stays
+    bounded: at most ``2 n`` files are parsed or being parsed and not yet taken (a parsed trace
+    holds about 60 bytes per event)."""
+    if len(jobs) <= 1 or n <= 1:
         for j in jobs:
-            cur, ns = start(j)
-            yield j, ns, parse(j, cur, ns)
+            cur = con.cursor()
+            try:
+                yield j, parse_mod.run(j.path, j.explicit, known.get(j.run_id, frozenset()), cur, reader)
+            finally:
+                cur.close()
         return
-    queue = iter(jobs)
-    pending: dict[Future, tuple[rundir.Job, str, duckdb.DuckDBPyConnection]] = {}
-    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="tk-ingest") as pool:
+    todo, todo_lock = iter(jobs), threading.Lock()
+    slots = threading.Semaphore(2 * n)
+    results: queue.SimpleQueue = queue.SimpleQueue()
+    stop = threading.Event()
+
+    def work(cur: duckdb.DuckDBPyConnection) -> None:
         try:
             while True:
-                while len(pending) <= n and (j := next(queue, None)) is not None:
-                    cur, ns = start(j)
-                    pending[pool.submit(parse, j, cur, ns)] = (j, ns, cur)
-                if not pending:
+                slots.acquire()
+                with todo_lock:
+                    j = None if stop.is_set() else next(todo, None)
+                if j is None:
                     return
-                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for fut in finished:
-                    j, ns, _ = pending.pop(fut)
-                    yield j, ns, fut.result()
-        finally:  # the consumer stopped early: let the running parses end, close the unstarted
-            for fut, (_, _, cur) in pending.items():
-                if fut.cancel():
-                    cur.close()
-            wait(pending)
+                results.put((j, parse_mod.run(j.path, j.explicit, known.get(j.run_id, frozenset()), cur, reader)))
+        finally:
+            cur.close()
+            results.put(None)  # this worker is done
+
+    # cursors made here: the connection itself is not used across threads
+    threads = [threading.Thread(target=work, args=(con.cursor(),), name=f"tk-ingest_{i}", daemon=True)
+               for i in range(n)]
+    for t in threads:
+        t.start()
+    running = n
+    try:
+        while running:
+            item = results.get()
+            if item is None:
+                running -= 1
+                continue
+            yield item
+            slots.release()
+    finally:  # the consumer stopped early: let the running parses end, start no new one
+        stop.set()
+        for _ in threads:
+            slots.release()
+        for t in threads:
+            t.join()
