@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import duckdb
@@ -97,6 +98,27 @@ def test_last_files_are_committed_as_they_come(tmp_path: Path, monkeypatch: pyte
     rep = ingest([run], tmp_path / "s.duckdb", workers=2)
     assert [f.status for f in rep.files] == ["ok"] * 5
     assert [s for s in sizes if s] == [4, 1]  # after the 4th file, the one left is being parsed
+
+
+def test_a_failing_consumer_stops_the_workers_and_keeps_the_store(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The progress callback raising after the first commit: the error reaches the caller, no
+    worker thread is left running, and the store holds the committed file, whole and usable."""
+    run = _run(tmp_path, ranks=8)
+    monkeypatch.setattr(pipeline, "BATCH_FILES", 1)
+
+    def progress(done: int, total: int, path: Path, status: str) -> None:
+        raise KeyboardInterrupt  # what Ctrl-C in a progress bar looks like
+
+    with pytest.raises(KeyboardInterrupt):
+        ingest([run], tmp_path / "s.duckdb", workers=2, progress=progress)
+    assert not [t for t in threading.enumerate() if t.name.startswith("tk-ingest")]
+    with tracekit.open(tmp_path / "s.duckdb") as s:
+        logged = s.sql("SELECT count(*), min(status) FROM ingest_log").rows()[0]
+        events = s.sql("SELECT count(*) FROM events").rows()[0][0]
+    assert logged == (1, "ok") and events == 14
+    rep = ingest([run], tmp_path / "s.duckdb", workers=2)  # and the rest goes in afterwards
+    assert sorted(f.status for f in rep.files) == ["ok"] * 7 + ["skipped"]
 
 
 def test_threads_and_batches_change_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,6 +16,7 @@ from a run are reported. After the files, each touched run's ``runs``, ``ranks``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -108,15 +109,18 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
             batch.clear()
 
         rows = 0
-        for i, (job, out) in enumerate(_outcomes(con, jobs, stored, n_workers, optable_reader)):
-            batch.append((job, _unless_known(job, out, known, batch)))
-            rows += out.parsed.rows if out.parsed is not None else 0
-            # Once fewer files are left than workers (all being parsed), commit each as it comes: its
-            # commit then overlaps the others' parsing instead of running alone after the last one.
-            last_round = len(jobs) - (i + 1) < n_workers
-            if rows >= BATCH_ROWS or len(batch) >= BATCH_FILES or last_round:
-                flush()
-                rows = 0
+        # closing: should a commit or the progress callback raise, the workers stop before the
+        # connection their cursors belong to closes
+        with contextlib.closing(_outcomes(con, jobs, stored, n_workers, optable_reader)) as outcomes:
+            for i, (job, out) in enumerate(outcomes):
+                batch.append((job, _unless_known(job, out, known, batch)))
+                rows += out.parsed.rows if out.parsed is not None else 0
+                # Once fewer files are left than workers (all being parsed), commit each as it comes:
+                # its commit then overlaps the others' parsing instead of running alone after the last.
+                last_round = len(jobs) - (i + 1) < n_workers
+                if rows >= BATCH_ROWS or len(batch) >= BATCH_FILES or last_round:
+                    flush()
+                    rows = 0
         flush()
         for rid, rb in runs.items():
             if rb.touched:
