@@ -94,6 +94,14 @@ def test_to_numpy_views_numbers_without_nulls() -> None:
         columns.to_numpy(columns.from_values(["a"], pa.string()))
 
 
+@given(values=st.lists(st.one_of(st.none(), st.integers(-2**31, 2**31 - 1)), max_size=40), start=st.integers(0, 20),
+       fill=st.integers(-5, 5))
+def test_filled_puts_the_fill_where_null(values: list[int | None], start: int, fill: int) -> None:
+    part = columns.from_values(values, pa.int32()).slice(min(start, len(values)))
+    got = columns.filled(part, fill)
+    assert got.dtype == np.int32 and got.tolist() == [fill if v is None else v for v in part.to_pylist()]
+
+
 def test_scalar_has_the_column_type() -> None:
     s = columns.scalar(1000, pa.int64())
     assert isinstance(s, pa.Scalar) and s.type == pa.int64() and s.as_py() == 1000

@@ -83,10 +83,30 @@ def to_numpy(values: pa.Array) -> np.ndarray:
     import pandas)."""
     if isinstance(values, pa.ChunkedArray):
         values = values.combine_chunks()
-    if values.null_count or not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type)):
+    if values.null_count:
         raise TypeError(f"to_numpy takes numbers without nulls, not {values.type} with {values.null_count} nulls")
+    return _data(values)
+
+
+def filled(values: pa.Array, fill: int = 0) -> np.ndarray:
+    """A numeric Arrow array as numpy, ``fill`` where null."""
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    if not values.null_count:
+        return _data(values)
+    data = _data(values)
+    return np.where(_bits(values.buffers()[0], values.offset, len(values)), data, fill).astype(data.dtype)
+
+
+def _data(values: pa.Array) -> np.ndarray:
+    if not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type)):
+        raise TypeError(f"expected numbers, not {values.type}")
     dtype = values.type.to_pandas_dtype()
     return np.frombuffer(values.buffers()[1], dtype=dtype)[values.offset:values.offset + len(values)]
+
+
+def _bits(buf: pa.Buffer, offset: int, n: int) -> np.ndarray:
+    return np.unpackbits(np.frombuffer(buf, dtype=np.uint8), bitorder="little", count=offset + n)[offset:].astype(bool)
 
 
 def to_bools(values: pa.Array) -> np.ndarray:
@@ -96,9 +116,9 @@ def to_bools(values: pa.Array) -> np.ndarray:
         values = values.combine_chunks()
     n, off = len(values), values.offset
     validity, data = values.buffers()[:2]
-    out = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little", count=off + n)[off:].astype(bool)
+    out = _bits(data, off, n)
     if validity is not None and values.null_count:
-        out &= np.unpackbits(np.frombuffer(validity, dtype=np.uint8), bitorder="little", count=off + n)[off:].astype(bool)
+        out &= _bits(validity, off, n)
     return out
 
 

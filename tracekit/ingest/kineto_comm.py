@@ -37,18 +37,16 @@ benchmark trace came out identical.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import duckdb
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from tracekit import classify
 from tracekit.conventions import COMM_PREFIX, ConventionError
 from tracekit.ingest import columns
+from tracekit.ingest.nullable import Ints, Text, add, ints, mul, ordinals
 from tracekit.ingest.common import IngestError, RankDependent, arrow_schema
 from tracekit.ingest.kineto_rows import COMM_FIELDS, try_bigint, try_cast_values
 
@@ -60,105 +58,7 @@ DTYPE_BYTES = {
 # The integer args, read with TRY_CAST(... AS BIGINT)
 INT_FIELDS = ("in_nelems", "out_nelems", "seq_arg", "seq_num", "dst_rank", "src_rank", "rank_arg",
               "rank_start", "rank_stride")
-_I64 = np.iinfo(np.int64)
 PAIR = ("pair_a", "pair_b")  # a two-rank group's members, for the peer known only at commit
-
-
-@dataclass
-class _Text:
-    """A text column as codes (int32, -1 for null) into its distinct values."""
-
-    codes: np.ndarray
-    values: list[str]
-
-    @classmethod
-    def of(cls, column: pa.Array) -> "_Text":
-        enc = pc.dictionary_encode(column)
-        if isinstance(enc, pa.ChunkedArray):
-            enc = enc.combine_chunks()
-        values = enc.dictionary.to_pylist()
-        codes = columns.to_numpy(pc.fill_null(enc.indices, columns.scalar(-1, enc.indices.type))).astype(np.int32)
-        return cls(codes, values)
-
-    def code_of(self, value: str) -> int:
-        try:
-            return self.values.index(value)
-        except ValueError:
-            return -2  # matches no row (and not a null)
-
-    def lut(self, fn: Callable[[str], object]) -> list:
-        """fn of every distinct value, plus None for the null code (-1, the last entry)."""
-        return [fn(v) for v in self.values] + [None]
-
-
-class _Ints:
-    """Nullable int64 values: ``v`` where ``ok``."""
-
-    def __init__(self, v: np.ndarray, ok: np.ndarray) -> None:
-        self.v, self.ok = v.astype(np.int64), ok.astype(bool)
-
-    @classmethod
-    def of(cls, values: list[int | None], codes: np.ndarray) -> "_Ints":
-        """The value of each row's code, from one value per distinct code (+ None for null)."""
-        v = np.array([0 if x is None else x for x in values], dtype=np.int64)
-        ok = np.array([x is not None for x in values], dtype=bool)
-        return cls(v[codes], ok[codes])
-
-    def take(self, idx: np.ndarray) -> "_Ints":
-        return _Ints(self.v[idx], self.ok[idx])
-
-    def coalesce(self, other: "_Ints") -> "_Ints":
-        return _Ints(np.where(self.ok, self.v, other.v), self.ok | other.ok)
-
-    def arrow(self) -> pa.Array:
-        """As int64; ``_table`` casts to the store's type, an error where a value does not fit."""
-        return columns.from_numpy(np.where(self.ok, self.v, 0), self.ok)
-
-
-def _overflow(what: str, path: Path) -> IngestError:
-    return IngestError(f"{path}: malformed trace events (a {what} out of the 64-bit range)")
-
-
-def _add(a: _Ints, b: _Ints, what: str, path: Path) -> _Ints:
-    """a + b where both are valid; an error on overflow, as DuckDB's BIGINT arithmetic."""
-    ok = a.ok & b.ok
-    with np.errstate(over="ignore"):
-        out = a.v + b.v  # wraps; overflow shows as a result of the other sign than both operands
-    if (ok & (((a.v ^ out) & (b.v ^ out)) < 0)).any():
-        raise _overflow(what, path)
-    return _Ints(out, ok)
-
-
-def _mul(a: _Ints, b: _Ints, what: str, path: Path) -> _Ints:
-    """a * b where both are valid; an error on overflow. Products that could overflow (a factor
-    beyond 2**31, rare: sizes and ranks) are redone with Python's integers."""
-    ok = a.ok & b.ok
-    with np.errstate(over="ignore"):
-        out = a.v * b.v
-    for i in np.flatnonzero(ok & ((np.abs(a.v) > (1 << 31)) | (np.abs(b.v) > (1 << 31)))).tolist():
-        r = int(a.v[i]) * int(b.v[i])
-        if not _I64.min <= r <= _I64.max:
-            raise _overflow(what, path)
-        out[i] = r
-    return _Ints(out, ok)
-
-
-def _ordinal(keys: list[object], ts: _Ints, first_step_ns: int | None) -> np.ndarray:
-    """Each row's order among the rows of its key (by ts, nulls last, ties in row order), 0 at the
-    first row at or after ``first_step_ns``. ``keys`` are hashable, one per row (None is a key)."""
-    n = len(keys)
-    ids: dict[object, int] = {}
-    gid = np.fromiter((ids.setdefault(k, len(ids)) for k in keys), dtype=np.int64, count=n)
-    order = np.lexsort((ts.v, ~ts.ok, gid))
-    g = gid[order]
-    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]]) if n else np.zeros(0, dtype=np.int64)
-    pos = np.arange(n) - np.repeat(starts, np.diff(np.r_[starts, n]))
-    out = np.empty(n, dtype=np.int64)
-    out[order] = pos
-    if first_step_ns is not None:
-        before = np.bincount(gid, weights=ts.ok & (ts.v < first_step_ns), minlength=len(ids)).astype(np.int64)
-        out -= before[gid]
-    return out
 
 
 def _strings(values: list[str | None]) -> pa.Array:
@@ -181,18 +81,18 @@ class CommEvents:
     """The communication events of one trace, their args decoded."""
 
     def __init__(self, comm: pa.Table, con: duckdb.DuckDBPyConnection, path: Path) -> None:
-        self.path, self.n = path, comm.num_rows
-        self.ts, self.dur, self.step = (_ints(comm.column(k)) for k in ("ts_ns", "dur_ns", "step"))
-        self.kind, self.name, self.tid = (_Text.of(comm.column(k)) for k in ("kind", "name", "tid"))
-        self.args = {k: _Text.of(comm.column(k)) for k in COMM_FIELDS}
+        self.path = path
+        self.ts, self.dur, self.step = (ints(comm.column(k)) for k in ("ts_ns", "dur_ns", "step"))
+        self.kind, self.name, self.tid = (Text.of(comm.column(k)) for k in ("kind", "name", "tid"))
+        self.args = {k: Text.of(comm.column(k)) for k in COMM_FIELDS}
         self.name_op = self.name.lut(_name_op)
         self.con = con
 
-    def ints(self, field: str, codes: np.ndarray) -> _Ints:
+    def ints(self, field: str, codes: np.ndarray) -> Ints:
         """TRY_CAST(value AS BIGINT) of ``field``'s value for each code."""
         text = self.args[field]
         values = try_bigint(self.con, columns.from_values(text.values, pa.string())).to_pylist()
-        return _Ints.of(values + [None], codes)
+        return Ints.of(values + [None], codes)
 
     # -- NCCL kernels and their record_param_comms ------------------------------------------------
     def kernels(self) -> "_Kernels":
@@ -232,17 +132,17 @@ class _Kernels:
         name_op = np.array(ev.name_op, dtype=object)[ev.name.codes[rows]]
         self.op = np.where(own_op != None, own_op, np.where(their_op != None, their_op, name_op))  # noqa: E711
         dtype = ev.args["dtype"]
-        width = _Ints.of(dtype.lut(lambda d: DTYPE_BYTES.get(d.lower())), dtype.codes)
-        self.width = width.take(rows).coalesce(_Ints(width.v[safe], width.ok[safe] & has))
+        width = Ints.of(dtype.lut(lambda d: DTYPE_BYTES.get(d.lower())), dtype.codes)
+        self.width = width.take(rows).coalesce(Ints(width.v[safe], width.ok[safe] & has))
         self.int = {k: ev.ints(k, self.code[k]) for k in INT_FIELDS}
-        self.ts, self.dur = ev.ts.take(rows), ev.dur.take(rows)
+        self.ts = ev.ts.take(rows)
         self.nelems = self._greatest(self.int["in_nelems"], self.int["out_nelems"])
         self.seq = self.int["seq_arg"].coalesce(self.int["seq_num"])
         self.ranks = self._ranks()
 
     @staticmethod
-    def _greatest(a: _Ints, b: _Ints) -> _Ints:  # SQL greatest: nulls ignored
-        return _Ints(np.where(a.ok & b.ok, np.maximum(a.v, b.v), np.where(a.ok, a.v, b.v)), a.ok | b.ok)
+    def _greatest(a: Ints, b: Ints) -> Ints:  # SQL greatest: nulls ignored
+        return Ints(np.where(a.ok & b.ok, np.maximum(a.v, b.v), np.where(a.ok, a.v, b.v)), a.ok | b.ok)
 
     def _ranks(self) -> list[list[int | None] | None]:
         """TRY_CAST(Process Group Ranks AS INTEGER[]) per kernel."""
@@ -265,13 +165,13 @@ class _Kernels:
         return _times(self.ev, self.rows[sel], base)
 
     def nbytes(self, sel: np.ndarray) -> pa.Array:
-        return _mul(self.nelems.take(sel), self.width.take(sel), "message size", self.ev.path).arrow()
+        return mul(self.nelems.take(sel), self.width.take(sel), "message size", self.ev.path).arrow()
 
     def collectives(self, base: int, first_step_ns: int | None) -> pa.Table:
         sel = np.flatnonzero(np.array([op is not None and op not in classify.P2P_NORMALIZED for op in self.op],
                                       dtype=bool))
         seq = self.seq.take(sel)
-        ordinal = _ordinal(self.group(sel), self.ts.take(sel), first_step_ns)
+        ordinal = ordinals(self.group(sel), self.ts.take(sel), first_step_ns)
         return _table("collectives", {
             "pg_name": _strings(self.text("pg", sel)), "seq": columns.from_numpy(np.where(seq.ok, seq.v, ordinal)),
             "op": _strings(self.op[sel].tolist()), **self.times(sel, base), "nbytes": self.nbytes(sel),
@@ -285,7 +185,7 @@ class _Kernels:
         peer = self._peer(sel, ops)
         seq = self.seq.take(sel)
         keys = list(zip(self.group(sel), [int(p) if ok else None for p, ok in zip(peer.v, peer.ok)], direction))
-        ordinal = _ordinal(keys, self.ts.take(sel), first_step_ns)
+        ordinal = ordinals(keys, self.ts.take(sel), first_step_ns)
         pairs = [r if r is not None and len(r) == 2 else (None, None) for r in (self.ranks[i] for i in sel.tolist())]
         return _table("p2p", {
             "peer": peer.arrow(), "direction": _strings(direction), "pg_name": _strings(self.text("pg", sel)),
@@ -294,12 +194,12 @@ class _Kernels:
             "microbatch": pa.nulls(len(sel), pa.int32()), "source": _strings(["kernel"] * len(sel)),
             **{k: columns.from_values([p[i] for p in pairs], pa.int64()) for i, k in enumerate(PAIR)}}, extra=PAIR)
 
-    def _peer(self, sel: np.ndarray, ops: list[str]) -> _Ints:
+    def _peer(self, sel: np.ndarray, ops: list[str]) -> Ints:
         """dst/src rank by direction, else ranks[Rank], else start + Rank * stride."""
         i = {k: self.int[k].take(sel) for k in ("dst_rank", "src_rank", "rank_arg", "rank_start", "rank_stride")}
         is_send = np.array([op == "send" for op in ops], dtype=bool)
         is_recv = np.array([op == "recv" for op in ops], dtype=bool)
-        peer = _Ints(np.where(is_send, i["dst_rank"].v, i["src_rank"].v),
+        peer = Ints(np.where(is_send, i["dst_rank"].v, i["src_rank"].v),
                      (is_send & i["dst_rank"].ok) | (is_recv & i["src_rank"].ok))
         arg = i["rank_arg"]
         for j, row in enumerate(sel.tolist()):
@@ -311,8 +211,8 @@ class _Kernels:
         rest = ~peer.ok & arg.ok & (arg.v >= 0) & i["rank_stride"].ok & (i["rank_stride"].v > 0)
         if rest.any():
             idx = np.flatnonzero(rest)
-            strided = _add(i["rank_start"].take(idx),
-                           _mul(arg.take(idx), i["rank_stride"].take(idx), "peer rank", self.ev.path),
+            strided = add(i["rank_start"].take(idx),
+                           mul(arg.take(idx), i["rank_stride"].take(idx), "peer rank", self.ev.path),
                            "peer rank", self.ev.path)
             peer.v[idx], peer.ok[idx] = strided.v, strided.ok
         return peer
@@ -320,9 +220,9 @@ class _Kernels:
 
 def _times(ev: CommEvents, rows: np.ndarray, base: int) -> dict[str, pa.Array]:
     ts, dur = ev.ts.take(rows), ev.dur.take(rows)
-    b = _Ints(np.full(len(rows), base, dtype=np.int64), np.ones(len(rows), dtype=bool))
-    start = _add(ts, b, "time", ev.path)
-    end = _add(_add(ts, dur, "time", ev.path), b, "time", ev.path)
+    b = Ints(np.full(len(rows), base, dtype=np.int64), np.ones(len(rows), dtype=bool))
+    start = add(ts, b, "time", ev.path)
+    end = add(add(ts, dur, "time", ev.path), b, "time", ev.path)
     return {"start_ns": start.arrow(), "end_ns": end.arrow()}
 
 
@@ -368,7 +268,7 @@ def _gloo(ev: CommEvents, base: int) -> tuple[pa.Table, pa.Table]:
     out = []
     for sel in (coll, pp):
         r, ops = rows[sel], op[sel].tolist()
-        out.append((r, ops, _ordinal(ops, ev.ts.take(r), None)))
+        out.append((r, ops, ordinals(ops, ev.ts.take(r), None)))
     (c, cops, cseq), (p, pops, pseq) = out
     collectives = _table("collectives", {
         "pg_name": pa.nulls(len(c), pa.string()), "seq": columns.from_numpy(cseq), "op": _strings(cops),
@@ -398,11 +298,6 @@ def tables(ev: CommEvents, base: int, first_step_ns: int | None,
             "p2p": RankDependent(lambda rank: _other_member(with_pairs, rank), with_pairs.num_rows)}
 
 
-def _ints(col: pa.ChunkedArray | pa.Array) -> _Ints:
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-    return _Ints(columns.to_numpy(pc.fill_null(arr, columns.scalar(0, arr.type))), columns.to_bools(arr.is_valid()))
-
-
 def _no_pair(n: int) -> dict[str, pa.Array]:
     return {k: pa.nulls(n, pa.int64()) for k in PAIR}
 
@@ -414,10 +309,10 @@ def _other_member(p2p: pa.Table, rank: int | None) -> pa.Table:
     out = p2p.drop_columns(list(PAIR))
     if rank is None or not p2p.num_rows:
         return out
-    a, b = (_ints(p2p.column(k)) for k in PAIR)
+    a, b = (ints(p2p.column(k)) for k in PAIR)
     first, second = a.ok & (a.v == rank), b.ok & (b.v == rank)
-    other = _Ints(np.where(first, b.v, a.v), np.where(first, b.ok, second & a.ok))
-    peer = _ints(p2p.column("peer")).coalesce(other)
+    other = Ints(np.where(first, b.v, a.v), np.where(first, b.ok, second & a.ok))
+    peer = ints(p2p.column("peer")).coalesce(other)
     return out.set_column(out.column_names.index("peer"), "peer", peer.arrow().cast(pa.int32()))
 
 

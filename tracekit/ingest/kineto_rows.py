@@ -74,7 +74,7 @@ class Dictionary:
         if isinstance(enc, pa.ChunkedArray):
             enc = enc.combine_chunks()
         remap = np.array([self.id(as_value(v)) for v in enc.dictionary.to_pylist()] + [-1], dtype=np.int32)
-        local = _filled(enc.indices, len(remap) - 1)
+        local = columns.filled(enc.indices, len(remap) - 1)
         return remap[local]
 
     def array(self, ids: np.ndarray) -> pa.DictionaryArray:
@@ -153,19 +153,19 @@ class EventRows:
                 ns = pc.cast(pc.round(pc.multiply(us, _THOUSAND), round_mode="half_towards_infinity"), pa.int64())
         except pa.ArrowInvalid as e:
             raise IngestError(f"{self.path}: malformed trace events (a time out of range: {e})") from None
-        return _filled(ns), columns.to_bools(ns.is_valid())
+        return columns.filled(ns), columns.to_bools(ns.is_valid())
 
     def _bigint(self, text: pa.Array) -> tuple[np.ndarray, np.ndarray]:
         """TRY_CAST(text AS BIGINT), as numpy values and where they are valid."""
         out = try_bigint(self.con, text)
-        return _filled(out), columns.to_bools(out.is_valid())
+        return columns.filled(out), columns.to_bools(out.is_valid())
 
     def _count_pids(self, pid: pa.Array, kind: np.ndarray) -> None:
         wanted = np.isin(kind, [self.kinds.ids[k] for k in PID_KINDS if k in self.kinds.ids])
         if not wanted.any():
             return
         enc = pc.dictionary_encode(pid.filter(columns.from_bools(wanted)))
-        counts = np.bincount(_filled(enc.indices, len(enc.dictionary)), minlength=len(enc.dictionary) + 1)
+        counts = np.bincount(columns.filled(enc.indices, len(enc.dictionary)), minlength=len(enc.dictionary) + 1)
         for text, c in zip(enc.dictionary.to_pylist(), counts):
             self.pid_counts[text] = self.pid_counts.get(text, 0) + int(c)
 
@@ -307,13 +307,6 @@ def try_cast_values(con: duckdb.DuckDBPyConnection, values: list[str], sql_type:
     finally:
         cur.close()
     return list(row[0]) if row else []
-
-
-def _filled(values: pa.Array, fill: int = 0) -> np.ndarray:
-    """An integer array's values as numpy, ``fill`` where null."""
-    if values.null_count:
-        values = pc.fill_null(values, columns.scalar(fill, values.type))
-    return columns.to_numpy(values)
 
 
 def _step_number(name: str) -> int | None:
