@@ -1,5 +1,6 @@
 """The ingest pipeline's own guarantees: content hashes taken while streaming, duplicates within one
-ingest, batched commits that fall back to one file per transaction, and threads changing nothing."""
+ingest, batched commits that fall back to one file per transaction, workers committing side by side
+with the cross-file checks still holding, and threads changing nothing."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import xxhash
 
 import tracekit
 from tracekit.ingest import commit, pipeline
+from tracekit.ingest.ledger import Ledger
 from tracekit.ingest.pipeline import ingest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -82,28 +84,117 @@ def test_failed_batch_write_is_redone_file_by_file(tmp_path: Path, monkeypatch: 
     assert log == [(0, "ok"), (1, "failed"), (2, "ok")]
 
 
-def test_last_files_are_committed_as_they_come(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Batches fill up to BATCH_ROWS, except once fewer files are left than workers (all of them
-    already being parsed): then each is committed as soon as it is parsed, overlapping the others."""
+def test_a_worker_commits_its_batch_once_no_file_is_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches fill up to BATCH_ROWS, except once no file is left to take: then each worker
+    commits what it holds at once, beside the others, instead of after them."""
     run = _run(tmp_path, ranks=5)
     monkeypatch.setattr(pipeline, "BATCH_ROWS", 10**9)
     sizes: list[int] = []
     real = pipeline._commit_batch
 
-    def commit_batch(con, items):  # type: ignore[no-untyped-def]
+    def commit_batch(cur, items, ledger):  # type: ignore[no-untyped-def]
         sizes.append(len(items))
-        return real(con, items)
+        return real(cur, items, ledger)
 
     monkeypatch.setattr(pipeline, "_commit_batch", commit_batch)
     rep = ingest([run], tmp_path / "s.duckdb", workers=2)
     assert [f.status for f in rep.files] == ["ok"] * 5
-    assert [s for s in sizes if s] == [4, 1]  # after the 4th file, the one left is being parsed
+    assert sum(sizes) == 5 and len(sizes) <= 2  # one batch per worker, committed when the files ran out
+
+
+def test_workers_commit_side_by_side_and_record_each_group_once(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both files wait, between their ledger claim and their writes, until the other has claimed:
+    their transactions are open at the same time (a serial committer would break the barrier),
+    and the group both traces list is recorded once."""
+    run = _run(tmp_path, ranks=2)
+    ingest([run], tmp_path / "one.duckdb", workers=1)
+    barrier = threading.Barrier(2, timeout=30)
+    real = Ledger.claim
+
+    def claim(self, run_id, path, fmt, rank, digest, groups):  # type: ignore[no-untyped-def]
+        try:
+            return real(self, run_id, path, fmt, rank, digest, groups)
+        finally:
+            barrier.wait()
+
+    monkeypatch.setattr(Ledger, "claim", claim)
+    monkeypatch.setattr(pipeline, "BATCH_FILES", 1)
+    rep = ingest([run], tmp_path / "two.duckdb", workers=2)
+    assert [f.status for f in rep.files] == ["ok", "ok"]
+    one, two = _dump(tmp_path / "one.duckdb"), _dump(tmp_path / "two.duckdb")
+    assert one == two and one["groups"] == [("0", "default_pg", "world", [0, 1], 2)]
+
+
+def test_two_files_claiming_one_rank_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two traces of rank 0 with different content, committed side by side: neither transaction
+    sees the other's rows, yet one goes in and the other fails as a duplicate rank."""
+    other = nccl_trace(0, world=2)
+    other["traceEvents"][3]["dur"] = 51.5
+    write_trace(tmp_path / "run" / "rank0.json.gz", nccl_trace(0, world=2))
+    write_trace(tmp_path / "run" / "rank0_again.json.gz", other)
+    barrier = threading.Barrier(2, timeout=30)
+    real = pipeline.parse_mod.run
+
+    def parse(*a, **k):  # type: ignore[no-untyped-def]
+        out = real(*a, **k)
+        barrier.wait()  # both parsed: both claims come at the same time
+        return out
+
+    monkeypatch.setattr(pipeline.parse_mod, "run", parse)
+    monkeypatch.setattr(pipeline, "BATCH_FILES", 1)
+    rep = ingest([tmp_path / "run"], tmp_path / "s.duckdb", workers=2)
+    assert sorted(f.status for f in rep.files) == ["failed", "ok"]
+    (bad,) = rep.failed
+    (good,) = rep.ok
+    assert "duplicate rank 0 in run 'run'" in bad.error and str(good.path) in bad.error
+    with tracekit.open(tmp_path / "s.duckdb") as s:
+        assert s.sql("SELECT count(*) FROM events").item() == 14
+        assert s.sql("SELECT status, count(*) FROM ingest_log WHERE path IS NOT NULL "
+                     "GROUP BY ALL ORDER BY 1").rows() == [("failed", 1), ("ok", 1)]
+
+
+def test_a_group_claimed_by_a_failed_file_is_still_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 claims the run's group, rank 1 (committed meanwhile) leaves it to rank 0, then rank 0's
+    write fails: the group must not be lost with it."""
+    run = _run(tmp_path, ranks=2)
+    claimed, committed = threading.Event(), threading.Event()
+    real_claim, real_insert, real_alone = Ledger.claim, commit._insert, commit.apply_alone
+
+    def claim(self, run_id, path, fmt, rank, digest, groups):  # type: ignore[no-untyped-def]
+        if rank == 1:
+            assert claimed.wait(30)
+        got = real_claim(self, run_id, path, fmt, rank, digest, groups)
+        if rank == 0:
+            claimed.set()
+        return got
+
+    def insert(con, table, src, run_id, rank):  # type: ignore[no-untyped-def]
+        if rank == 0 and table == "collectives":
+            committed.wait(30)
+            raise duckdb.IOException("disk full (injected)")
+        real_insert(con, table, src, run_id, rank)
+
+    def alone(con, job, out, ledger):  # type: ignore[no-untyped-def]
+        done = real_alone(con, job, out, ledger)
+        if done.result is not None and done.result.rank == 1:
+            committed.set()
+        return done
+
+    monkeypatch.setattr(Ledger, "claim", claim)
+    monkeypatch.setattr(commit, "_insert", insert)
+    monkeypatch.setattr(commit, "apply_alone", alone)
+    monkeypatch.setattr(pipeline, "BATCH_FILES", 1)
+    rep = ingest([run], tmp_path / "s.duckdb", workers=2)
+    assert {(f.rank, f.status) for f in rep.files} == {(0, "failed"), (1, "ok")}
+    with tracekit.open(tmp_path / "s.duckdb") as s:
+        assert s.sql("SELECT pg_name, ranks FROM groups").rows() == [("0", [0, 1])]
 
 
 def test_a_failing_consumer_stops_the_workers_and_keeps_the_store(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """The progress callback raising after the first commit: the error reaches the caller, no
-    worker thread is left running, and the store holds the committed file, whole and usable."""
+    """The progress callback raising at the first commit: the error reaches the caller, no worker
+    thread is left running, no new file is started, and the store holds whole files only."""
     run = _run(tmp_path, ranks=8)
     monkeypatch.setattr(pipeline, "BATCH_FILES", 1)
 
@@ -114,11 +205,28 @@ def test_a_failing_consumer_stops_the_workers_and_keeps_the_store(tmp_path: Path
         ingest([run], tmp_path / "s.duckdb", workers=2, progress=progress)
     assert not [t for t in threading.enumerate() if t.name.startswith("tk-ingest")]
     with tracekit.open(tmp_path / "s.duckdb") as s:
-        logged = s.sql("SELECT count(*), min(status) FROM ingest_log").rows()[0]
-        events = s.sql("SELECT count(*) FROM events").rows()[0][0]
-    assert logged == (1, "ok") and events == 14
+        kept, low, high = s.sql("SELECT count(*), min(status), max(status) FROM ingest_log").rows()[0]
+        events = s.sql("SELECT count(*) FROM events").item()
+        per_rank = set(s.sql("SELECT count(*) FROM events GROUP BY rank").rows())
+    # the first file, and at most what the other worker had in hand when the consumer stopped
+    assert 1 <= kept <= 3 and (low, high) == ("ok", "ok")
+    assert events == 14 * kept and per_rank == {(14,)}
     rep = ingest([run], tmp_path / "s.duckdb", workers=2)  # and the rest goes in afterwards
-    assert sorted(f.status for f in rep.files) == ["ok"] * 7 + ["skipped"]
+    assert sorted(f.status for f in rep.files) == ["ok"] * (8 - kept) + ["skipped"] * kept
+
+
+def test_an_error_in_a_worker_reaches_the_caller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not a bad file but a fault of the program: it stops the ingest and is raised, rather than
+    leaving a file out of the report without a word."""
+    run = _run(tmp_path, ranks=4)
+
+    def broken(*a, **k):  # type: ignore[no-untyped-def]
+        raise RuntimeError("bug (injected)")
+
+    monkeypatch.setattr(pipeline.parse_mod, "run", broken)
+    with pytest.raises(RuntimeError, match="bug"):
+        ingest([run], tmp_path / "s.duckdb", workers=2)
+    assert not [t for t in threading.enumerate() if t.name.startswith("tk-ingest")]
 
 
 def test_threads_and_batches_change_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

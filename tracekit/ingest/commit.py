@@ -2,8 +2,10 @@
 
 ``apply`` does the checks (which rank, is it a duplicate, does the file replace its own earlier
 version) before writing anything, so a file that fails them leaves only its ``failed`` log row; it
-runs inside the caller's transaction (several files may share one, pipeline.py). ``apply_alone``
-wraps one file in its own transaction.
+runs inside the caller's transaction (several files may share one, pipeline.py). The checks that
+span files are made in the ledger, not in SQL: other workers' transactions run at the same time and
+their rows are invisible to this one until they commit. ``apply_alone`` wraps one file in its own
+transaction.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import pyarrow as pa
 
 from tracekit import schema
 from tracekit.ingest import parse as parse_mod
-from tracekit.ingest import rundir, topo
+from tracekit.ingest import rundir
 from tracekit.ingest.common import IngestError, Parsed, RankDependent
+from tracekit.ingest.ledger import Claim, Ledger, SameContent
 
 # What a re-ingest of a changed file replaces, per format: table -> extra row filter.
 OWNED: dict[str, dict[str, str]] = {
@@ -54,6 +57,7 @@ class Applied:
 
     result: FileResult | None  # None: the file was passed over (not a trace)
     parsed: Parsed | None = None
+    claim: Claim | None = None  # what it holds in the ledger, to take back if its transaction fails
 
 
 def _log(con: duckdb.DuckDBPyConnection, run_id: str, path: Path, fmt: str | None, rank: int | None,
@@ -68,17 +72,21 @@ def failed(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outco
     return Applied(FileResult(job.path, job.run_id, out.format, rank, "failed", msg, 0, out.seconds))
 
 
-def apply(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcome) -> Applied:
+def _skipped(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcome, fmt: str | None,
+             rank: int | None, why: str) -> Applied:
+    _log(con, job.run_id, job.path, fmt, rank, out.content_hash, "skipped", why, 0, out.seconds)
+    return Applied(FileResult(job.path, job.run_id, fmt, rank, "skipped", why, 0, out.seconds))
+
+
+def apply(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcome, ledger: Ledger) -> Applied:
     """Write one file's outcome. Raises StoreWriteError only for a failed store write, which leaves
-    the caller's transaction unusable; a bad file is logged and returned as failed."""
+    the caller's transaction unusable (the file's ledger claim is already taken back); a bad file is
+    logged and returned as failed."""
     if out.status == "ignored":
         return Applied(None)
     if out.status == "skipped":
-        prev = con.execute("SELECT format, rank FROM ingest_log WHERE run_id = ? AND content_hash = ? "
-                           "AND status = 'ok' LIMIT 1", [job.run_id, out.content_hash]).fetchall()
-        fmt, rank = prev[0] if prev else (None, None)
-        _log(con, job.run_id, job.path, fmt, rank, out.content_hash, "skipped", out.error, 0, out.seconds)
-        return Applied(FileResult(job.path, job.run_id, fmt, rank, "skipped", out.error, 0, out.seconds))
+        fmt, rank = ledger.previous(job.run_id, out.content_hash)
+        return _skipped(con, job, out, fmt, rank, out.error or "already ingested (same content)")
     if out.status != "ok" or out.parsed is None:
         return failed(con, job, out, out.error or f"{job.path}: failed")
     parsed, rank = out.parsed, None
@@ -87,9 +95,12 @@ def apply(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcom
         if unknown:
             raise IngestError(f"{job.path}: parser produced unknown table {unknown[0]!r}")
         rank = None if parsed.multi_rank else _resolve_rank(parsed, job)
-        replace = _check_duplicate(con, job, parsed.format, rank)
+        claim = ledger.claim(job.run_id, job.path, parsed.format, rank, out.content_hash, parsed.groups)
+    except SameContent as e:
+        return _skipped(con, job, out, e.format, e.rank, str(e))
     except IngestError as e:
         return failed(con, job, out, str(e), rank)
+    replace = claim.replace
     try:
         if replace:
             for t, extra in OWNED[parsed.format].items():
@@ -101,20 +112,28 @@ def apply(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcom
                 con.execute(f"DELETE FROM {t} WHERE run_id = ?", [job.run_id])
         for t, tbl in parsed.tables.items():
             _insert(con, t, tbl, job.run_id, rank)
-        topo.add_groups(con, job.run_id, parsed.groups)
+        for g in claim.new_groups:
+            con.execute("INSERT INTO groups VALUES (?, ?, ?, NULL, ?, ?)",
+                        [job.run_id, g.get("pg_name"), g.get("pg_desc"), [int(r) for r in g["ranks"]],
+                         len(g["ranks"])])
         _log(con, job.run_id, job.path, parsed.format, rank, out.content_hash, "ok", None, parsed.rows,
              out.seconds)
     except (duckdb.Error, pa.ArrowException) as e:
+        ledger.release(claim)
         raise StoreWriteError(f"{job.path}: store write failed ({e})", rank) from e
+    except BaseException:
+        ledger.release(claim)
+        raise
     return Applied(FileResult(job.path, job.run_id, parsed.format, rank, "ok", None, parsed.rows, out.seconds),
-                   parsed)
+                   parsed, claim)
 
 
-def apply_alone(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcome) -> Applied:
+def apply_alone(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcome, ledger: Ledger) -> Applied:
     """``apply`` in a transaction of its own; a failed store write is logged as the file's failure."""
     con.execute("BEGIN TRANSACTION")
+    done = None
     try:
-        done = apply(con, job, out)
+        done = apply(con, job, out, ledger)
         con.execute("COMMIT")
         return done
     except StoreWriteError as e:
@@ -122,6 +141,7 @@ def apply_alone(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.
         return failed(con, job, out, str(e), e.rank)
     except duckdb.Error as e:  # the COMMIT itself
         rollback(con)
+        ledger.release(done.claim if done else None)
         return failed(con, job, out, f"{job.path}: store write failed ({e})")
 
 
@@ -161,16 +181,3 @@ def _resolve_rank(parsed: Parsed, job: rundir.Job) -> int:
         raise IngestError(f"{job.path}: cannot tell which rank this {parsed.format} file belongs to "
                           "(no distributedInfo, no manifest pid, no rank in the file name)")
     return r
-
-
-def _check_duplicate(con: duckdb.DuckDBPyConnection, job: rundir.Job, fmt: str, rank: int | None) -> bool:
-    """True if this path replaces its own earlier version; raises if another file holds the rank."""
-    if rank is None:
-        return False
-    rows = con.execute("SELECT DISTINCT path FROM ingest_log WHERE run_id = ? AND format = ? AND rank = ? "
-                       "AND status = 'ok'", [job.run_id, fmt, rank]).fetchall()
-    others = [p for (p,) in rows if p != str(job.path)]
-    if others:
-        raise IngestError(f"{job.path}: duplicate rank {rank} in run {job.run_id!r}: "
-                          f"{fmt} data for it was already ingested from {others[0]}")
-    return bool(rows)

@@ -1,22 +1,25 @@
-"""Ingest orchestration: parallel parsing, atomic commits, a log of what happened.
+"""Ingest orchestration: parallel parsing, parallel atomic commits, a log of what happened.
 
-Worker threads hash, sniff and parse files, each with its own cursor on the store's database
-(for DuckDB's JSON reader where the scanner is not built, and its TRY_CAST): files come back as
-Arrow tables. The scanner, Arrow's kernels and DuckDB work outside the GIL, so the threads use
-every core with no processes to start and no results to copy. This thread, the store's only writer, commits the parsed files (commit.py) while the workers parse the
-next ones: a few files per transaction, enough rows for DuckDB to write them straight into the
-store file rather than through its write-ahead log. A transaction holds whole files, so each file
-is in the store entirely or not at all; if a batch's write fails, its files are redone one per
-transaction so that only the bad one fails. A bad file is logged with its reason and the others
-still go in. Re-ingesting content already in a run is skipped (content hash); a second file
-claiming a rank that another file of the same format already holds is refused; ranks missing
-from a run are reported. After the files, each touched run's ``runs``, ``ranks`` and
-``groups.dim`` are recomputed from the store.
+Worker threads hash, sniff and parse files, each with its own cursor on the store's database (for
+DuckDB's JSON reader where the scanner is not built, and its TRY_CAST), and each commits what it
+parsed in its own transaction: a few files per transaction, enough rows for DuckDB to write them
+straight into the store file rather than through its write-ahead log. DuckDB runs these
+transactions side by side (the scanner, Arrow's kernels and DuckDB work outside the GIL), so
+neither parsing nor writing waits for one thread; a single committing thread was the limit on many
+cores, and on two it left the last files' commits to run one after the other. A transaction holds
+whole files, so each file is in the store entirely or not at all; if a batch's write fails, its
+files are redone one per transaction so that only the bad one fails. A bad file is logged with its
+reason and the others still go in. The checks that span files (same content already in the run,
+a rank that another file already holds, groups already recorded) are decided in one ledger under a
+lock, since concurrent transactions do not see each other (ledger.py). This thread collects the
+outcomes, reports progress, and after the files recomputes each touched run's ``runs``, ``ranks``
+and ``groups.dim`` from the store.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import queue
 import threading
@@ -30,13 +33,15 @@ from tracekit import store
 from tracekit.ingest import commit, rundir, topo
 from tracekit.ingest import parse as parse_mod
 from tracekit.ingest.commit import FileResult
+from tracekit.ingest.ledger import Ledger
 
 __all__ = ["FileResult", "IngestReport", "ingest"]
 
 Progress = Callable[[int, int, Path, str], None]  # (done, total, path, status)
-# A transaction commits once it holds this many rows (DuckDB writes appends of two or more row
-# groups, 122880 rows each, straight to the file) or this many files (bounded memory, steady progress).
-BATCH_ROWS = 250_000
+# A worker commits once its transaction holds this many rows (DuckDB writes an append of at least a
+# row group, 122880 rows, straight to the file) or this many files (bounded memory, steady
+# progress), or when no file is left to take.
+BATCH_ROWS = 122_880
 BATCH_FILES = 8
 MEMORY_PER_WORKER_MB = 128
 
@@ -83,17 +88,12 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
         # 64 MiB of JSON buffers that cannot be spilled.
         if saved["memory_limit"] == _default_memory_limit():  # else someone in this process chose one
             con.execute(f"SET memory_limit = '{MEMORY_PER_WORKER_MB * (n_workers + 1)}MB'")
-        known: dict[str, set[str]] = {}
-        for rid, h in con.execute("SELECT run_id, content_hash FROM ingest_log WHERE status = 'ok'").fetchall():
-            known.setdefault(rid, set()).add(h)
-        stored = {rid: frozenset(hs) for rid, hs in known.items()}  # workers skip these unread
+        ledger = Ledger(con)
         runs: dict[str, topo.RunBatch] = {}
-        batch: list[tuple[rundir.Job, parse_mod.Outcome]] = []
-        done = 0
-
-        def flush() -> None:
-            nonlocal done
-            for (job, out), applied in zip(batch, _commit_batch(con, batch)):
+        # closing: should the progress callback raise, the workers stop before the connection
+        # their cursors belong to closes
+        with contextlib.closing(_committed(con, jobs, ledger, n_workers, optable_reader)) as committed:
+            for done, (job, applied) in enumerate(committed, 1):
                 rb = runs.setdefault(job.run_id, topo.RunBatch(job.run_id, job.manifest))
                 res = applied.result
                 if res is not None:
@@ -102,26 +102,8 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
                         rb.touched = True  # the run's tables are recomputed; its content is in the store
                     elif res.status == "ok" and applied.parsed is not None:
                         rb.note(applied.parsed, res.rank)
-                        known.setdefault(job.run_id, set()).add(out.content_hash or "")
-                done += 1
                 if progress is not None:
                     progress(done, len(jobs), job.path, res.status if res else "ignored")
-            batch.clear()
-
-        rows = 0
-        # closing: should a commit or the progress callback raise, the workers stop before the
-        # connection their cursors belong to closes
-        with contextlib.closing(_outcomes(con, jobs, stored, n_workers, optable_reader)) as outcomes:
-            for i, (job, out) in enumerate(outcomes):
-                batch.append((job, _unless_known(job, out, known, batch)))
-                rows += out.parsed.rows if out.parsed is not None else 0
-                # Once fewer files are left than workers (all being parsed), commit each as it comes:
-                # its commit then overlaps the others' parsing instead of running alone after the last.
-                last_round = len(jobs) - (i + 1) < n_workers
-                if rows >= BATCH_ROWS or len(batch) >= BATCH_FILES or last_round:
-                    flush()
-                    rows = 0
-        flush()
         for rid, rb in runs.items():
             if rb.touched:
                 report.missing.update(topo.finalize(con, rb))
@@ -174,63 +156,61 @@ def _checkpoint(con: duckdb.DuckDBPyConnection) -> None:
         pass  # another connection's open transaction: the last connection to close checkpoints
 
 
-def _unless_known(job: rundir.Job, out: parse_mod.Outcome, known: dict[str, set[str]],
-                  batch: list[tuple[rundir.Job, parse_mod.Outcome]]) -> parse_mod.Outcome:
-    """``out``, or 'skipped' when the same content of the same run is in the store or in the batch."""
-    if out.status != "ok":
-        return out
-    dup = out.content_hash in known.get(job.run_id, ()) or any(
-        o.status == "ok" and (j.run_id, o.content_hash) == (job.run_id, out.content_hash) for j, o in batch)
-    if not dup:
-        return out
-    return parse_mod.Outcome(out.path, "skipped", None, out.content_hash, error="already ingested (same content)",
-                             seconds=out.seconds)
-
-
-def _commit_batch(con: duckdb.DuckDBPyConnection,
-                  items: list[tuple[rundir.Job, parse_mod.Outcome]]) -> list[commit.Applied]:
+def _commit_batch(cur: duckdb.DuckDBPyConnection, items: list[tuple[rundir.Job, parse_mod.Outcome]],
+                  ledger: Ledger) -> list[commit.Applied]:
     if len(items) > 1:
-        con.execute("BEGIN TRANSACTION")
+        cur.execute("BEGIN TRANSACTION")
+        applied: list[commit.Applied] = []
         try:
-            applied = [commit.apply(con, job, out) for job, out in items]
-            con.execute("COMMIT")
+            for job, out in items:
+                applied.append(commit.apply(cur, job, out, ledger))
+            cur.execute("COMMIT")
             return applied
         except (commit.StoreWriteError, duckdb.Error):
-            commit.rollback(con)  # and again one file at a time, so that only the bad one fails
-    return [commit.apply_alone(con, job, out) for job, out in items]
+            commit.rollback(cur)  # and again one file at a time, so that only the bad one fails
+            for a in applied:
+                ledger.release(a.claim)
+    return [commit.apply_alone(cur, job, out, ledger) for job, out in items]
 
 
-def _outcomes(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], known: dict[str, frozenset[str]],
-              n: int, reader: parse_mod.OptableReader | None) -> Iterator[tuple[rundir.Job, parse_mod.Outcome]]:
-    """(job, its outcome) in completion order, parsed by ``n`` worker threads.
+def _committed(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], ledger: Ledger, n: int,
+               reader: parse_mod.OptableReader | None) -> Iterator[tuple[rundir.Job, commit.Applied]]:
+    """(job, what its commit did) in completion order; ``n`` worker threads parse and commit.
 
-    Each worker takes its next file as soon as it is done with one, whether or not this generator's
-    consumer (the committing thread) has come back for the outcomes: a worker that waited for the
-    consumer idled through every commit (a quarter of its time at 8 ranks on 2 cores). Memory stays
-    bounded: at most ``2 n`` files are parsed or being parsed and not yet taken (a parsed trace
-    holds about 60 bytes per event)."""
-    if len(jobs) <= 1 or n <= 1:
-        for j in jobs:
-            cur = con.cursor()
-            try:
-                yield j, parse_mod.run(j.path, j.explicit, known.get(j.run_id, frozenset()), cur, reader)
-            finally:
-                cur.close()
-        return
+    Each worker takes the next file as soon as it is done with one, and commits what it holds once
+    that is a row group's worth of rows or ``BATCH_FILES`` files, or once no file is left to take
+    (then the last files' commits overlap the others' parsing instead of queueing behind them).
+    Memory per worker stays bounded by its batch. An error that is not about a file (a bug, an
+    interrupt) stops every worker and reaches the caller."""
     todo, todo_lock = iter(jobs), threading.Lock()
-    slots = threading.Semaphore(2 * n)
     results: queue.SimpleQueue = queue.SimpleQueue()
     stop = threading.Event()
 
+    def take() -> rundir.Job | None:
+        with todo_lock:
+            return None if stop.is_set() else next(todo, None)
+
     def work(cur: duckdb.DuckDBPyConnection) -> None:
         try:
+            batch: list[tuple[rundir.Job, parse_mod.Outcome]] = []
+            rows = 0
             while True:
-                slots.acquire()
-                with todo_lock:
-                    j = None if stop.is_set() else next(todo, None)
-                if j is None:
+                job = take()
+                if job is not None:
+                    out = parse_mod.run(job.path, job.explicit, ledger.stored(job.run_id), cur, reader)
+                    batch.append((job, out))
+                    rows += out.parsed.rows if out.parsed is not None else 0
+                if batch and (job is None or rows >= BATCH_ROWS or len(batch) >= BATCH_FILES) \
+                        and not stop.is_set():
+                    for (j, _), applied in zip(batch, _commit_batch(cur, batch, ledger)):
+                        if applied.parsed is not None:  # the tables are in the store: let them go
+                            applied.parsed = dataclasses.replace(applied.parsed, tables={})
+                        results.put((j, applied))
+                    batch, rows = [], 0
+                if job is None:
                     return
-                results.put((j, parse_mod.run(j.path, j.explicit, known.get(j.run_id, frozenset()), cur, reader)))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            results.put(e)
         finally:
             cur.close()
             results.put(None)  # this worker is done
@@ -246,12 +226,11 @@ def _outcomes(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], known: dic
             item = results.get()
             if item is None:
                 running -= 1
-                continue
-            yield item
-            slots.release()
-    finally:  # the consumer stopped early: let the running parses end, start no new one
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:  # the consumer stopped early, or a worker failed: start no new file, commit nothing more
         stop.set()
-        for _ in threads:
-            slots.release()
         for t in threads:
             t.join()

@@ -29,9 +29,12 @@ class RunBatch:
     world_sizes: list[int] = field(default_factory=list)
     backends: set[str] = field(default_factory=set)
     pids: dict[int, int] = field(default_factory=dict)
+    groups: dict[tuple, dict] = field(default_factory=dict)  # the ingested files' groups, by identity
 
     def note(self, parsed: Parsed, rank: int | None) -> None:
         self.touched = True
+        for g in parsed.groups:
+            self.groups.setdefault((g.get("pg_name"), tuple(int(r) for r in g["ranks"])), g)
         if parsed.world_size:
             self.world_sizes.append(parsed.world_size)
         if parsed.backend:
@@ -98,6 +101,9 @@ def finalize(con: duckdb.DuckDBPyConnection, rb: RunBatch) -> dict[tuple[str, st
         or prev.get("world_size") or (max(seen) + 1 if seen else None)
     if m is not None:
         add_groups(con, rid, m.groups)
+    # Each file records its groups with its rows; a group that a file found already claimed by
+    # another worker's transaction, which then rolled back, is recorded here instead.
+    add_groups(con, rid, list(rb.groups.values()))
     groups = con.execute("SELECT rowid, pg_desc, ranks FROM groups WHERE run_id = ?", [rid]).fetchall()
     lay, source = _layout(rb, world, prev, groups) if world else (None, "unknown")
     formats = sorted(have) or ([prev["source"]] if prev.get("source") else [])
