@@ -254,3 +254,50 @@ def test_rank_outside_world_is_reported(tmp_path: Path) -> None:
     with tracekit.open(tmp_path / "s.duckdb") as s:
         w = s.sql("SELECT error FROM ingest_log WHERE status = 'warning'")["error"].to_list()
     assert w == ["ranks 5 lie outside the world size 2"]
+
+
+def _big_job_trace(rank: int) -> dict:
+    """A trace whose distributedInfo lists a large job's process groups before the events: the
+    preamble alone is larger than what the sniffer reads (64 KiB)."""
+    t = nccl_trace(rank, world=2)
+    info = t.pop("distributedInfo")
+    info["pg_config"] += [{"pg_name": str(i), "pg_desc": f"dp_{i}", "ranks": list(range(i, 16384, 128))}
+                          for i in range(1, 129)]
+    return {"schemaVersion": t.pop("schemaVersion"), "deviceProperties": t.pop("deviceProperties"),
+            "distributedInfo": info, **t}
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_trace_with_a_large_preamble_is_recognized(tmp_path: Path, gz: bool) -> None:
+    run = tmp_path / "big"
+    for r in range(2):
+        path = write_trace(run / f"rank{r}.json{'.gz' if gz else ''}", _big_job_trace(r), gz=gz)
+    raw = gzip.decompress(path.read_bytes()) if gz else path.read_bytes()
+    assert raw.index(b'"traceEvents"') > 1 << 16  # else the test says nothing
+    rep = ingest([run], tmp_path / "s.duckdb")  # a directory walk used to pass these over silently
+    assert [(f.rank, f.status) for f in rep.files] == [(0, "ok"), (1, "ok")] and not rep.ignored
+    with tracekit.open(tmp_path / "s.duckdb") as s:
+        assert s.sql("SELECT count(*) FROM groups").item() == 129
+        assert s.sql("SELECT count(*) FROM events").item() == 2 * 14
+
+
+def test_files_passed_over_are_reported(tmp_path: Path) -> None:
+    """A directory walk passes over what is not a trace, and says so: in the report, in --json and
+    in the CLI's summary."""
+    from click.testing import CliRunner
+
+    from tracekit.cli import main
+
+    run = tmp_path / "r"
+    write_trace(run / "rank0.json.gz", nccl_trace(0, world=1))
+    (run / "result.json").write_text(json.dumps({"loss": [2.5, 2.1]}))
+    (run / "notes.txt").write_text("lr 3e-4\n")
+    rep = ingest([run], tmp_path / "s.duckdb")
+    assert [f.status for f in rep.files] == ["ok"]
+    assert sorted(p.name for p in rep.ignored) == ["notes.txt", "result.json"]
+    out = CliRunner().invoke(main, ["ingest", str(run), "--store", str(tmp_path / "t.duckdb"), "--json"])
+    assert out.exit_code == 0, out.output
+    assert sorted(Path(p).name for p in json.loads(out.output)["ignored"]) == ["notes.txt", "result.json"]
+    out = CliRunner().invoke(main, ["ingest", str(run), "--store", str(tmp_path / "u.duckdb")])
+    assert out.exit_code == 0, out.output
+    assert "passed over 2 files not recognized as traces" in out.output and "result.json" in out.output

@@ -98,6 +98,8 @@ def test_wia_traces_dispatch_to_optable_reader(tmp_path: Path, name: str, rows: 
     db = tmp_path / "wia.duckdb"
     report = ingest([WIA / name], db, optable_reader=wia_test_reader)
     assert [f.status for f in report.files] == ["ok"]  # yaml and result/ms/mw json are passed over
+    # the meta yaml belongs to the op table; the result files are reported as passed over
+    assert sorted(p.name for p in report.ignored) == [f"ms-{name}.json", f"mw-{name}.json", f"result-{name}.json"]
     with tracekit.open(db) as s:
         assert s.sql("SELECT count(*) FROM events WHERE run_id = ?", [name]).item() == rows
         run = s.table("runs").row(0, named=True)

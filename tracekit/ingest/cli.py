@@ -50,7 +50,8 @@ def ingest_cmd(paths: tuple[Path, ...], store_path: Path, run_id: str | None, wo
         click.echo(json.dumps({
             "files": [{"path": str(f.path), "run_id": f.run_id, "format": f.format, "rank": f.rank,
                        "status": f.status, "error": f.error, "rows": f.rows} for f in report.files],
-            "missing_ranks": missing, "runs": report.runs}, indent=2))
+            "missing_ranks": missing, "runs": report.runs, "ignored": [str(p) for p in report.ignored]},
+            indent=2))
     else:
         _render(report, missing)
     sys.exit(2 if report.failed else 0)
@@ -77,3 +78,7 @@ def _render(report: object, missing: dict[str, list[int]]) -> None:
         out.print(f"[yellow]warning:[/yellow] {key}: ranks missing: {ranges_text(ranks)} ({len(ranks)})")
     for f in report.failed:  # type: ignore[attr-defined]
         out.print(f"[red]failed:[/red] {f.error}")
+    ignored = report.ignored  # type: ignore[attr-defined]
+    if ignored:
+        shown = ", ".join(str(p) for p in ignored[:5]) + (f" and {len(ignored) - 5} more" if len(ignored) > 5 else "")
+        out.print(f"passed over {len(ignored)} file{'s' if len(ignored) > 1 else ''} not recognized as traces: {shown}")

@@ -51,6 +51,8 @@ class IngestReport:
     files: list[FileResult] = field(default_factory=list)  # in the order the files were given
     missing: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (run, format) -> ranks
     runs: list[str] = field(default_factory=list)
+    # files of a directory walk passed over as not traces (a README, a result.json), as given
+    ignored: list[Path] = field(default_factory=list)
 
     @property
     def failed(self) -> list[FileResult]:
@@ -96,7 +98,9 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
             for done, (job, applied) in enumerate(committed, 1):
                 rb = runs.setdefault(job.run_id, topo.RunBatch(job.run_id, job.manifest))
                 res = applied.result
-                if res is not None:
+                if res is None:
+                    report.ignored.append(job.path)
+                else:
                     report.files.append(res)
                     if res.status == "skipped":
                         rb.touched = True  # the run's tables are recomputed; its content is in the store
@@ -112,6 +116,7 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
         _close(con, saved)
     order = {job.path: i for i, job in reversed(list(enumerate(jobs)))}
     report.files.sort(key=lambda f: order.get(f.path, len(order)))  # input order, not completion order
+    report.ignored.sort(key=lambda p: order.get(p, len(order)))
     return report
 
 

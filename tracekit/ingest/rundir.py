@@ -133,10 +133,16 @@ def collect(paths: list[Path], run_id: str | None = None) -> list[Job]:
         else:
             files, explicit = [p], True
         for f in files:
-            if f.name == MANIFEST or f.resolve() in seen:
+            if f.name == MANIFEST or f.resolve() in seen or (not explicit and _optable_meta(f)):
                 continue
             seen.add(f.resolve())
             m = manifest_for(f)
             rid = run_id or (m.run_id if m else default_run_id(f))
             jobs.append(Job(path=f, explicit=explicit, run_id=rid, manifest=m))
     return jobs
+
+
+def _optable_meta(f: Path) -> bool:
+    """A what-if op table's meta*.yaml: read with the parquet beside it (optable.py), not a file of
+    its own, so a directory walk does not list it among the files it passed over."""
+    return f.name.startswith("meta") and f.suffix in (".yaml", ".yml") and any(f.parent.glob("*.parquet"))

@@ -45,13 +45,21 @@ def sniff(path: Path) -> str:
     text = head.lstrip()
     if text[:1] not in (b"{", b"["):
         return UNKNOWN
-    if b'"traceEvents"' in head:
+    if b'"traceEvents"' in head or _kineto_preamble(text):
         return KINETO
     # torch writes the FR JSON's keys sorted: a dump whose entries fill the head shows its
     # "pg_config" and "version" only after them, so an entry's own keys count as well.
     if b'"entries"' in head and any(k in head for k in _FR_KEYS):
         return FR
     return JSON
+
+
+def _kineto_preamble(text: bytes) -> bool:
+    """Kineto writes ``schemaVersion`` first, then ``deviceProperties`` and ``distributedInfo``, then
+    the events. A large job's ``distributedInfo`` (every process group with all its ranks) can push
+    ``traceEvents`` far beyond the head, so the preamble is the sign too."""
+    body = text[1:].lstrip()
+    return body.startswith(b'"schemaVersion"') and (b'"deviceProperties"' in text or b'"distributedInfo"' in text)
 
 
 def looks_like_trace(path: Path) -> bool:
