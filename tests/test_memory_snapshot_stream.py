@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tracekit import pickle_stream
@@ -270,6 +270,7 @@ def test_not_a_snapshot_and_malformed_entries(tmp_path: Path) -> None:
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(how=st.sampled_from(["truncate", "overwrite", "delete"]), pos=st.floats(0.0, 1.0),
        blob=st.binary(min_size=1, max_size=6))
+@example(how="overwrite", pos=0.0, blob=b"PAR1")  # now sniffed as parquet: the op-table error must be a clear one
 @pytest.mark.parametrize("stream_above", [0, 2 << 20], ids=["streamed", "loaded-whole"])
 def test_mangled_snapshots_fail_clearly_and_write_nothing(tmp_path: Path, how: str, pos: float, blob: bytes,
                                                           stream_above: int) -> None:

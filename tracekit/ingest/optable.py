@@ -37,6 +37,7 @@ import polars as pl
 import yaml
 
 from tracekit.analysis.tables import conform
+from tracekit.ingest.common import IngestError
 from tracekit.topology import Layout
 
 REQUIRED_COLUMNS = ("dp_rank", "stage", "rank", "step", "optype", "start_ts", "duration", "seq_id",
@@ -63,8 +64,9 @@ COLLECTIVE_OPS = {
 STEP_GAP_NS = 1_000_000
 
 
-class OpTableError(ValueError):
-    """An op table or its meta yaml that cannot be read as the what-if-analysis format."""
+class OpTableError(IngestError, ValueError):
+    """An op table or its meta yaml that cannot be read as the what-if-analysis format: bad input,
+    reported like any other (a file whose content merely starts like parquet lands here too)."""
 
 
 def _find_meta(parquet_path: Path) -> Path:
