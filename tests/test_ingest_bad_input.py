@@ -291,13 +291,43 @@ def test_files_passed_over_are_reported(tmp_path: Path) -> None:
     run = tmp_path / "r"
     write_trace(run / "rank0.json.gz", nccl_trace(0, world=1))
     (run / "result.json").write_text(json.dumps({"loss": [2.5, 2.1]}))
-    (run / "notes.txt").write_text("lr 3e-4\n")
+    (run / "notes[i].txt").write_text("lr 3e-4\n")  # brackets: rich markup, unless escaped
     rep = ingest([run], tmp_path / "s.duckdb")
     assert [f.status for f in rep.files] == ["ok"]
-    assert sorted(p.name for p in rep.ignored) == ["notes.txt", "result.json"]
+    assert sorted(p.name for p in rep.ignored) == ["notes[i].txt", "result.json"]
     out = CliRunner().invoke(main, ["ingest", str(run), "--store", str(tmp_path / "t.duckdb"), "--json"])
     assert out.exit_code == 0, out.output
-    assert sorted(Path(p).name for p in json.loads(out.output)["ignored"]) == ["notes.txt", "result.json"]
+    assert sorted(Path(p).name for p in json.loads(out.output)["ignored"]) == ["notes[i].txt", "result.json"]
     out = CliRunner().invoke(main, ["ingest", str(run), "--store", str(tmp_path / "u.duckdb")])
     assert out.exit_code == 0, out.output
-    assert "passed over 2 files not recognized as traces" in out.output and "result.json" in out.output
+    assert "passed over 2 files not recognized as traces" in out.output
+    assert str(run / "notes[i].txt") in out.output and str(run / "result.json") in out.output
+
+
+def test_a_store_that_cannot_be_opened_is_a_clear_error(tmp_path: Path) -> None:
+    """Another process holding the store, or a --store that is not a database: one line naming the
+    store and why, exit code 2, no traceback, and the file left as it was."""
+    import subprocess
+
+    from click.testing import CliRunner
+
+    from tracekit.cli import main
+
+    trace = write_trace(tmp_path / "r" / "rank0.json.gz", nccl_trace(0, world=1))
+    not_db = tmp_path / "notes.duckdb"
+    not_db.write_text("not a database\n")
+    out = CliRunner().invoke(main, ["ingest", str(trace), "--store", str(not_db)])
+    assert out.exit_code == 2 and "Traceback" not in out.output, out.output
+    assert f"{not_db}: cannot open store" in out.output and not_db.read_text() == "not a database\n"
+
+    held = tmp_path / "held.duckdb"
+    holder = subprocess.Popen([sys.executable, "-c", "import duckdb, sys; c = duckdb.connect(sys.argv[1]); "
+                               "print('ready', flush=True); sys.stdin.read()", str(held)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        out = CliRunner().invoke(main, ["ingest", str(trace), "--store", str(held)])
+    finally:
+        holder.communicate("")
+    assert out.exit_code == 2 and "Traceback" not in out.output, out.output
+    assert f"{held}: cannot open store" in out.output and "lock" in out.output

@@ -18,6 +18,7 @@ import click
 def dashboard_command(path: Path, store_path: Path | None, port: int, address: str, show: bool) -> None:
     """Serve the dashboard for a tracekit store, or for a run directory (ingested on the fly)."""
     from rich.console import Console
+    from rich.markup import escape
 
     from tracekit.ingest.common import IngestError
     from tracekit.store import StoreError
@@ -36,10 +37,10 @@ def dashboard_command(path: Path, store_path: Path | None, port: int, address: s
                 report = ingest([path], store, progress=lambda done, total, p, status: bar.update(
                     task, completed=done, total=total, description=p.name))
             except IngestError as e:
-                err.print(f"[red]error:[/red] {e}")
+                err.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
                 sys.exit(2)
         for f in report.failed:
-            err.print(f"[yellow]warning:[/yellow] not ingested: {f.error}")
+            err.print(f"[yellow]warning:[/yellow] not ingested: {escape(f.error or '')}", soft_wrap=True)
     else:
         store = path
     try:
@@ -54,12 +55,12 @@ def dashboard_command(path: Path, store_path: Path | None, port: int, address: s
         data = DashboardData(store)  # fail here, clearly, before the server starts
         newest = data.newest_run()
     except StoreError as e:
-        err.print(f"[red]error:[/red] {e}")
+        err.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
         sys.exit(2)
     with err.status(f"analysing run {newest} ..."):  # what the first page shows, before anyone asks
         try:
             data.warm(newest)
         except ValueError as e:  # the page says which views cannot show this run
-            err.print(f"[yellow]warning:[/yellow] run {newest}: {e}")
+            err.print(f"[yellow]warning:[/yellow] run {escape(str(newest))}: {escape(str(e))}", soft_wrap=True)
     err.print(f"tracekit dashboard: http://{address}:{port}/dashboard  (store {store})")
     serve(store, port=port, address=address, show=show, data=data)

@@ -27,9 +27,11 @@ def ingest_cmd(paths: tuple[Path, ...], store_path: Path, run_id: str | None, wo
     any file failed; the others are still ingested.
     """
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tracekit.ingest.pipeline import ingest
+    from tracekit.store import StoreError
 
     err = Console(stderr=True)
     with Progress(TextColumn("ingest"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -42,8 +44,8 @@ def ingest_cmd(paths: tuple[Path, ...], store_path: Path, run_id: str | None, wo
 
         try:
             report = ingest(list(paths), store_path, run_id=run_id, workers=workers, progress=on_progress)
-        except IngestError as e:
-            err.print(f"[red]error:[/red] {e}")
+        except (IngestError, StoreError) as e:  # the store cannot be opened, or no input at all
+            err.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True, highlight=False)
             sys.exit(2)
     missing = {f"{r}/{f}": ranks for (r, f), ranks in report.missing.items()}
     if as_json:
@@ -59,6 +61,7 @@ def ingest_cmd(paths: tuple[Path, ...], store_path: Path, run_id: str | None, wo
 
 def _render(report: object, missing: dict[str, list[int]]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from tracekit.ingest.topo import ranges_text
@@ -77,8 +80,9 @@ def _render(report: object, missing: dict[str, list[int]]) -> None:
     for key, ranks in missing.items():
         out.print(f"[yellow]warning:[/yellow] {key}: ranks missing: {ranges_text(ranks)} ({len(ranks)})")
     for f in report.failed:  # type: ignore[attr-defined]
-        out.print(f"[red]failed:[/red] {f.error}")
+        out.print(f"[red]failed:[/red] {escape(f.error or '')}", soft_wrap=True, highlight=False)
     ignored = report.ignored  # type: ignore[attr-defined]
     if ignored:
         shown = ", ".join(str(p) for p in ignored[:5]) + (f" and {len(ignored) - 5} more" if len(ignored) > 5 else "")
-        out.print(f"passed over {len(ignored)} file{'s' if len(ignored) > 1 else ''} not recognized as traces: {shown}")
+        out.print(f"passed over {len(ignored)} file{'s' if len(ignored) > 1 else ''} not recognized as traces: "
+                  f"{escape(shown)}", soft_wrap=True, highlight=False)
