@@ -295,13 +295,21 @@ def test_files_passed_over_are_reported(tmp_path: Path) -> None:
     rep = ingest([run], tmp_path / "s.duckdb")
     assert [f.status for f in rep.files] == ["ok"]
     assert sorted(p.name for p in rep.ignored) == ["notes[i].txt", "result.json"]
+    assert rep.bytes_ingested == (run / "rank0.json.gz").stat().st_size and rep.seconds > 0
     out = CliRunner().invoke(main, ["ingest", str(run), "--store", str(tmp_path / "t.duckdb"), "--json"])
     assert out.exit_code == 0, out.output
-    assert sorted(Path(p).name for p in json.loads(out.output)["ignored"]) == ["notes[i].txt", "result.json"]
+    as_json = json.loads(out.output)
+    assert sorted(Path(p).name for p in as_json["ignored"]) == ["notes[i].txt", "result.json"]
+    assert as_json["bytes"] == rep.bytes_ingested and as_json["seconds"] > 0
     out = CliRunner().invoke(main, ["ingest", str(run), "--store", str(tmp_path / "u.duckdb")])
     assert out.exit_code == 0, out.output
-    assert "passed over 2 files not recognized as traces" in out.output
-    assert str(run / "notes[i].txt") in out.output and str(run / "result.json") in out.output
+    assert f"passed over 2 files not recognized as traces: {run}: notes[i].txt, result.json" in out.output
+    for i in range(3):  # several of one folder are counted, not listed
+        (run / "device" / f"rank{i}.json").parent.mkdir(exist_ok=True)
+        (run / "device" / f"rank{i}.json").write_text("{}")
+    out = CliRunner().invoke(main, ["ingest", str(run), "--store", str(tmp_path / "v.duckdb")])
+    assert f"passed over 5 files not recognized as traces: {run}: device/ (3 files), notes[i].txt, result.json" \
+        in out.output
 
 
 def test_a_store_that_cannot_be_opened_is_a_clear_error(tmp_path: Path) -> None:

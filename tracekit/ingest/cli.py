@@ -52,7 +52,8 @@ def ingest_cmd(paths: tuple[Path, ...], store_path: Path, run_id: str | None, wo
         click.echo(json.dumps({
             "files": [{"path": str(f.path), "run_id": f.run_id, "format": f.format, "rank": f.rank,
                        "status": f.status, "error": f.error, "rows": f.rows} for f in report.files],
-            "missing_ranks": missing, "runs": report.runs, "ignored": [str(p) for p in report.ignored]},
+            "missing_ranks": missing, "runs": report.runs, "ignored": [str(p) for p in report.ignored],
+            "seconds": round(report.seconds, 3), "bytes": report.bytes_ingested},
             indent=2))
     else:
         _render(report, missing)
@@ -77,12 +78,34 @@ def _render(report: object, missing: dict[str, list[int]]) -> None:
         t.add_row(run, fmt, str(sum(f.status == "ok" for f in fs)), str(sum(f.rows for f in fs)),
                   str(sum(f.status == "skipped" for f in fs)), str(sum(f.status == "failed" for f in fs)))
     out.print(t)
+    n, mb, sec = len(report.ok), report.bytes_ingested / 1e6, report.seconds  # type: ignore[attr-defined]
+    out.print(f"{n} file{'' if n == 1 else 's'}, {mb:,.1f} MB in {sec:.1f} s"
+              + (f" ({mb / sec:,.0f} MB/s)" if n and sec > 0 else ""), highlight=False)
     for key, ranks in missing.items():
         out.print(f"[yellow]warning:[/yellow] {key}: ranks missing: {ranges_text(ranks)} ({len(ranks)})")
     for f in report.failed:  # type: ignore[attr-defined]
         out.print(f"[red]failed:[/red] {escape(f.error or '')}", soft_wrap=True, highlight=False)
     ignored = report.ignored  # type: ignore[attr-defined]
     if ignored:
-        shown = ", ".join(str(p) for p in ignored[:5]) + (f" and {len(ignored) - 5} more" if len(ignored) > 5 else "")
         out.print(f"passed over {len(ignored)} file{'s' if len(ignored) > 1 else ''} not recognized as traces: "
-                  f"{escape(shown)}", soft_wrap=True, highlight=False)
+                  f"{escape(_grouped(ignored))}", soft_wrap=True, highlight=False)
+
+
+def _grouped(paths: list[Path], most: int = 6) -> str:
+    """Paths under their common folder, several files of one subfolder as 'sub/ (n files)'."""
+    import os
+    from collections import Counter
+
+    root = Path(os.path.commonpath([p.parent for p in paths]))
+    parts = [p.relative_to(root).parts for p in paths]
+    per_dir = Counter(ps[0] for ps in parts if len(ps) > 1)
+    items: list[str] = []
+    for ps in parts:
+        if len(ps) > 1 and per_dir[ps[0]] > 1:
+            item = f"{ps[0]}/ ({per_dir[ps[0]]} files)"
+        else:
+            item = str(Path(*ps))
+        if item not in items:
+            items.append(item)
+    shown = ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
+    return f"{root}: {shown}"

@@ -23,6 +23,7 @@ import dataclasses
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -53,6 +54,8 @@ class IngestReport:
     runs: list[str] = field(default_factory=list)
     # files of a directory walk passed over as not traces (a README, a result.json), as given
     ignored: list[Path] = field(default_factory=list)
+    seconds: float = 0.0  # wall time of the whole ingest
+    bytes_ingested: int = 0  # size on disk of the files ingested (status ok)
 
     @property
     def failed(self) -> list[FileResult]:
@@ -71,6 +74,7 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
            workers: int | None = None, progress: Progress | None = None,
            optable_reader: parse_mod.OptableReader | None = None) -> IngestReport:
     """Ingest files and run directories into the store at ``store_path``; never raises for bad files."""
+    t0 = time.perf_counter()
     jobs = rundir.collect([Path(p) for p in paths], run_id)
     n_workers = max(1, workers or min(len(jobs), os.cpu_count() or 1))
     con = store.connect(store_path)
@@ -117,7 +121,16 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
     order = {job.path: i for i, job in reversed(list(enumerate(jobs)))}
     report.files.sort(key=lambda f: order.get(f.path, len(order)))  # input order, not completion order
     report.ignored.sort(key=lambda p: order.get(p, len(order)))
+    report.bytes_ingested = sum(_size(f.path) for f in report.ok)
+    report.seconds = time.perf_counter() - t0
     return report
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:  # gone since it was read
+        return 0
 
 
 def _settings(con: duckdb.DuckDBPyConnection) -> dict[str, str]:
