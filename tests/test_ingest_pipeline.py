@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import duckdb
@@ -197,13 +198,23 @@ def test_a_failing_consumer_stops_the_workers_and_keeps_the_store(tmp_path: Path
     thread is left running, no new file is started, and the store holds whole files only."""
     run = _run(tmp_path, ranks=8)
     monkeypatch.setattr(pipeline, "BATCH_FILES", 1)
+    real, calls = pipeline.parse_mod.run, []
+
+    def parse(*a, **k):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) > 1:
+            time.sleep(0.05)  # the others take long enough for the consumer to stop first
+        return real(*a, **k)
 
     def progress(done: int, total: int, path: Path, status: str) -> None:
         raise KeyboardInterrupt  # what Ctrl-C in a progress bar looks like
 
+    monkeypatch.setattr(pipeline.parse_mod, "run", parse)
     with pytest.raises(KeyboardInterrupt):
         ingest([run], tmp_path / "s.duckdb", workers=2, progress=progress)
     assert not [t for t in threading.enumerate() if t.name.startswith("tk-ingest")]
+    assert len(calls) <= 3  # the first file, and at most one more per worker: no new file started
+    monkeypatch.setattr(pipeline.parse_mod, "run", real)
     with tracekit.open(tmp_path / "s.duckdb") as s:
         kept, low, high = s.sql("SELECT count(*), min(status), max(status) FROM ingest_log").rows()[0]
         events = s.sql("SELECT count(*) FROM events").item()
