@@ -169,8 +169,7 @@ def byte_compile() -> None:
     """Write tracekit's .pyc files, as an install would (see the module docstring)."""
     import compileall
 
-    for pkg in ("tracekit",):
-        compileall.compile_dir(str(ROOT / pkg), quiet=1)
+    compileall.compile_dir(str(ROOT / "tracekit"), quiet=1)
 
 
 def main() -> None:

@@ -281,7 +281,7 @@ def test_trace_with_a_large_preamble_is_recognized(tmp_path: Path, gz: bool) -> 
         assert s.sql("SELECT count(*) FROM events").item() == 2 * 14
 
 
-def test_files_passed_over_are_reported(tmp_path: Path) -> None:
+def test_files_passed_over_are_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A directory walk passes over what is not a trace, and says so: in the report, in --json and
     in the CLI's summary."""
     from click.testing import CliRunner
@@ -310,6 +310,13 @@ def test_files_passed_over_are_reported(tmp_path: Path) -> None:
     out = CliRunner().invoke(main, ["ingest", str(run), "--store", str(tmp_path / "v.duckdb")])
     assert f"passed over 5 files not recognized as traces: {run}: device/ (3 files), notes[i].txt, result.json" \
         in out.output
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "README").write_text("x")
+    monkeypatch.chdir(tmp_path)  # a relative input beside an absolute one
+    out = CliRunner().invoke(main, ["ingest", "r", str(other), "--store", str(tmp_path / "w.duckdb")])
+    assert out.exit_code == 0, out.output
+    assert f"passed over 6 files not recognized as traces: {tmp_path}: r/ (5 files), elsewhere/README" in out.output
 
 
 def test_a_store_that_cannot_be_opened_is_a_clear_error(tmp_path: Path) -> None:

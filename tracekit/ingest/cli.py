@@ -96,6 +96,7 @@ def _grouped(paths: list[Path], most: int = 6) -> str:
     import os
     from collections import Counter
 
+    paths = [p.absolute() for p in paths]  # commonpath refuses relative and absolute mixed
     root = Path(os.path.commonpath([p.parent for p in paths]))
     parts = [p.relative_to(root).parts for p in paths]
     per_dir = Counter(ps[0] for ps in parts if len(ps) > 1)

@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from tracekit import schema
 from tracekit.ingest import parse as parse_mod
-from tracekit.ingest import rundir
+from tracekit.ingest import rundir, topo
 from tracekit.ingest.common import IngestError, Parsed, RankDependent
 from tracekit.ingest.ledger import Claim, Ledger, SameContent
 
@@ -113,9 +113,7 @@ def apply(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcom
         for t, tbl in parsed.tables.items():
             _insert(con, t, tbl, job.run_id, rank)
         for g in claim.new_groups:
-            con.execute("INSERT INTO groups VALUES (?, ?, ?, NULL, ?, ?)",
-                        [job.run_id, g.get("pg_name"), g.get("pg_desc"), [int(r) for r in g["ranks"]],
-                         len(g["ranks"])])
+            topo.insert_group(con, job.run_id, g)
         _log(con, job.run_id, job.path, parsed.format, rank, out.content_hash, "ok", None, parsed.rows,
              out.seconds)
     except (duckdb.Error, pa.ArrowException) as e:

@@ -41,6 +41,11 @@ class Parsed:
         return sum(t.rows if isinstance(t, RankDependent) else t.num_rows for t in self.tables.values())
 
 
+def group_key(g: dict) -> tuple[str | None, tuple[int, ...]]:
+    """A recorded process group's identity: the same name and ranks are the same group."""
+    return g.get("pg_name"), tuple(int(r) for r in g["ranks"])
+
+
 def arrow_schema(table: str, without: tuple[str, ...] = ("run_id", "rank")) -> pa.Schema:
     """The Arrow schema of a store table minus the columns ingest fills in afterwards."""
     return pa.schema([(n, _ARROW[t]) for n, t in schema.TABLES[table] if n not in without])

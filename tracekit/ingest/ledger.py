@@ -17,7 +17,7 @@ from pathlib import Path
 
 import duckdb
 
-from tracekit.ingest.common import IngestError
+from tracekit.ingest.common import IngestError, group_key
 
 _ABSENT = object()
 
@@ -37,10 +37,6 @@ class Claim:
     replace: bool  # the file replaces rows of its own earlier version (same path, other content)
     new_groups: list[dict]  # groups this file records first, to insert with its rows
     undo: list[tuple[dict, object, object]] = field(default_factory=list)  # (map, key, old value)
-
-
-def _group_key(run_id: str, g: dict) -> tuple:
-    return run_id, g.get("pg_name"), tuple(int(r) for r in g["ranks"])
 
 
 class Ledger:
@@ -101,7 +97,7 @@ class Ledger:
             if digest is not None:
                 self._set(claim, self._content, (run_id, digest), (fmt, rank, p))
             for g in groups:
-                key = _group_key(run_id, g)
+                key = (run_id, *group_key(g))
                 if g["ranks"] and key not in self._groups:
                     self._set(claim, self._groups, key, True)
                     claim.new_groups.append(g)

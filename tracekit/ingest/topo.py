@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import duckdb
 
 from tracekit.ingest import rundir
-from tracekit.ingest.common import Parsed
+from tracekit.ingest.common import Parsed, group_key
 from tracekit.topology import DIMS, Layout, LayoutError
 
 PER_RANK_FORMATS = ("kineto", "fr", "memory")
@@ -34,7 +34,7 @@ class RunBatch:
     def note(self, parsed: Parsed, rank: int | None) -> None:
         self.touched = True
         for g in parsed.groups:
-            self.groups.setdefault((g.get("pg_name"), tuple(int(r) for r in g["ranks"])), g)
+            self.groups.setdefault(group_key(g), g)
         if parsed.world_size:
             self.world_sizes.append(parsed.world_size)
         if parsed.backend:
@@ -52,8 +52,14 @@ def add_groups(con: duckdb.DuckDBPyConnection, run_id: str, groups: list[dict]) 
         exists = con.execute("SELECT count(*) FROM groups WHERE run_id = ? AND pg_name IS NOT DISTINCT FROM ? "
                              "AND ranks = ?::INTEGER[]", [run_id, g.get("pg_name"), ranks]).fetchall()[0][0]
         if not exists:
-            con.execute("INSERT INTO groups VALUES (?, ?, ?, NULL, ?, ?)",
-                        [run_id, g.get("pg_name"), g.get("pg_desc"), ranks, len(ranks)])
+            insert_group(con, run_id, g)
+
+
+def insert_group(con: duckdb.DuckDBPyConnection, run_id: str, g: dict) -> None:
+    """Record one process group (``dim`` is set when the run's topology is recomputed)."""
+    ranks = [int(r) for r in g["ranks"]]
+    con.execute("INSERT INTO groups VALUES (?, ?, ?, NULL, ?, ?)",
+                [run_id, g.get("pg_name"), g.get("pg_desc"), ranks, len(ranks)])
 
 
 def ranges_text(rs: list[int]) -> str:
