@@ -34,3 +34,34 @@ def test_layout_inferred_from_pg_config(tmp_path: Path) -> None:
         assert dims == {"tp": 4, "pp": 4, "dp": 4, "dp_pp_tp": 1}  # topology names the world group by its dims
         coords = s.sql("SELECT rank, dp, pp, tp FROM ranks WHERE rank IN (0, 5, 7) ORDER BY rank").rows()
         assert coords == [(0, 0, 0, 0), (5, 1, 0, 1), (7, 1, 1, 1)]
+
+
+def test_a_group_described_differently_keeps_one_description_whatever_the_order(tmp_path: Path) -> None:
+    """Files may name one group differently (an FR dump's 'default_pg', a trace's 'world'). The
+    first file committed used to decide, so the store depended on which parse finished first."""
+    descs = {0: "world", 1: "default_pg", 2: "dp", 3: None}
+    files = []
+    for r, desc in descs.items():
+        t = nccl_trace(r, world=4)
+        t["distributedInfo"]["pg_config"] = [{"pg_name": "0", "pg_desc": "default_pg", "ranks": [0, 1, 2, 3]},
+                                             {"pg_name": "7", "pg_desc": desc, "ranks": [0, 2]}]
+        files.append(write_trace(tmp_path / "job" / f"rank{r}.json.gz", t))
+
+    def described(order: list[int], name: str) -> list[tuple]:
+        db = tmp_path / f"{name}.duckdb"
+        rep = ingest([files[i] for i in order], db, run_id="job", workers=1)
+        assert len(rep.ok) == len(order)
+        with tracekit.open(db) as s:
+            return s.sql("SELECT pg_name, pg_desc, ranks FROM groups ORDER BY pg_name").rows()
+
+    assert described([0, 1], "a") == described([1, 0], "b") == [("0", "default_pg", [0, 1, 2, 3]),
+                                                                 ("7", "default_pg", [0, 2])]
+    # a dimension's name wins over any other (it tells the layout); no description loses to any
+    assert described([0, 3, 1, 2], "c") == described([2, 1, 3, 0], "d") == [("0", "default_pg", [0, 1, 2, 3]),
+                                                                           ("7", "dp", [0, 2])]
+    # a later ingest into the same run settles the stored description with the new files'
+    db = tmp_path / "e.duckdb"
+    ingest([files[0]], db, run_id="job")
+    ingest([files[2]], db, run_id="job")
+    with tracekit.open(db) as s:
+        assert s.sql("SELECT pg_desc FROM groups WHERE pg_name = '7'").item() == "dp"

@@ -30,11 +30,14 @@ class RunBatch:
     backends: set[str] = field(default_factory=set)
     pids: dict[int, int] = field(default_factory=dict)
     groups: dict[tuple, dict] = field(default_factory=dict)  # the ingested files' groups, by identity
+    descs: dict[tuple, set] = field(default_factory=dict)  # every pg_desc the files gave each group
 
     def note(self, parsed: Parsed, rank: int | None) -> None:
         self.touched = True
         for g in parsed.groups:
-            self.groups.setdefault(group_key(g), g)
+            key = group_key(g)
+            self.groups.setdefault(key, g)
+            self.descs.setdefault(key, set()).add(g.get("pg_desc"))
         if parsed.world_size:
             self.world_sizes.append(parsed.world_size)
         if parsed.backend:
@@ -53,6 +56,31 @@ def add_groups(con: duckdb.DuckDBPyConnection, run_id: str, groups: list[dict]) 
                              "AND ranks = ?::INTEGER[]", [run_id, g.get("pg_name"), ranks]).fetchall()[0][0]
         if not exists:
             insert_group(con, run_id, g)
+
+
+def preferred_desc(descs: set[str | None]) -> str | None:
+    """The description a group keeps when files describe it differently (an FR dump's 'default_pg',
+    a trace's 'world'): a dimension's name first, since it tells the layout, then the first in
+    sorted order. Without a rule the first file committed would decide, and the store would depend
+    on which parse finished first."""
+    named = sorted(d for d in descs if d is not None)
+    return next((d for d in named if d in DIMS), named[0] if named else None)
+
+
+def _settle_descs(con: duckdb.DuckDBPyConnection, run_id: str, rb: RunBatch, manifest_groups: list[dict]) -> None:
+    """Give each group of the run that this ingest described its preferred description."""
+    descs = {k: set(v) for k, v in rb.descs.items()}
+    for g in manifest_groups:
+        descs.setdefault(group_key(g), set()).add(g.get("pg_desc"))
+    for name, desc, ranks in con.execute("SELECT pg_name, pg_desc, ranks FROM groups WHERE run_id = ?",
+                                         [run_id]).fetchall():
+        seen = descs.get((name, tuple(ranks)))
+        if seen is None:
+            continue
+        best = preferred_desc(seen | {desc})
+        if best != desc:
+            con.execute("UPDATE groups SET pg_desc = ? WHERE run_id = ? AND pg_name IS NOT DISTINCT FROM ? "
+                        "AND ranks = ?::INTEGER[]", [best, run_id, name, list(ranks)])
 
 
 def insert_group(con: duckdb.DuckDBPyConnection, run_id: str, g: dict) -> None:
@@ -110,6 +138,7 @@ def finalize(con: duckdb.DuckDBPyConnection, rb: RunBatch) -> dict[tuple[str, st
     # Each file records its groups with its rows; a group that a file found already claimed by
     # another worker's transaction, which then rolled back, is recorded here instead.
     add_groups(con, rid, list(rb.groups.values()))
+    _settle_descs(con, rid, rb, m.groups if m is not None else [])
     groups = con.execute("SELECT rowid, pg_desc, ranks FROM groups WHERE run_id = ?", [rid]).fetchall()
     lay, source = _layout(rb, world, prev, groups) if world else (None, "unknown")
     formats = sorted(have) or ([prev["source"]] if prev.get("source") else [])
