@@ -17,9 +17,12 @@ from tracekit.ingest.common import IngestError
               help="DuckDB store to create or add to.")
 @click.option("--run-id", default=None, help="Run id for every file (default: manifest, else directory name).")
 @click.option("--workers", type=int, default=None, help="Parser threads (default: one per core).")
+@click.option("--processes/--threads", "processes", default=None,
+              help="Each worker parses in a child process of its own, or in its thread (default: processes "
+                   "on many cores and large inputs, where threads contend for the GIL).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def ingest_cmd(paths: tuple[Path, ...], store_path: Path, run_id: str | None, workers: int | None,
-               as_json: bool) -> None:
+               processes: bool | None, as_json: bool) -> None:
     """Ingest run directories, trace folders or single files into a store.
 
     Formats are recognized by content: Kineto traces (.json/.json.gz, NCCL or gloo), flight-recorder
@@ -43,8 +46,9 @@ def ingest_cmd(paths: tuple[Path, ...], store_path: Path, run_id: str | None, wo
             bar.update(task, completed=done, total=total, description=path.name)
 
         try:
-            report = ingest(list(paths), store_path, run_id=run_id, workers=workers, progress=on_progress)
-        except (IngestError, StoreError) as e:  # the store cannot be opened, or no input at all
+            report = ingest(list(paths), store_path, run_id=run_id, workers=workers, progress=on_progress,
+                            processes=processes)
+        except (IngestError, StoreError, ValueError) as e:  # the store cannot be opened, no input, no fork
             err.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True, highlight=False)
             sys.exit(2)
     missing = {f"{r}/{f}": ranks for (r, f), ranks in report.missing.items()}

@@ -36,6 +36,7 @@ benchmark trace came out identical.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -295,7 +296,8 @@ def tables(ev: CommEvents, base: int, first_step_ns: int | None,
     coll.append(c), p2p.append(p)
     with_pairs = _concat(p2p)
     return {"collectives": _concat(coll),
-            "p2p": RankDependent(lambda rank: _other_member(with_pairs, rank), with_pairs.num_rows)}
+            # a partial, not a lambda: it travels back from a parser process (procs.py)
+            "p2p": RankDependent(functools.partial(_other_member, with_pairs), with_pairs.num_rows)}
 
 
 def _no_pair(n: int) -> dict[str, pa.Array]:

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import os
 import queue
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from typing import Callable, Iterator
 import duckdb
 
 from tracekit import store
-from tracekit.ingest import commit, rundir, topo
+from tracekit.ingest import commit, procs, rundir, topo
 from tracekit.ingest import parse as parse_mod
 from tracekit.ingest.commit import FileResult
 from tracekit.ingest.ledger import Ledger
@@ -45,6 +46,8 @@ Progress = Callable[[int, int, Path, str], None]  # (done, total, path, status)
 BATCH_ROWS = 122_880
 BATCH_FILES = 8
 MEMORY_PER_WORKER_MB = 128
+PROCESSES_FROM_WORKERS = 4
+PROCESSES_FROM_BYTES = 256 << 20
 
 
 @dataclass
@@ -72,11 +75,16 @@ class IngestReport:
 
 def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None = None,
            workers: int | None = None, progress: Progress | None = None,
-           optable_reader: parse_mod.OptableReader | None = None) -> IngestReport:
-    """Ingest files and run directories into the store at ``store_path``; never raises for bad files."""
+           optable_reader: parse_mod.OptableReader | None = None,
+           processes: bool | None = None) -> IngestReport:
+    """Ingest files and run directories into the store at ``store_path``; never raises for bad files.
+
+    ``processes``: parse in a child process per worker (True), in the worker threads (False), or
+    decide by the number of workers and the input's size (None, see ``parse_in_processes``)."""
     t0 = time.perf_counter()
     jobs = rundir.collect([Path(p) for p in paths], run_id)
     n_workers = max(1, workers or min(len(jobs), os.cpu_count() or 1))
+    in_processes = parse_in_processes(jobs, n_workers, optable_reader, processes)
     con = store.connect(store_path)
     saved = _settings(con)
     report = IngestReport()
@@ -98,7 +106,7 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
         runs: dict[str, topo.RunBatch] = {}
         # closing: should the progress callback raise, the workers stop before the connection
         # their cursors belong to closes
-        with contextlib.closing(_committed(con, jobs, ledger, n_workers, optable_reader)) as committed:
+        with contextlib.closing(_committed(con, jobs, ledger, n_workers, optable_reader, in_processes)) as committed:
             for done, (job, applied) in enumerate(committed, 1):
                 rb = runs.setdefault(job.run_id, topo.RunBatch(job.run_id, job.manifest))
                 res = applied.result
@@ -124,6 +132,27 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
     report.bytes_ingested = sum(_size(f.path) for f in report.ok)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def parse_in_processes(jobs: list[rundir.Job], n_workers: int, reader: parse_mod.OptableReader | None,
+                       processes: bool | None) -> bool:
+    """Whether the workers parse in child processes (procs.py) rather than in their own threads.
+
+    Threads contend for the GIL between the scanner's passes: that cost little at 2 workers and
+    tripled a file's parse at 16. Processes cost the zygote's start (imports, about 0.5 CPU-s)
+    and a spool file per parsed file, so by default they are used from PROCESSES_FROM_WORKERS
+    workers on inputs of at least PROCESSES_FROM_BYTES. A caller's op-table reader runs in this
+    process, so it rules them out."""
+    if processes:
+        if reader is not None:
+            raise ValueError("an optable_reader is called in this process; it cannot be used with processes=True")
+        if not procs.available():
+            raise ValueError("parsing in processes needs os.fork and Unix sockets, which this platform lacks")
+    if processes is not None:
+        return processes
+    if reader is not None or n_workers < PROCESSES_FROM_WORKERS or not procs.available():
+        return False
+    return sum(_size(j.path) for j in jobs) >= PROCESSES_FROM_BYTES
 
 
 def _size(path: Path) -> int:
@@ -192,8 +221,10 @@ def _commit_batch(cur: duckdb.DuckDBPyConnection, items: list[tuple[rundir.Job, 
 
 
 def _committed(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], ledger: Ledger, n: int,
-               reader: parse_mod.OptableReader | None) -> Iterator[tuple[rundir.Job, commit.Applied]]:
-    """(job, what its commit did) in completion order; ``n`` worker threads parse and commit.
+               reader: parse_mod.OptableReader | None,
+               in_processes: bool = False) -> Iterator[tuple[rundir.Job, commit.Applied]]:
+    """(job, what its commit did) in completion order; ``n`` worker threads parse (in a parser
+    process each, if ``in_processes``) and commit.
 
     Each worker takes the next file as soon as it is done with one, and commits what it holds once
     that is a row group's worth of rows or ``BATCH_FILES`` files, or once no file is left to take
@@ -208,14 +239,20 @@ def _committed(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], ledger: L
         with todo_lock:
             return None if stop.is_set() else next(todo, None)
 
+    spool = tempfile.TemporaryDirectory(prefix="tk-ingest-") if in_processes else None
+    parsers = procs.Parsers(spool.name) if spool is not None else None
+
     def work(cur: duckdb.DuckDBPyConnection) -> None:
+        parser = parsers.parser() if parsers is not None else None
         try:
             batch: list[tuple[rundir.Job, parse_mod.Outcome]] = []
             rows = 0
             while True:
                 job = take()
                 if job is not None:
-                    out = parse_mod.run(job.path, job.explicit, ledger.stored(job.run_id), cur, reader)
+                    known = ledger.stored(job.run_id)
+                    out = parser.run(job.path, job.explicit, known) if parser is not None \
+                        else parse_mod.run(job.path, job.explicit, known, cur, reader)
                     batch.append((job, out))
                     rows += out.parsed.rows if out.parsed is not None else 0
                 if batch and (job is None or rows >= BATCH_ROWS or len(batch) >= BATCH_FILES) \
@@ -230,6 +267,8 @@ def _committed(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], ledger: L
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
             results.put(e)
         finally:
+            if parser is not None:
+                parser.close()
             cur.close()
             results.put(None)  # this worker is done
 
@@ -252,3 +291,7 @@ def _committed(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], ledger: L
         stop.set()
         for t in threads:
             t.join()
+        if parsers is not None:
+            parsers.close()
+        if spool is not None:
+            spool.cleanup()
