@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import os
 import queue
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,7 +46,7 @@ BATCH_ROWS = 122_880
 BATCH_FILES = 8
 MEMORY_PER_WORKER_MB = 128
 PROCESSES_FROM_WORKERS = 4
-PROCESSES_FROM_BYTES = 256 << 20
+PROCESSES_FROM_BYTES = 1 << 30
 
 
 @dataclass
@@ -85,47 +84,49 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
     jobs = rundir.collect([Path(p) for p in paths], run_id)
     n_workers = max(1, workers or min(len(jobs), os.cpu_count() or 1))
     in_processes = parse_in_processes(jobs, n_workers, optable_reader, processes)
-    con = store.connect(store_path)
-    saved = _settings(con)
-    report = IngestReport()
-    try:
-        # Parallelism comes from the worker threads, each query on its own thread. (With DuckDB's
-        # own threads as well, a batch's appends were not written straight to the file: the final
-        # checkpoint then compressed them again, +0.1 CPU-s per 150k-event trace.)
-        con.execute("SET threads = 1")
-        # A file's last, partial row group of events goes to the store file as it is; the
-        # checkpoint's vacuum would rewrite each one to merge it with the next (about 0.1 CPU-s per
-        # 150k-event trace, docs/ingest.md). A later checkpoint outside ingest still may.
-        con.execute("SET max_vacuum_tasks = 0")
-        # Bounded memory: DuckDB keeps what it wrote cached in memory only up to this, then evicts
-        # or spills (to <store>.tmp). Each reading thread also holds about
-        # 64 MiB of JSON buffers that cannot be spilled.
-        if saved["memory_limit"] == _default_memory_limit():  # else someone in this process chose one
-            con.execute(f"SET memory_limit = '{MEMORY_PER_WORKER_MB * (n_workers + 1)}MB'")
-        ledger = Ledger(con)
-        runs: dict[str, topo.RunBatch] = {}
-        # closing: should the progress callback raise, the workers stop before the connection
-        # their cursors belong to closes
-        with contextlib.closing(_committed(con, jobs, ledger, n_workers, optable_reader, in_processes)) as committed:
-            for done, (job, applied) in enumerate(committed, 1):
-                rb = runs.setdefault(job.run_id, topo.RunBatch(job.run_id, job.manifest))
-                res = applied.result
-                if res is None:
-                    report.ignored.append(job.path)
-                else:
-                    report.files.append(res)
-                    if res.status == "skipped":
-                        rb.touched = True  # the run's tables are recomputed; its content is in the store
-                    elif res.status == "ok" and applied.parsed is not None:
-                        rb.note(applied.parsed, res.rank)
-                if progress is not None:
-                    progress(done, len(jobs), job.path, res.status if res else "ignored")
-        for rid, rb in runs.items():
-            if rb.touched:
-                report.missing.update(topo.finalize(con, rb))
-                report.runs.append(rid)
-    finally:
-        _close(con, saved)
+    # The parsers' zygote starts before the store opens, so that its imports overlap the opening.
+    with procs.Parsers() if in_processes else contextlib.nullcontext() as parsers:
+        con = store.connect(store_path)
+        saved = _settings(con)
+        report = IngestReport()
+        try:
+            # Parallelism comes from the worker threads, each query on its own thread. (With DuckDB's
+            # own threads as well, a batch's appends were not written straight to the file: the final
+            # checkpoint then compressed them again, +0.1 CPU-s per 150k-event trace.)
+            con.execute("SET threads = 1")
+            # A file's last, partial row group of events goes to the store file as it is; the
+            # checkpoint's vacuum would rewrite each one to merge it with the next (about 0.1 CPU-s per
+            # 150k-event trace, docs/ingest.md). A later checkpoint outside ingest still may.
+            con.execute("SET max_vacuum_tasks = 0")
+            # Bounded memory: DuckDB keeps what it wrote cached in memory only up to this, then evicts
+            # or spills (to <store>.tmp). Each reading thread also holds about
+            # 64 MiB of JSON buffers that cannot be spilled.
+            if saved["memory_limit"] == _default_memory_limit():  # else someone in this process chose one
+                con.execute(f"SET memory_limit = '{MEMORY_PER_WORKER_MB * (n_workers + 1)}MB'")
+            ledger = Ledger(con)
+            runs: dict[str, topo.RunBatch] = {}
+            # closing: should the progress callback raise, the workers stop before the connection
+            # their cursors belong to closes
+            with contextlib.closing(_committed(con, jobs, ledger, n_workers, optable_reader, parsers)) as committed:
+                for done, (job, applied) in enumerate(committed, 1):
+                    rb = runs.setdefault(job.run_id, topo.RunBatch(job.run_id, job.manifest))
+                    res = applied.result
+                    if res is None:
+                        report.ignored.append(job.path)
+                    else:
+                        report.files.append(res)
+                        if res.status == "skipped":
+                            rb.touched = True  # the run's tables are recomputed; its content is in the store
+                        elif res.status == "ok" and applied.parsed is not None:
+                            rb.note(applied.parsed, res.rank)
+                    if progress is not None:
+                        progress(done, len(jobs), job.path, res.status if res else "ignored")
+            for rid, rb in runs.items():
+                if rb.touched:
+                    report.missing.update(topo.finalize(con, rb))
+                    report.runs.append(rid)
+        finally:
+            _close(con, saved)
     order = {job.path: i for i, job in reversed(list(enumerate(jobs)))}
     report.files.sort(key=lambda f: order.get(f.path, len(order)))  # input order, not completion order
     report.ignored.sort(key=lambda p: order.get(p, len(order)))
@@ -139,8 +140,10 @@ def parse_in_processes(jobs: list[rundir.Job], n_workers: int, reader: parse_mod
     """Whether the workers parse in child processes (procs.py) rather than in their own threads.
 
     Threads contend for the GIL between the scanner's passes: that cost little at 2 workers and
-    tripled a file's parse at 16. Processes cost the zygote's start (imports, about 0.5 CPU-s)
-    and a spool file per parsed file, so by default they are used from PROCESSES_FROM_WORKERS
+    tripled a file's parse at 16. Processes cost the zygote's start (imports, about 0.5 s on the
+    way to the first parse), a fork per worker and a spool file per parsed file. On 16 cores they
+    took 64 traces of 61 MB (3.9 GB) from 7.1 s to 4.0-4.2 s, and 8 of them (0.5 GB) from 1.9 s
+    to 2.2-2.6 s (docs/ingest.md); so by default they are used from PROCESSES_FROM_WORKERS
     workers on inputs of at least PROCESSES_FROM_BYTES. A caller's op-table reader runs in this
     process, so it rules them out."""
     if processes:
@@ -222,9 +225,9 @@ def _commit_batch(cur: duckdb.DuckDBPyConnection, items: list[tuple[rundir.Job, 
 
 def _committed(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], ledger: Ledger, n: int,
                reader: parse_mod.OptableReader | None,
-               in_processes: bool = False) -> Iterator[tuple[rundir.Job, commit.Applied]]:
-    """(job, what its commit did) in completion order; ``n`` worker threads parse (in a parser
-    process each, if ``in_processes``) and commit.
+               parsers: procs.Parsers | None = None) -> Iterator[tuple[rundir.Job, commit.Applied]]:
+    """(job, what its commit did) in completion order; ``n`` worker threads parse (each in a parser
+    process of its own, if given ``parsers``) and commit.
 
     Each worker takes the next file as soon as it is done with one, and commits what it holds once
     that is a row group's worth of rows or ``BATCH_FILES`` files, or once no file is left to take
@@ -238,9 +241,6 @@ def _committed(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], ledger: L
     def take() -> rundir.Job | None:
         with todo_lock:
             return None if stop.is_set() else next(todo, None)
-
-    spool = tempfile.TemporaryDirectory(prefix="tk-ingest-") if in_processes else None
-    parsers = procs.Parsers(spool.name) if spool is not None else None
 
     def work(cur: duckdb.DuckDBPyConnection) -> None:
         parser = parsers.parser() if parsers is not None else None
@@ -291,7 +291,4 @@ def _committed(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], ledger: L
         stop.set()
         for t in threads:
             t.join()
-        if parsers is not None:
-            parsers.close()
-        if spool is not None:
-            spool.cleanup()
+

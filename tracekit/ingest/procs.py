@@ -46,11 +46,13 @@ def available() -> bool:
 
 
 class Parsers:
-    """The zygote, and the parser processes it forks on request. ``spool``: where parsers leave
-    their tables (one file per parsed file, unlinked as soon as it is mapped)."""
+    """The zygote, and the parser processes it forks on request; a context manager. ``spool``: a
+    temporary folder where parsers leave their tables (a file per parsed file, unlinked as soon as
+    it is mapped)."""
 
-    def __init__(self, spool: str) -> None:
-        self.spool = spool
+    def __init__(self) -> None:
+        self._spool = tempfile.TemporaryDirectory(prefix="tk-ingest-")
+        self.spool = spool = self._spool.name
         self._lock = threading.Lock()
         self._ctl, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._log_path = os.path.join(spool, "zygote.log")
@@ -96,12 +98,20 @@ class Parsers:
         return f"the parsers' zygote exited with code {code}" + (f": {last[0]}" if last else "")
 
     def close(self) -> None:
-        self._ctl.close()  # the zygote's EOF: it exits, its parsers run on until their threads close
+        """The zygote exits once its parsers have (each when its ParserProcess is closed)."""
+        self._ctl.close()
         try:
             self._zygote.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self._zygote.kill()
             self._zygote.wait()
+        self._spool.cleanup()
+
+    def __enter__(self) -> "Parsers":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class ParserUnavailable(Exception):
