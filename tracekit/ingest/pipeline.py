@@ -6,7 +6,9 @@ parsed in its own transaction: a few files per transaction, enough rows for Duck
 straight into the store file rather than through its write-ahead log. DuckDB runs these
 transactions side by side (the scanner, Arrow's kernels and DuckDB work outside the GIL), so
 neither parsing nor writing waits for one thread; a single committing thread was the limit on many
-cores, and on two it left the last files' commits to run one after the other. A transaction holds
+cores, and on two it left the last files' commits to run one after the other. On many cores and
+large inputs each worker parses in a parser process of its own instead (procs.py), since the
+parse's Python steps contend for the GIL; the worker still commits here. A transaction holds
 whole files, so each file is in the store entirely or not at all; if a batch's write fails, its
 files are redone one per transaction so that only the bad one fails. A bad file is logged with its
 reason and the others still go in. The checks that span files (same content already in the run,
