@@ -302,3 +302,27 @@ print(zygote, parsing, children() - c)
     assert out.returncode == 0, out.stderr
     zygote, parsing, with_parsers = map(float, out.stdout.split())
     assert with_parsers >= zygote + 0.5 * parsing, (zygote, parsing, with_parsers)
+
+
+def test_a_spool_that_cannot_take_the_tables_fails_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No room (here: no folder) to write the tables fails the file with the reason; a spool file
+    gone before it is read back fails it too. Neither kills the parser or the ingest."""
+    path = write_trace(tmp_path / "rank0.json.gz", nccl_trace(0))
+    out = pipeline.parse_mod.run(path, True, frozenset(), __import__("duckdb").connect())
+    back = procs.unpack(procs.pack(out, str(tmp_path / "gone")))
+    assert back.status == "failed" and back.parsed is None
+    assert f"no room to hand the parsed tables back through {tmp_path / 'gone'}" in (back.error or "")
+    with procs.Parsers() as parsers:
+        parser = parsers.parser()
+        real_unpack = procs.unpack
+
+        def unpack_after_cleaner(reply):  # type: ignore[no-untyped-def]
+            os.unlink(reply[1])
+            return real_unpack(reply)
+
+        monkeypatch.setattr(procs, "unpack", unpack_after_cleaner)
+        lost = parser.run(path, True, frozenset())
+        monkeypatch.setattr(procs, "unpack", real_unpack)
+        assert lost.status == "failed" and "could not be read back from the spool folder" in (lost.error or "")
+        assert parser.run(path, True, frozenset()).status == "ok"  # the same parser goes on
+        parser.close()

@@ -140,7 +140,11 @@ class ParserProcess:
             why = self._parsers._why_gone()
             how = "crashed or was killed, e.g. by the OOM killer" if why == "running" else why
             return _failed(path, f"the parser process died while reading it ({how})", time.perf_counter() - t0)
-        return unpack(reply)
+        try:
+            return unpack(reply)
+        except OSError as e:  # the spool file is gone (a temporary-folder cleaner) or unreadable
+            return _failed(path, f"its parsed tables could not be read back from the spool folder ({e})",
+                           time.perf_counter() - t0)
 
     def close(self) -> None:
         if self._conn is not None:
@@ -162,24 +166,34 @@ def pack(out: parse_mod.Outcome, spool: str) -> Reply:
     try:
         data = pickle.dumps(out, protocol=5, buffer_callback=buffers.append)
     except Exception as e:  # noqa: BLE001 - a parser returned something that cannot travel: a bug
-        err = f"{out.path}: unexpected {type(e).__name__} handing the parsed file back: {e}"
-        return pickle.dumps(parse_mod.Outcome(out.path, "failed", out.format, out.content_hash, error=err,
-                                              seconds=out.seconds)), None, []
+        return _failed_reply(out, f"unexpected {type(e).__name__} handing the parsed file back: {e}")
     if not buffers:
         return data, None, []
-    fd, name = tempfile.mkstemp(dir=spool, suffix=".arrow")
-    spans, pos = [], 0
-    with open(fd, "wb") as f:
-        for b in buffers:
-            raw = b.raw()
-            pad = -pos % ALIGN
-            if pad:
-                f.write(bytes(pad))
-                pos += pad
-            f.write(raw)
-            spans.append((pos, raw.nbytes))
-            pos += raw.nbytes
+    name = None
+    try:
+        fd, name = tempfile.mkstemp(dir=spool, suffix=".arrow")
+        spans, pos = [], 0
+        with open(fd, "wb") as f:
+            for b in buffers:
+                raw = b.raw()
+                pad = -pos % ALIGN
+                if pad:
+                    f.write(bytes(pad))
+                    pos += pad
+                f.write(raw)
+                spans.append((pos, raw.nbytes))
+                pos += raw.nbytes
+    except OSError as e:  # no room in the temporary folder, say
+        if name is not None:
+            os.unlink(name)
+        return _failed_reply(out, f"no room to hand the parsed tables back through {spool} ({e})")
     return data, name, spans
+
+
+def _failed_reply(out: parse_mod.Outcome, why: str) -> Reply:
+    failed = parse_mod.Outcome(out.path, "failed", out.format, out.content_hash, error=f"{out.path}: {why}",
+                               seconds=out.seconds)
+    return pickle.dumps(failed), None, []
 
 
 def unpack(reply: Reply) -> parse_mod.Outcome:
