@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import duckdb
 import pytest
 
 import tracekit
@@ -252,7 +253,7 @@ def test_when_processes_are_used(tmp_path: Path) -> None:
 def test_spool_files_keep_arrow_buffers_aligned(tmp_path: Path) -> None:
     """The handover is zero-copy only if each buffer sits on Arrow's alignment in the mapped file."""
     path = write_trace(tmp_path / "rank0.json.gz", nccl_trace(0))
-    con = __import__("duckdb").connect()
+    con = duckdb.connect()
     out = pipeline.parse_mod.run(path, True, frozenset(), con)
     reply = procs.pack(out, str(tmp_path))
     _, name, spans = reply
@@ -308,7 +309,7 @@ def test_a_spool_that_cannot_take_the_tables_fails_the_file(tmp_path: Path, monk
     """No room (here: no folder) to write the tables fails the file with the reason; a spool file
     gone before it is read back fails it too. Neither kills the parser or the ingest."""
     path = write_trace(tmp_path / "rank0.json.gz", nccl_trace(0))
-    out = pipeline.parse_mod.run(path, True, frozenset(), __import__("duckdb").connect())
+    out = pipeline.parse_mod.run(path, True, frozenset(), duckdb.connect())
     back = procs.unpack(procs.pack(out, str(tmp_path / "gone")))
     assert back.status == "failed" and back.parsed is None
     assert f"no room to hand the parsed tables back through {tmp_path / 'gone'}" in (back.error or "")

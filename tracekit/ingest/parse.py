@@ -144,9 +144,14 @@ def run(path: Path, explicit: bool, known_hashes: frozenset[str], con: duckdb.Du
         err = f"{path}: out of memory while parsing"
     except Exception as e:  # noqa: BLE001 - a parser bug must not take the other files down
         err = f"{path}: unexpected {type(e).__name__} while parsing: {e}"
+    return failed(path, fmt, digest, err, time.perf_counter() - t0)
+
+
+def failed(path: Path, fmt: str | None, digest: str | None, error: str, seconds: float) -> Outcome:
+    """A failed file's Outcome, with its content hash for ingest_log where the file can be read."""
     if digest is None and path.is_file():
         try:
             digest = content_hash(path)
         except OSError:
             pass
-    return Outcome(path, "failed", fmt, digest, error=err, seconds=time.perf_counter() - t0)
+    return Outcome(path, "failed", fmt, digest, error=error, seconds=seconds)

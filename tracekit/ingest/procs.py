@@ -20,7 +20,6 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
-import signal
 import socket
 import subprocess
 import sys
@@ -79,17 +78,18 @@ class Parsers:
         try:
             with self._lock:
                 reduction.sendfds(self._ctl, [theirs.fileno()])
-        except OSError:
+        except OSError as e:
             mine.close()
-            raise ParserUnavailable(self._why_gone()) from None
+            raise ParserUnavailable(self._why_gone() or f"the parsers' zygote did not take a request: {e}") from None
         finally:
             theirs.close()  # the parser holds its own copy: its death is our end's EOF
         return Connection(mine.detach())
 
-    def _why_gone(self) -> str:
+    def _why_gone(self) -> str | None:
+        """Why the zygote is gone, or None while it runs."""
         code = self._zygote.poll()
         if code is None:
-            return "running"
+            return None
         try:
             with open(self._log_path, "rb") as f:
                 last = f.read().decode(errors="replace").strip().splitlines()[-1:]
@@ -134,30 +134,22 @@ class ParserProcess:
             self._conn.send((path, explicit, known_hashes))
             reply = self._conn.recv()
         except ParserUnavailable as e:
-            return _failed(path, f"no parser process could be started ({e})", time.perf_counter() - t0)
+            why = f"no parser process could be started ({e})"
         except (EOFError, OSError):
             self.close()
-            why = self._parsers._why_gone()
-            how = "crashed or was killed, e.g. by the OOM killer" if why == "running" else why
-            return _failed(path, f"the parser process died while reading it ({how})", time.perf_counter() - t0)
-        try:
-            return unpack(reply)
-        except OSError as e:  # the spool file is gone (a temporary-folder cleaner) or unreadable
-            return _failed(path, f"its parsed tables could not be read back from the spool folder ({e})",
-                           time.perf_counter() - t0)
+            how = self._parsers._why_gone() or "crashed or was killed, e.g. by the OOM killer"
+            why = f"the parser process died while reading it ({how})"
+        else:
+            try:
+                return unpack(reply)
+            except OSError as e:  # the spool file is gone (a temporary-folder cleaner) or unreadable
+                why = f"its parsed tables could not be read back from the spool folder ({e})"
+        return parse_mod.failed(path, None, None, f"{path}: {why}", time.perf_counter() - t0)
 
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()  # the parser's EOF: it exits once done with the file in hand
             self._conn = None
-
-
-def _failed(path: Path, why: str, seconds: float) -> parse_mod.Outcome:
-    try:
-        digest = parse_mod.content_hash(path)
-    except OSError:
-        digest = None
-    return parse_mod.Outcome(path, "failed", None, digest, error=f"{path}: {why}", seconds=seconds)
 
 
 def pack(out: parse_mod.Outcome, spool: str) -> Reply:
@@ -191,9 +183,8 @@ def pack(out: parse_mod.Outcome, spool: str) -> Reply:
 
 
 def _failed_reply(out: parse_mod.Outcome, why: str) -> Reply:
-    failed = parse_mod.Outcome(out.path, "failed", out.format, out.content_hash, error=f"{out.path}: {why}",
-                               seconds=out.seconds)
-    return pickle.dumps(failed), None, []
+    return pickle.dumps(parse_mod.failed(out.path, out.format, out.content_hash, f"{out.path}: {why}",
+                                         out.seconds)), None, []
 
 
 def unpack(reply: Reply) -> parse_mod.Outcome:
