@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import socket
 from pathlib import Path
 
@@ -113,5 +114,15 @@ def make_run(out: Path) -> Path:
     """Spawn the 4-rank run writing into ``out``; returns ``out``."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank_main, args=(str(out), _free_port()), nprocs=WORLD, join=True)
+    for attempt in (1, 2):
+        try:
+            mp.spawn(_rank_main, args=(str(out), _free_port()), nprocs=WORLD, join=True)
+            return out
+        except mp.ProcessRaisedException as e:
+            # torch's _profile_to_snapshot sometimes fails its own data-flow check ("version
+            # mismatch") on a tensor that gloo writes in place (reference_trainer/profiling.py says
+            # why the trainer avoids it); it hit 1 of about 6 suite runs here. The run is redone.
+            if attempt == 2 or "version mismatch" not in str(e):
+                raise
+            shutil.rmtree(out, ignore_errors=True)
     return out
