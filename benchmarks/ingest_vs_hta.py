@@ -5,6 +5,7 @@
     python benchmarks/ingest_vs_hta.py --repeats 3     # alternating runs, medians (this VM drifts by 25%)
 
     python benchmarks/ingest_vs_hta.py --hta-python python3   # an existing HTA install (no network)
+    python benchmarks/ingest_vs_hta.py --floor         # also: what any ingest must pay here (below)
 
 Traces (NCCL flavour, benchmarks/gen_traces.py, written by --gen-jobs processes, one per core by
 default) are cached under benchmarks/_work/. HTA 0.5.0 runs in
@@ -22,6 +23,12 @@ Memory is the peak, over the run, of the summed proportional set size (PSS,
 not counted twice. MB/s is uncompressed JSON bytes per second of wall time; MB/CPU-s per second of
 user + system CPU of the tool and every process it waited for, which depends far less on what
 else the machine runs than wall time does (this machine is shared: read the load column).
+
+``--floor`` measures, in the same run, two lower bounds on tracekit's wall time, against the 20x
+target's budget (HTA's wall / 20): ``fixed``, the CLI ingesting an empty folder (interpreter,
+imports, store); and ``scan only``, the imports plus the native scanner reading every trace with
+the same workers into Arrow batches that are then dropped: no normalization, no store. Whatever
+ingest does beyond reading the bytes comes on top of ``scan only``.
 """
 
 from __future__ import annotations
@@ -50,6 +57,31 @@ import sys
 from hta.trace_analysis import TraceAnalysis
 a = TraceAnalysis(trace_dir=sys.argv[1])
 print(sum(len(a.t.get_trace(r)) for r in a.t.get_ranks()), "events")
+"""
+
+
+# The floor: the imports ingest needs, then each worker streams its traces through the scanner
+# (kineto.read_events, the Arrow batches dropped as they come).
+SCAN_ONLY = """
+import os, sys, threading
+for k, v in {"OPENBLAS_NUM_THREADS": "1", "ARROW_DEFAULT_MEMORY_POOL": "system"}.items():
+    os.environ.setdefault(k, v)  # as the CLI sets them
+from pathlib import Path
+import tracekit.ingest.pipeline
+from tracekit.ingest import kineto
+files, lock = sorted(Path(sys.argv[1]).glob("*.json")), threading.Lock()
+def work():
+    while True:
+        with lock:
+            if not files:
+                return
+            path = files.pop()
+        kineto.read_events(None, path, None, lambda batch: None)
+workers = [threading.Thread(target=work) for _ in range(int(sys.argv[2]))]
+for w in workers:
+    w.start()
+for w in workers:
+    w.join()
 """
 
 
@@ -146,7 +178,7 @@ def warm(paths: list[Path]) -> None:
 
 
 def run_case(ranks: int, events: int, workers: int, hta: bool, hta_python: str | None = None,
-             gen_jobs: int = 1) -> dict:
+             gen_jobs: int = 1, floor: bool = False) -> dict:
     traces = generate(WORK / f"traces-{ranks}x{events}", ranks, events, gen_jobs)
     mb = sum(p.stat().st_size for p in traces) / 1e6
     res: dict = {"ranks": ranks, "raw_mb": mb}
@@ -157,6 +189,14 @@ def run_case(ranks: int, events: int, workers: int, hta: bool, hta_python: str |
         warm(traces)
         load = os.getloadavg()[0]
         res["tracekit"] = (*measure(cmd, env)[:3], load)
+        if floor:
+            empty = Path(tmp) / "empty"
+            empty.mkdir()
+            fixed = cmd[:4] + [str(empty), "--store", str(Path(tmp) / "empty.duckdb"), "--json"]
+            res["fixed"] = (*measure(fixed, env)[:3], os.getloadavg()[0])
+            warm(traces)
+            scan = [sys.executable, "-c", SCAN_ONLY, str(traces[0].parent), str(workers)]
+            res["scan only"] = (*measure(scan, env)[:3], os.getloadavg()[0])
     if hta:
         py = ensure_hta(hta_python)
         warm(traces)
@@ -181,6 +221,8 @@ def main() -> None:
                     help="runs of each tool, alternating (a shared machine drifts): the summary gives medians")
     ap.add_argument("--skip-hta", action="store_true")
     ap.add_argument("--hta-python", help="an interpreter that already has HTA 0.5.0 and pandas<3 (else a venv is made)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also measure the fixed cost and a scan-only read, against the 20x budget")
     ap.add_argument("--gen-jobs", type=int, default=os.cpu_count() or 1, help="processes generating the traces")
     a = ap.parse_args()
     WORK.mkdir(exist_ok=True)
@@ -191,13 +233,14 @@ def main() -> None:
     for r in a.ranks:
         runs = []
         for _ in range(a.repeats):
-            res = run_case(r, a.events, a.workers, not a.skip_hta, a.hta_python, a.gen_jobs)
+            res = run_case(r, a.events, a.workers, not a.skip_hta, a.hta_python, a.gen_jobs, a.floor)
             runs.append(res)
-            for tool in ("tracekit", "hta"):
+            for tool in ("tracekit", "hta", "fixed", "scan only"):
                 if tool in res:
                     wall, peak, cpu, load = res[tool]
-                    print(f"{r:>5} {res['raw_mb']:>7.0f} {tool:>8} {load:>5.1f} {wall:>7.1f} "
-                          f"{res['raw_mb'] / wall:>7.1f} {cpu:>7.1f} {res['raw_mb'] / cpu:>8.1f} {peak:>8.0f} "
+                    mb = res["raw_mb"] if tool != "fixed" else float("nan")  # reads no trace
+                    print(f"{r:>5} {res['raw_mb']:>7.0f} {tool:>8} {load:>5.1f} {wall:>7.2f} "
+                          f"{mb / wall:>7.1f} {cpu:>7.2f} {mb / cpu:>8.1f} {peak:>8.0f} "
                           f"{peak / res['raw_mb']:>8.2f}")
         if "hta" in runs[0]:
             med = {t: [statistics.median(x[t][i] for x in runs) for i in range(3)] for t in ("tracekit", "hta")}
@@ -206,6 +249,11 @@ def main() -> None:
             print(f"{r:>5} ratio{' of medians' if a.repeats > 1 else ''}: tracekit throughput = {hw / tw:.1f}x HTA "
                   f"(wall{f', runs {min(walls):.1f}-{max(walls):.1f}x' if a.repeats > 1 else ''}), "
                   f"{hc / tc:.1f}x HTA (CPU); peak memory = {tp / hp:.2f}x HTA (load now {os.getloadavg()[0]:.1f})")
+            if a.floor:
+                budget = hw / 20
+                parts = {t: statistics.median(x[t][0] for x in runs) for t in ("fixed", "scan only", "tracekit")}
+                print(f"{r:>5} 20x budget {budget:.2f} s: " + ", ".join(
+                    f"{t} {v:.2f} s = {v / budget:.0%}" for t, v in parts.items()))
 
 
 if __name__ == "__main__":
