@@ -101,8 +101,8 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
             # 150k-event trace, docs/ingest.md). A later checkpoint outside ingest still may.
             con.execute("SET max_vacuum_tasks = 0")
             # Bounded memory: DuckDB keeps what it wrote cached in memory only up to this, then evicts
-            # or spills (to <store>.tmp). Each reading thread also holds about
-            # 64 MiB of JSON buffers that cannot be spilled.
+            # or spills (to <store>.tmp). Each worker also holds, outside DuckDB and so never
+            # spilled, a piece of JSON (4 MiB), a batch of scanned rows and its file's parsed tables.
             if saved["memory_limit"] == _default_memory_limit():  # else someone in this process chose one
                 con.execute(f"SET memory_limit = '{MEMORY_PER_WORKER_MB * (n_workers + 1)}MB'")
             ledger = Ledger(con)
