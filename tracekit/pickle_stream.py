@@ -19,14 +19,22 @@ Two passes over a read-only memory map of the file:
 
 The pickle's memo would otherwise keep every container alive to the end. Pages already read are
 released from the process (``madvise``) as the walk moves on.
+
+Both passes exist twice: in C (``_pickle_machine.c``, about 10x faster; used when built) and in
+Python (``scan`` here and tracekit.pickle_machine, the reference and the fallback), with the same
+results, callbacks and errors. ``TRACEKIT_PICKLE_READER`` (READER_ENV) = ``native`` or ``python``
+forces one.
 """
 
 from __future__ import annotations
 
 import codecs
+import math
 import mmap
+import os
 import re
 import struct
+import sys
 from array import array
 from pathlib import Path
 from pickle import UnpicklingError
@@ -36,6 +44,13 @@ import numpy as np
 
 from tracekit.safe_pickle import UnsafePickleError
 
+try:
+    from tracekit import _pickle_machine
+except ImportError:  # built without a C compiler: the Python machine runs
+    _pickle_machine = None
+
+AVAILABLE = _pickle_machine is not None
+READER_ENV = "TRACEKIT_PICKLE_READER"  # "native" (the C machine) or "python"; default: native if built
 OnItems = Callable[[list, list], None]  # (the watched list, its next complete items)
 
 # opcode classes for the scan: >= 0 is the length of a fixed-size argument
@@ -240,12 +255,32 @@ def scan(reader: _Reader) -> np.ndarray:
         raise reader.fail(f"{type(e).__name__}: {e}", pos) from None
 
 
+def machine() -> str:
+    """The pickle machine in use: "native" or "python" (see READER_ENV)."""
+    want = os.environ.get(READER_ENV, "").strip().lower()
+    if want not in ("", "native", "python"):
+        from tracekit.ingest.common import IngestError  # (ingest reports it as the file's failure)
+
+        raise IngestError(f"{READER_ENV}={want!r}: expected 'native' or 'python'")
+    if want == "native" and not AVAILABLE:
+        from tracekit.ingest.common import IngestError
+
+        raise IngestError(f"{READER_ENV}=native, but tracekit._pickle_machine is not built "
+                          "(reinstall tracekit where a C compiler is available)")
+    return want or ("native" if AVAILABLE else "python")
+
+
+def _c_batch(batch: Any) -> int:
+    """``len(frame) > batch`` as the C machine compares it: an int within a C ssize_t."""
+    b = batch if isinstance(batch, int) else math.floor(batch)
+    return max(-1, min(b, sys.maxsize))
+
+
 def read(path: str | Path, watch: Mapping[tuple, OnItems], batch: int = 1024) -> Any:
     """The pickle's top object, with the items of watched lists given to their callbacks instead
     of stored (those lists come back empty). Raises UnsafePickleError for anything but plain data
     and UnpicklingError (naming ``path``) for a corrupt or truncated file."""
-    from tracekit.pickle_machine import build
-
+    native = machine() == "native"
     p = Path(path)
     with open(p, "rb") as f:
         try:
@@ -254,6 +289,12 @@ def read(path: str | Path, watch: Mapping[tuple, OnItems], batch: int = 1024) ->
             raise UnpicklingError(f"{p}: empty file") from None
     try:
         reader = _Reader(buf, str(p))
+        if native:
+            watch = dict(watch)
+            prefixes = {q[:i] for q in watch for i in range(len(q))}  # as pickle_machine.build
+            return _pickle_machine.read(reader, watch, _c_batch(batch), prefixes, decode_line_string)
+        from tracekit.pickle_machine import build
+
         last = scan(reader)
         reader.released = 0
         return build(reader, last, dict(watch), batch)
