@@ -64,8 +64,9 @@ print(sum(len(a.t.get_trace(r)) for r in a.t.get_ranks()), "events")
 # (kineto.read_events, the Arrow batches dropped as they come).
 SCAN_ONLY = """
 import os, sys, threading
-for k, v in {"OPENBLAS_NUM_THREADS": "1", "ARROW_DEFAULT_MEMORY_POOL": "system"}.items():
-    os.environ.setdefault(k, v)  # as the CLI sets them
+from tracekit.cli import PROCESS_DEFAULTS
+for k, v in PROCESS_DEFAULTS.items():
+    os.environ.setdefault(k, v)  # as the CLI sets them, before pyarrow loads
 from pathlib import Path
 import tracekit.ingest.pipeline
 from tracekit.ingest import kineto

@@ -29,7 +29,6 @@ forces one.
 from __future__ import annotations
 
 import codecs
-import math
 import mmap
 import os
 import re
@@ -255,25 +254,22 @@ def scan(reader: _Reader) -> np.ndarray:
         raise reader.fail(f"{type(e).__name__}: {e}", pos) from None
 
 
+def prefixes(watch: Mapping[tuple, OnItems]) -> set[tuple]:
+    """The paths of the lists that can lead to a watched pattern (every proper prefix of one)."""
+    return {p[:i] for p in watch for i in range(len(p))}
+
+
 def machine() -> str:
     """The pickle machine in use: "native" or "python" (see READER_ENV)."""
+    from tracekit.ingest.common import IngestError  # (ingest reports it as the file's failure)
+
     want = os.environ.get(READER_ENV, "").strip().lower()
     if want not in ("", "native", "python"):
-        from tracekit.ingest.common import IngestError  # (ingest reports it as the file's failure)
-
         raise IngestError(f"{READER_ENV}={want!r}: expected 'native' or 'python'")
     if want == "native" and not AVAILABLE:
-        from tracekit.ingest.common import IngestError
-
         raise IngestError(f"{READER_ENV}=native, but tracekit._pickle_machine is not built "
                           "(reinstall tracekit where a C compiler is available)")
     return want or ("native" if AVAILABLE else "python")
-
-
-def _c_batch(batch: Any) -> int:
-    """``len(frame) > batch`` as the C machine compares it: an int within a C ssize_t."""
-    b = batch if isinstance(batch, int) else math.floor(batch)
-    return max(-1, min(b, sys.maxsize))
 
 
 def read(path: str | Path, watch: Mapping[tuple, OnItems], batch: int = 1024) -> Any:
@@ -291,8 +287,8 @@ def read(path: str | Path, watch: Mapping[tuple, OnItems], batch: int = 1024) ->
         reader = _Reader(buf, str(p))
         if native:
             watch = dict(watch)
-            prefixes = {q[:i] for q in watch for i in range(len(q))}  # as pickle_machine.build
-            return _pickle_machine.read(reader, watch, _c_batch(batch), prefixes, decode_line_string)
+            return _pickle_machine.read(reader, watch, max(-1, min(batch, sys.maxsize)),  # a C ssize_t
+                                         prefixes(watch), decode_line_string)
         from tracekit.pickle_machine import build
 
         last = scan(reader)
