@@ -156,4 +156,4 @@ def test_gloo_spans_without_annotations(run_dir: Path, tmp_path: Path) -> None:
         p = s.sql("SELECT direction, count(*) FROM p2p WHERE source = 'gloo' GROUP BY ALL").rows()
         assert p == [("send", 3)]
         run = s.table("runs").row(0, named=True)
-        assert (run["world_size"], run["layout_source"], run["tp"], run["dp"]) == (4, "groups", 2, 2)
+        assert (run["world_size"], run["layout_source"], run["tp"], run["dp"]) == (4, "group-names", 2, 2)

@@ -29,7 +29,7 @@ def test_layout_inferred_from_pg_config(tmp_path: Path) -> None:
     assert len(rep.ok) == world and not rep.missing
     with tracekit.open(tmp_path / "s.duckdb") as s:
         run = s.table("runs").row(0, named=True)
-        assert (run["layout_source"], run["tp"], run["cp"], run["pp"], run["dp"]) == ("groups", 2, 1, 2, 2)
+        assert (run["layout_source"], run["tp"], run["cp"], run["pp"], run["dp"]) == ("group-names", 2, 1, 2, 2)
         dims = dict(s.sql("SELECT dim, count(*) FROM groups GROUP BY dim").rows())
         assert dims == {"tp": 4, "pp": 4, "dp": 4, "dp_pp_tp": 1}  # topology names the world group by its dims
         coords = s.sql("SELECT rank, dp, pp, tp FROM ranks WHERE rank IN (0, 5, 7) ORDER BY rank").rows()

@@ -17,7 +17,7 @@ TABLES: dict[str, list[tuple[str, str]]] = {
         ("cp", "INTEGER"),
         ("pp", "INTEGER"),
         ("dp", "INTEGER"),
-        ("layout_source", "VARCHAR"),  # manifest | groups | wia-meta | unknown
+        ("layout_source", "VARCHAR"),  # manifest | group-names | group-structure | wia-meta | unknown
         ("backend", "VARCHAR"),
         ("manifest", "JSON"),  # the trainer's manifest (config, ground truth), verbatim
         ("ingested_at", "TIMESTAMP"),

@@ -1,8 +1,8 @@
 """A run's topology in the store: groups as recorded, then runs / ranks / groups.dim recomputed.
 
 Sizes come from the manifest when it gives them, else from the op-table's own metadata, else they
-are inferred from the recorded process groups with ``Layout.infer`` (pg_desc naming a dimension is
-a hint). A run whose groups explain nothing keeps NULL sizes ('unknown').
+are inferred from the recorded process groups (``layout_infer``: DeviceMesh names first, then the
+groups' structure); a guess that another layout would explain as well is logged as a warning. A run whose groups explain nothing keeps NULL sizes ('unknown').
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import duckdb
 
 from tracekit.ingest import rundir
 from tracekit.ingest.common import Parsed, group_key
-from tracekit.topology import DIMS, Layout, LayoutError
+from tracekit.layout_infer import dim_of_desc, infer_layout
+from tracekit.topology import DIMS, Layout
 
 PER_RANK_FORMATS = ("kineto", "fr", "memory")
 
@@ -64,7 +65,7 @@ def preferred_desc(descs: set[str | None]) -> str | None:
     sorted order. Without a rule the first file committed would decide, and the store would depend
     on which parse finished first."""
     named = sorted(d for d in descs if d is not None)
-    return next((d for d in named if d in DIMS), named[0] if named else None)
+    return next((d for d in named if dim_of_desc(d)), named[0] if named else None)
 
 
 def _settle_descs(con: duckdb.DuckDBPyConnection, run_id: str, rb: RunBatch, manifest_groups: list[dict]) -> None:
@@ -101,22 +102,22 @@ def ranges_text(rs: list[int]) -> str:
     return ", ".join(out)
 
 
-def _layout(rb: RunBatch, world: int, prev: dict, groups: list[tuple]) -> tuple[Layout | None, str]:
+def _layout(con: duckdb.DuckDBPyConnection, rb: RunBatch, world: int, prev: dict,
+            groups: list[tuple]) -> tuple[Layout | None, str, str | None]:
+    """(layout, layout_source, why it may be wrong) for one run."""
     m = rb.manifest
     if m is not None and m.sizes is not None:
         lay = Layout(**m.sizes)
         if lay.world_size == world:
-            return lay, "manifest"
+            return lay, "manifest", None
     if prev.get("layout_source") == "wia-meta" and prev.get("tp"):
-        return Layout(**{d: prev[d] for d in DIMS}), "wia-meta"
-    recorded = [r for _, _, r in groups if 1 < len(set(r)) < world]
-    if not recorded:
-        return None, "unknown"
-    hints = {tuple(sorted(r)): str(desc) for _, desc, r in groups if desc in DIMS}
-    try:
-        return Layout.infer(world, recorded, hints), "groups"
-    except LayoutError:
-        return None, "unknown"
+        return Layout(**{d: prev[d] for d in DIMS}), "wia-meta", None
+    p2p_names = {r[0] for r in con.execute("SELECT DISTINCT pg_name FROM p2p WHERE run_id = ?",
+                                           [rb.run_id]).fetchall()}
+    named = con.execute("SELECT pg_name, ranks FROM groups WHERE run_id = ?", [rb.run_id]).fetchall()
+    p2p_groups = [ranks for name, ranks in named if name in p2p_names]
+    guess = infer_layout(world, [(desc, ranks) for _, desc, ranks in groups], p2p_groups)
+    return guess.layout, guess.source, guess.ambiguity
 
 
 def finalize(con: duckdb.DuckDBPyConnection, rb: RunBatch) -> dict[tuple[str, str], list[int]]:
@@ -140,7 +141,7 @@ def finalize(con: duckdb.DuckDBPyConnection, rb: RunBatch) -> dict[tuple[str, st
     add_groups(con, rid, list(rb.groups.values()))
     _settle_descs(con, rid, rb, m.groups if m is not None else [])
     groups = con.execute("SELECT rowid, pg_desc, ranks FROM groups WHERE run_id = ?", [rid]).fetchall()
-    lay, source = _layout(rb, world, prev, groups) if world else (None, "unknown")
+    lay, source, doubt = _layout(con, rb, world, prev, groups) if world else (None, "unknown", None)
     formats = sorted(have) or ([prev["source"]] if prev.get("source") else [])
     run_source = "trainer" if m else (formats[0] if len(formats) == 1 else "mixed" if formats else "unknown")
     backend = (m.backend if m else None) or (sorted(rb.backends)[0] if rb.backends else prev.get("backend"))
@@ -175,6 +176,9 @@ def finalize(con: duckdb.DuckDBPyConnection, rb: RunBatch) -> dict[tuple[str, st
                     con.execute("INSERT INTO ingest_log VALUES (?, NULL, ?, NULL, NULL, 'warning', ?, 0, 0, now())",
                                 [rid, fmt, f"ranks missing from {fmt} data: {ranges_text(gone)} "
                                            f"({len(gone)} of {world})"])
+        if doubt:
+            con.execute("INSERT INTO ingest_log VALUES (?, NULL, NULL, NULL, NULL, 'warning', ?, 0, 0, now())",
+                        [rid, f"layout {lay or 'unknown'} ({source}): {doubt}"])
         outside = sorted(r for r in seen if world and r >= world)
         if outside:
             con.execute("INSERT INTO ingest_log VALUES (?, NULL, NULL, NULL, NULL, 'warning', ?, 0, 0, now())",

@@ -1,0 +1,142 @@
+"""Layout inference on groups that torch's own ``init_device_mesh`` creates (gloo, 8 ranks), every
+dimension at 1 and above 1, with the mesh's names, with plain names, and with no names at all;
+plus one profiled job whose trace goes through the real ingest."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import duckdb
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tracekit.layout_infer import infer_layout
+from tracekit.topology import Layout
+
+WORLD = 8
+# (dp, pp, cp, tp): each dimension at 1 and at 2 somewhere, and one dimension holding the world
+SHAPES = [(2, 2, 2, 1), (2, 2, 1, 2), (2, 1, 2, 2), (1, 2, 2, 2), (8, 1, 1, 1), (1, 1, 1, 8), (1, 4, 1, 2),
+          (2, 1, 4, 1)]
+NAMES = ("dp", "pp", "cp", "tp")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # one profiled collective per mesh group of one mesh, the job's only one so far: its trace's
+    # distributedInfo.pg_config lists the groups as a real job records them
+    mesh = init_device_mesh("cpu", (2, 1, 2, 2), mesh_dim_names=NAMES)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for name in NAMES:
+            dist.all_reduce(torch.ones(4), group=mesh.get_group(name))
+    Path(out, "traces").mkdir(exist_ok=True)
+    prof.export_chrome_trace(str(Path(out, "traces", f"rank{rank}.json")))
+    found = []
+    for shape in SHAPES:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=NAMES)
+        groups = []
+        for name in NAMES:
+            g = mesh.get_group(name)
+            groups.append({"desc": g.group_desc, "ranks": dist.get_process_group_ranks(g)})
+        found.append({"shape": shape, "groups": groups})
+    if rank == 0:
+        Path(out, "groups.json").write_text(json.dumps(found))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def mesh_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("mesh")
+    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD, start_method="fork")
+    return out
+
+
+def _shapes(run: Path):
+    for item in json.loads((run / "groups.json").read_text()):
+        dp, pp, cp, tp = item["shape"]
+        yield Layout(tp=tp, cp=cp, pp=pp, dp=dp), item["groups"]
+
+
+def _all_groups(groups: list[dict], lay: Layout, rename) -> list[tuple]:
+    """Every rank's view: the mesh groups of each rank (what pg_config of all ranks adds up to)."""
+    out = [("default_pg", tuple(range(WORLD)))]
+    for dim_index, g in enumerate(groups):
+        dim = NAMES[dim_index]
+        for r in range(WORLD):
+            out.append((rename(g["desc"], dim), lay.group(r, dim)))
+    return out
+
+
+def test_device_mesh_describes_groups_as_mesh_dims(mesh_run):
+    """torch names each dimension's group mesh_<dim>, sizes of 1 included; a dimension spanning the
+    whole world reuses the default group (so its name is not recorded)."""
+    for lay, groups in _shapes(mesh_run):
+        for name, g in zip(NAMES, groups):
+            assert len(g["ranks"]) == getattr(lay, name)
+            assert g["desc"] == ("default_pg" if getattr(lay, name) == WORLD else f"mesh_{name}")
+
+
+def test_mesh_names_give_the_layout_with_every_dimension_at_1_and_above(mesh_run):
+    for lay, groups in _shapes(mesh_run):
+        guess = infer_layout(WORLD, _all_groups(groups, lay, lambda desc, dim: desc))
+        assert (guess.layout, guess.source, guess.ambiguity) == (lay, "group-names", None), lay
+
+
+def test_plain_names_give_the_layout(mesh_run):
+    for lay, groups in _shapes(mesh_run):
+        guess = infer_layout(WORLD, _all_groups(groups, lay, lambda desc, dim: dim))
+        assert (guess.layout, guess.source) == (lay, "group-names"), lay
+
+
+def test_unnamed_groups_give_the_strides_and_say_when_names_were_guessed(mesh_run):
+    for lay, groups in _shapes(mesh_run):
+        guess = infer_layout(WORLD, _all_groups(groups, lay, lambda desc, dim: None))
+        if max(lay.as_dict().values()) == WORLD:  # one dimension is the world: no group says which
+            assert (guess.layout, guess.source) == (None, "unknown")
+            continue
+        assert guess.source == "group-structure"
+        got = guess.layout
+        # the same strides: the same groups, whatever they are called
+        assert sorted(sorted(g) for d in NAMES for g in got.groups(d) if len(g) > 1) == \
+            sorted(sorted(g) for d in NAMES for g in lay.groups(d) if len(g) > 1), lay
+        if got != lay:
+            assert guess.ambiguity and "guessed" in guess.ambiguity, lay
+
+
+def test_p2p_groups_name_the_pipeline(mesh_run):
+    for lay, groups in _shapes(mesh_run):
+        if lay.pp == 1:
+            continue
+        unnamed = _all_groups(groups, lay, lambda desc, dim: None)
+        guess = infer_layout(WORLD, unnamed, p2p_groups=lay.groups("pp"))
+        assert guess.layout.pp == lay.pp and guess.layout.groups("pp") == lay.groups("pp"), lay
+
+
+def test_ingest_reads_the_mesh_from_a_real_profiler_trace(mesh_run, tmp_path):
+    store = tmp_path / "s.duckdb"
+    from click.testing import CliRunner
+
+    from tracekit.cli import main
+
+    res = CliRunner().invoke(main, ["ingest", str(mesh_run / "traces"), "--store", str(store)])
+    assert res.exit_code == 0, res.output
+    con = duckdb.connect(str(store), read_only=True)
+    row = con.execute("SELECT layout_source, dp, pp, cp, tp FROM runs").fetchone()
+    assert row == ("group-names", 2, 1, 2, 2)
+    dims = dict(con.execute("SELECT pg_desc, any_value(dim) FROM groups WHERE size > 1 GROUP BY 1").fetchall())
+    assert dims["mesh_tp"] == "tp" and dims["mesh_cp"] == "cp" and dims["mesh_dp"] == "dp"
