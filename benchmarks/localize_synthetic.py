@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import polars as pl  # noqa: E402
 from synthetic_job import Faults, make_job  # noqa: E402
 
-from tracekit.analysis.rootcause import diagnose  # noqa: E402
+from tracekit.analysis.diagnosis import diagnose  # noqa: E402
 from tracekit.analysis.tables import RunTables  # noqa: E402
 from tracekit.topology import Layout  # noqa: E402
 

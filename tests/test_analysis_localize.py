@@ -11,7 +11,8 @@ import pytest
 from synthetic_job import Faults, make_job
 
 from tracekit.analysis.localize import localize
-from tracekit.analysis.rootcause import diagnose, explain
+from tracekit.analysis.diagnosis import diagnose
+from tracekit.analysis.rootcause import explain
 from tracekit.analysis.work import attention_work
 from tracekit.analysis.tables import RunTables
 from tracekit.analysis.tunables import Tunables

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tracekit.analysis.collectives import align_clocks
-from tracekit.analysis.rootcause import diagnose
+from tracekit.analysis.diagnosis import diagnose
 from tracekit.analysis.tables import RunTables
 from tracekit.ingest.optable import read_optable
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tracekit.analysis.cp_wait import CPWait
     from tracekit.analysis.hangs import HangReport
-    from tracekit.analysis.rootcause import Diagnosis
+    from tracekit.analysis.diagnosis import Diagnosis
     from tracekit.analysis.steps import StepReport
     from tracekit.store import Store
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # polars is imported by DuckDB's .pl() when a query result is
     from tracekit.analysis.collectives import ClockAlignment
     from tracekit.analysis.cp_wait import CPWait
     from tracekit.analysis.hangs import HangReport
-    from tracekit.analysis.rootcause import Diagnosis
+    from tracekit.analysis.diagnosis import Diagnosis
     from tracekit.analysis.steps import StepReport
     from tracekit.analysis.tables import RunTables
     from tracekit.analysis.tunables import Tunables
@@ -128,11 +128,11 @@ class Store:
 
     def diagnose(self, run_id: str | None = None, tunables: Tunables | None = None) -> Diagnosis:
         """Which rank made the run slow, and why (localization + root cause)."""
-        from tracekit.analysis.rootcause import diagnose
+        from tracekit.analysis.diagnosis import diagnose
         from tracekit.analysis.tunables import Tunables
 
         tables = self.run_tables(run_id)
-        return diagnose(tables, tunables or Tunables(), self.attention_work(tables.run_id))
+        return diagnose(tables, tunables or Tunables(), self.attention_work(tables.run_id), self.hangs(tables.run_id))
 
     def cp_wait(self, run_id: str | None = None, tunables: Tunables | None = None) -> CPWait:
         """Exposed CP communication split into wait and transfer, and what the waiting is due to."""

@@ -18,7 +18,7 @@ import polars as pl
 
 from tracekit.analysis.collectives import match_collectives
 from tracekit.analysis.cp_wait import CPWait, cp_wait
-from tracekit.analysis.rootcause import Diagnosis, diagnose
+from tracekit.analysis.diagnosis import Diagnosis, diagnose
 from tracekit.analysis.work import work_from_manifest
 from tracekit.analysis.tables import RunTables
 from tracekit.analysis.tunables import Tunables

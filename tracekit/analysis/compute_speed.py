@@ -26,7 +26,7 @@ from tracekit.analysis.tables import RunTables, compute_events, prefer_profiler
 from tracekit.analysis.tunables import Tunables
 
 _SCHEMA = {"step": pl.Int64, "rank": pl.Int32, "pp": pl.Int32, "log_ratio": pl.Float64, "log_total": pl.Float64,
-           "excess_ns": pl.Float64, "spans": pl.UInt32}
+           "excess_ns": pl.Float64, "ref_ns": pl.Float64, "spans": pl.UInt32}
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def compute_speed(tables: RunTables) -> pl.DataFrame:
     of log(own compute / mean of the same span on the other ranks of its pipeline stage), which a
     slow device moves and a few preempted spans do not; and log(its total own compute / those
     references summed), which more work (long documents in some micro-batches) moves as well; and
-    that excess in ns (own total minus the references summed)."""
+    that excess in ns (own total minus the references summed), and the references summed (ref_ns)."""
     spans = own_compute_spans(tables)
     if not spans.height:
         return pl.DataFrame(schema=_SCHEMA)
@@ -98,7 +98,8 @@ def compute_speed(tables: RunTables) -> pl.DataFrame:
     return spans.group_by("step", "rank").agg(
         pl.col("pp").first(), (pl.col("own_ns") / pl.col("ref")).log().median().alias("log_ratio"),
         (pl.col("own_ns").sum() / pl.col("ref").sum()).log().alias("log_total"),
-        (pl.col("own_ns").sum() - pl.col("ref").sum()).alias("excess_ns"), pl.len().alias("spans")
+        (pl.col("own_ns").sum() - pl.col("ref").sum()).alias("excess_ns"), pl.col("ref").sum().alias("ref_ns"),
+        pl.len().alias("spans")
     ).sort("step", "rank").cast(_SCHEMA)
 
 

@@ -14,19 +14,19 @@ All thresholds live in ``Tunables``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import polars as pl
 
 from tracekit.analysis import work as attention
 from tracekit.analysis.links import link_transfers, slowest_link
-from tracekit.analysis.localize import Localization, localize
+from tracekit.analysis.localize import Localization
 from tracekit.analysis.tables import RunTables, compute_events
 from tracekit.analysis.tunables import Tunables
 
 CATEGORY = {"slow_compute": "worker", "cpu_bound": "worker", "slow_link": "link", "data_imbalance": "data",
-            "stage_imbalance": "pipeline", "unexplained": "unknown", "none": "none", "insufficient_data": "none"}
+            "stage_imbalance": "pipeline", "hang": "hang", "unexplained": "unknown", "none": "none", "insufficient_data": "none"}
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,18 @@ def _microbatch_cv(tables: RunTables, rank: int, peers: list[int], steps=None) -
     own = cv.filter(pl.col("rank") == rank)["cv"]
     noise = cv.filter(pl.col("rank") != rank)["cv"].median()
     return (float(own[0]) if own.len() else float("nan")), (float(noise) if noise is not None else float("nan"))
+
+
+def stage_ratios(metrics: pl.DataFrame, tables: RunTables, bar: float) -> list[tuple[int, float, float, float]]:
+    """Per stage: (stage, median over steps of its compute over the median stage's, its extra
+    compute per step in ns, share of steps in which the ratio reached ``bar``)."""
+    co = tables.coords().select("rank", "pp")
+    per = metrics.join(co, on="rank").group_by("step", "pp").agg(pl.col("compute_ns").median())
+    per = per.join(per.group_by("step").agg(pl.col("compute_ns").median().alias("mid")), on="step").filter(
+        pl.col("mid") > 0).with_columns((pl.col("compute_ns") / pl.col("mid")).alias("ratio"))
+    out = per.group_by("pp").agg(pl.col("ratio").median(), (pl.col("compute_ns") - pl.col("mid")).median().alias("x"),
+                                 (pl.col("ratio") >= bar).mean().alias("share")).sort("pp")
+    return [(int(a), float(b), float(c), float(d)) for a, b, c, d in out.iter_rows()]
 
 
 def _stage_ratio(metrics: pl.DataFrame, tables: RunTables, stage: int) -> float:
@@ -289,65 +301,3 @@ def _explain_moving(tables, loc, metrics, tun: Tunables, work) -> Cause:
                      f"imbalance degree (max/mean compute) {degree:.2f}: data imbalance, no single culprit", ev)
     return Cause("unexplained", (), f"the slowest {what} moves from step to step ({distinct} different) "
                  "without more compute", ev)
-
-
-@dataclass(frozen=True)
-class Diagnosis:
-    """Localization and cause together: what `tracekit stragglers` renders."""
-
-    localization: Localization
-    cause: Cause
-
-    @property
-    def headline(self) -> str:
-        """One line for humans: who, how sure, and why."""
-        loc = self.localization
-        where = ", ".join(f"{d} {v}" for d, v in loc.coords.items())
-        who = {
-            "straggler": f"rank {loc.culprit_rank} ({where}) is the straggler",
-            "transient": f"rank {loc.culprit_rank} ({where}) is a transient straggler "
-                         f"(steps {', '.join(map(str, loc.episode_steps))})",
-            "group": f"ranks {list(loc.culprit_ranks)} ({where}) are late together",
-            "stage": f"pipeline stage {loc.coords.get('pp')} holds every replica back",
-            "moving": "the slowest member moves from step to step",
-            "no_straggler": "no straggler",
-            "no_data": "not enough cross-rank records to localize",
-        }[loc.verdict]
-        return f"{who} (confidence {loc.confidence:.2f}); cause: {self.cause.kind}: {self.cause.summary}"
-
-    def to_dict(self) -> dict:
-        return {"headline": self.headline, "localization": self.localization.to_dict(), "cause": self.cause.to_dict()}
-
-
-def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFrame | None = None) -> Diagnosis:
-    """Which rank made this job slow, and why."""
-    loc = localize(tables, tunables)
-    cause = explain(tables, loc, tunables, work)
-    return _unexplained_is_noise(loc, cause, tunables)
-
-
-def _unexplained_is_noise(loc: Localization, cause: Cause, tun: Tunables) -> Diagnosis:
-    """Lateness that nothing on the culprit's timeline explains (normal compute, gaps and links) is
-    not reported when it is (a) a pipeline stage blamed in every replica while it computes like the
-    others (the waits are the schedule's own warm-up and cool-down bubbles, which fall on the last
-    stage), or (b) costs less than ``unexplained_effect_min_frac`` of a step, which is what
-    systematic timing noise looks like (ranks that share CPU cores, a busier host). Either becomes
-    no straggler, with the suspects and their effect kept in the cause's evidence."""
-    if cause.kind != "unexplained" or loc.verdict not in ("straggler", "group", "transient", "stage"):
-        return Diagnosis(loc, cause)
-    named = [lv for lv in loc.levels if lv.verdict == "culprit"]
-    effect = max((lv.effect_ns for lv in named), default=0.0) / (loc.step_time_ns or 1.0)
-    if loc.verdict == "stage":
-        why = (f"pipeline stage {loc.coords.get('pp')} draws {effect:.1%} of a step of pipeline waits in every "
-               "replica but computes like the other stages: the schedule's bubbles, not a fault")
-    elif effect < tun.unexplained_effect_min_frac:
-        why = (f"ranks {list(loc.culprit_ranks)} were late by {effect:.1%} of a step, which nothing on their "
-               f"timeline explains (below {tun.unexplained_effect_min_frac:.0%}: timing noise)")
-    else:
-        return Diagnosis(loc, cause)
-    quiet = replace(loc, verdict="no_straggler", culprit_rank=None, culprit_ranks=(), coords={},
-                    confidence=float(max(0.0, 1 - effect / tun.unexplained_effect_min_frac)) if loc.verdict != "stage"
-                    else 0.5)
-    return Diagnosis(quiet, Cause("none", (), f"no straggler: {why}",
-                                  {**cause.evidence, "suspects": str(list(loc.culprit_ranks)),
-                                   "unexplained_effect_frac": effect}))

@@ -83,6 +83,11 @@ class Tunables:
     compute_effect_min_ratio: float = 1.02
     compute_min_steps: int = 4
     compute_noise_floor: float = 0.003
+    # Episodes (culprits.py): a single (step, rank) cell stands out when its log compute excess
+    # clears the normal quantile of 1 - episode_alpha / cells (Bonferroni over every cell) in
+    # scatter units, and this ratio.
+    episode_alpha: float = 0.01
+    episode_min_ratio: float = 1.08
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,0 +1,143 @@
+"""Every rank that is slow on its own: persistent, transient or moving, each with its cost.
+
+Waits tell who held whom up, but blame travels: a rank waits on its TP peer, which waits on ... A
+slow device, though, is slow in its *own* compute, which is measured on its own clock (no skew) and
+can be set against the ranks that do the same work (``compute_speed``: the same spans of the same
+pipeline stage). So each (step, rank) gets an excess e = its log compute ratio minus the step's
+median over ranks; the noise unit sigma is the step-to-step scatter pooled over all ranks (rank and
+step effects removed, so neither a culprit nor a busy step inflates it). Then, per rank:
+- persistent: its median excess over all steps clears ``compute_margin_min`` standard errors (a bar
+  rising with the ranks compared), at least ``compute_effect_min_ratio``, in ``persist_min`` of the
+  steps. Each rank is judged on its own, so two culprits are two findings;
+- episode cells: (step, rank) cells whose excess clears a Bonferroni bar over all cells (the
+  largest of T x n noisy cells is large by chance) and ``episode_min_ratio``. Cells of ranks that
+  are not persistent make a *moving* straggler when they fill ``moving_min_share`` of the steps over
+  two or more ranks with none holding ``persist_min`` of them, else a *transient* one per rank with
+  two or more cells.
+The cost of a finding is the rank's extra compute over its peers' in the steps concerned (its excess
+ratio times the peers' compute of a step, so that a descheduled span elsewhere does not move it):
+that is how much later it arrives at the next synchronization than its peers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from statistics import NormalDist
+
+import numpy as np
+import polars as pl
+
+from tracekit.analysis.compute_speed import step_scatter
+from tracekit.analysis.standout import spread
+from tracekit.analysis.tunables import Tunables
+
+
+@dataclass(frozen=True)
+class RankFinding:
+    kind: str  # persistent | transient | moving
+    rank: int
+    steps: tuple[int, ...]  # the steps it was slow in
+    ratio: float  # its compute over its peers' in those steps
+    cost_ns: float  # its extra compute per such step
+    margin: float  # effect over the noise bar's unit
+    confidence: float
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "steps": list(self.steps)}
+
+
+@dataclass(frozen=True)
+class ComputeCulprits:
+    findings: list[RankFinding] = field(default_factory=list)
+    steps_total: int = 0
+    ranks_compared: int = 0
+    sigma: float = 0.0  # step-to-step scatter of the log compute ratio
+    cell_bar: float = 0.0  # log ratio a single (step, rank) must reach to stand out
+    has_data: bool = False
+
+    def of_kind(self, kind: str) -> list[RankFinding]:
+        return [f for f in self.findings if f.kind == kind]
+
+    def to_dict(self) -> dict:
+        return {"findings": [f.to_dict() for f in self.findings], "steps_total": self.steps_total,
+                "ranks_compared": self.ranks_compared, "sigma": self.sigma, "cell_bar": self.cell_bar}
+
+
+def _confidence(margin: float, bar: float, steps_share: float) -> float:
+    """A margin at the bar is a coin flip made firmer by persistence; calibrated on the fault grid
+    (benchmarks/diagnosis_grid.py): it only approaches 1 well past the bar."""
+    z = (margin - bar) / max(bar, 1e-9) * 4.0
+    return float(min(0.99, steps_share / (1.0 + math.exp(-z))))
+
+
+def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables()) -> ComputeCulprits:
+    """Persistent, transient and moving slow ranks from ``compute_speed``'s (step, rank) table."""
+    if not speed.height or speed["rank"].n_unique() < 2:
+        return ComputeCulprits()
+    wide = speed.pivot(on="rank", index="step", values="log_ratio").sort("step")
+    ranks = [int(c) for c in wide.columns if c != "step"]
+    steps = wide["step"].to_list()
+    mat = wide.select([str(r) for r in ranks]).to_numpy().astype(float)
+    keep = np.isfinite(mat).sum(axis=1) >= 2
+    mat, steps = mat[keep], [t for t, k in zip(steps, keep) if k]
+    T, n = mat.shape
+    if T == 0:
+        return ComputeCulprits()
+    ref_ns = {(int(t), int(r)): float(v) for t, r, v in speed.select("step", "rank", "ref_ns").iter_rows()}
+    e = mat - np.nanmedian(mat, axis=1, keepdims=True)
+    sigma = max(step_scatter(mat), tun.compute_noise_floor)
+    cells = max(T * n, 2)
+    cell_bar = max(NormalDist().inv_cdf(1 - tun.episode_alpha / cells) * sigma, math.log(tun.episode_min_ratio))
+    bar = tun.compute_margin_min + tun.compute_margin_per_log * math.log(max(1.0, n / 2))
+    med = np.nanmedian(e, axis=0)
+    stage_of = dict(speed.select("rank", "pp").unique("rank").iter_rows())
+    findings: list[RankFinding] = []
+    persistent: set[int] = set()
+    if T >= tun.compute_min_steps:
+        for j, r in enumerate(ranks):
+            col = e[:, j][np.isfinite(e[:, j])]
+            if not col.size:
+                continue
+            # the other ranks' own medians vary a little for reasons that are not a fault; the
+            # candidate's stage peers are left out: their reference holds the candidate, so a slow
+            # rank makes them look fast (with two ranks per stage, its exact mirror image)
+            away = [k for k in range(n) if k != j and stage_of.get(ranks[k]) != stage_of.get(r)]
+            others = med[away] if len(away) >= 2 else np.delete(med, j)
+            noise = max(1.2533 * sigma / math.sqrt(col.size), spread(others[np.isfinite(others)]), tun.compute_noise_floor)
+            effect = float(np.median(col))
+            margin = effect / noise
+            slower = float((col > 0).mean())
+            if margin >= bar and effect >= math.log(tun.compute_effect_min_ratio) and slower >= tun.persist_min:
+                persistent.add(j)
+                cost = (math.exp(effect) - 1) * float(np.median([ref_ns.get((int(t), r), 0.0) for t in steps]))
+                findings.append(RankFinding("persistent", r, tuple(int(t) for t in steps), math.exp(effect), cost,
+                                            margin, _confidence(margin, bar, slower)))
+    hot = [(i, j) for i in range(T) for j in range(n)
+           if j not in persistent and np.isfinite(e[i, j]) and e[i, j] >= cell_bar]
+    by_step: dict[int, list[int]] = {}
+    for i, j in hot:
+        by_step.setdefault(i, []).append(j)
+    top_per_step = {i: max(js, key=lambda j: e[i, j]) for i, js in by_step.items()}
+    counts: dict[int, int] = {}
+    for j in top_per_step.values():
+        counts[j] = counts.get(j, 0) + 1
+    moving = (len(top_per_step) >= max(2, math.ceil(tun.moving_min_share * T)) and len(counts) >= 2
+              and max(counts.values()) / len(top_per_step) < tun.persist_min)
+    for j in sorted({j for _, j in hot}):
+        cells = sorted(i for i, jj in hot if jj == j)
+        if not moving and len(cells) < 2:
+            continue
+        if moving and j not in counts:
+            continue
+        if moving:
+            cells = [i for i in cells if top_per_step.get(i) == j]
+        vals = e[cells, j]
+        margin = float(np.min(vals)) / sigma
+        cost = float(np.median([(math.exp(e[i, j]) - 1) * ref_ns.get((int(steps[i]), ranks[j]), 0.0) for i in cells]))
+        z_bar = cell_bar / sigma
+        findings.append(RankFinding("moving" if moving else "transient", ranks[j], tuple(int(steps[i]) for i in cells),
+                                    float(math.exp(np.median(vals))), cost, margin,
+                                    _confidence(margin, z_bar, 1.0)))
+    findings.sort(key=lambda f: (f.kind != "persistent", -f.cost_ns))
+    return ComputeCulprits(findings, T, n, float(sigma), float(cell_bar), True)

@@ -1,0 +1,267 @@
+"""Which ranks or links made the run slow, what each costs, and what to do: ``tracekit stragglers``.
+
+One place decides the verdict, from four kinds of evidence, in this order:
+1. a hang (flight-recorder entries show a collective some members never joined, or the traces end
+   inside collectives that are incomplete): no performance verdict at all, ``hangs`` tells the rest;
+2. ranks slow on their own (``culprits``: each rank's compute against the ranks doing the same
+   work, on its own clock): every persistent, transient or moving slow rank is a finding;
+3. links (``links``: transfer times once every side is ready, measured within one rank's clock) and
+   stage imbalance (a stage computing more than the others in every replica);
+4. the top-down wait analysis (``localize``: who waited on whom, DP -> PP -> CP -> TP), which
+   orders the explanation and is the evidence where no compute was recorded; where compute was
+   recorded and shows nothing, a late rank without slower compute is kept only when its cause is
+   found (CPU launch gaps or a slow link): waits alone carry every kind of timing noise.
+Each finding carries its cost (ms per step and share of the step, over which steps), where it shows
+(coordinates, group or pair named by members) and a next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+import polars as pl
+
+from tracekit.analysis.compute_speed import compute_speed
+from tracekit.analysis.culprits import ComputeCulprits, RankFinding, find_culprits
+from tracekit.analysis.hangs import HangReport
+from tracekit.analysis.links import link_transfers
+from tracekit.analysis.localize import Localization, localize
+from tracekit.analysis.rootcause import Cause, explain, rank_step_metrics, stage_ratios
+from tracekit.analysis.tables import RunTables
+from tracekit.analysis.tunables import Tunables
+
+NEXT_STEP = {
+    "slow_compute": "drain or test the node of {who} (GPU clocks and thermals, ECC/XID errors, `nvidia-smi -q`); "
+                    "rerun without it to confirm",
+    "cpu_bound": "profile the host side of {who} (data loader, CPU contention, Python GC, launch overhead)",
+    "slow_link": "test the link between {who} (nccl-tests between those hosts, NIC/switch port error counters)",
+    "data_imbalance": "balance the work: per-document CP sharding or variable-length packing (WLB-LLM)",
+    "stage_imbalance": "rebalance the pipeline: move layers off stage {who} (Llama 3 sheds a layer on the first "
+                       "and last stage)",
+    "hang": "run `tracekit hangs` on this run, and dump the stack of {who} (py-spy dump) at the stuck collective",
+    "unexplained": "profile {who} with more detail (CPU ops, kernels) to see where the time goes",
+}
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str  # straggler | transient | moving | slow_link | stage_imbalance | data_imbalance | cpu_bound | hang
+    ranks: tuple[int, ...]
+    where: str  # coordinates, group or pair, named by member ranks
+    steps: tuple[int, ...]  # the steps it shows in
+    cost_ns: float  # per step it shows in
+    cost_share: float  # of the median step time
+    confidence: float
+    cause: str  # the Cause kind behind it
+    summary: str
+    next_step: str
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ranks": list(self.ranks), "steps": list(self.steps)}
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """Localization, cause and every finding: what `tracekit stragglers` renders."""
+
+    localization: Localization
+    cause: Cause
+    findings: list[Finding] = field(default_factory=list)
+    compute: ComputeCulprits | None = None
+
+    @property
+    def headline(self) -> str:
+        loc = self.localization
+        if loc.verdict == "hang":
+            return f"no performance verdict: the run hung ({self.cause.summary}); see `tracekit hangs`"
+        if not self.findings:
+            if loc.verdict == "no_data":
+                return f"not enough cross-rank records to localize: {self.cause.summary}"
+            return f"no straggler (confidence {loc.confidence:.2f}): {self.cause.summary}"
+        parts = [f"{f.summary}; costs {f.cost_ns / 1e6:.1f} ms per step ({f.cost_share:.1%})"
+                 f"{_steps_text(f)} (confidence {f.confidence:.2f})" for f in self.findings]
+        lead = f"{len(self.findings)} findings: " if len(self.findings) > 1 else ""
+        return lead + " | ".join(parts)
+
+    def to_dict(self) -> dict:
+        return {"headline": self.headline, "localization": self.localization.to_dict(), "cause": self.cause.to_dict(),
+                "findings": [f.to_dict() for f in self.findings],
+                "compute_culprits": self.compute.to_dict() if self.compute else None}
+
+
+def _steps_text(f: Finding) -> str:
+    return f" in steps {', '.join(map(str, f.steps))}" if f.kind in ("transient", "moving") and f.steps else ""
+
+
+def _where(tables: RunTables, ranks: tuple[int, ...]) -> str:
+    lay = tables.layout
+    if len(ranks) == 1:
+        c = lay.coords(ranks[0]).as_dict()
+        return f"rank {ranks[0]} (" + ", ".join(f"{d} {v}" for d, v in c.items() if getattr(lay, d) > 1) + ")"
+    dim = lay.dim_of(ranks) if max(ranks) < lay.world_size else None
+    return f"{(dim or 'ranks').upper() + ' group' if dim else 'ranks'} {list(ranks)}"
+
+
+def _hung(hang: HangReport | None, tables: RunTables) -> str | None:
+    """Why the run has no performance verdict (it hung), or None."""
+    if hang is not None and hang.hung:
+        return hang.headline
+    c = tables.collectives
+    if not c.height or "pg_name" not in c.columns:
+        return None
+    # the traces end inside collectives some members never recorded (a hang before the dump)
+    last = c.drop_nulls("pg_name").group_by("pg_name", "seq").agg(pl.col("rank").n_unique().alias("n"))
+    sizes = tables.groups.select("pg_name", pl.col("size").alias("size")).unique("pg_name")
+    top = last.join(last.group_by("pg_name").agg(pl.col("seq").max().alias("top")), on="pg_name")
+    top = top.filter(pl.col("seq") == pl.col("top")).join(sizes, on="pg_name")
+    short = top.filter(pl.col("n") < pl.col("size"))
+    full_before = last.join(sizes, on="pg_name").filter(pl.col("n") == pl.col("size"))
+    if short.height and full_before.height and short.height * 2 >= top.filter(pl.col("size") > 1).height:
+        return (f"{short.height} groups' last collectives are missing members; the traces end in a hang or were "
+                "cut short")
+    return None
+
+
+def _rank_finding(tables: RunTables, f: RankFinding, loc: Localization, tun: Tunables, work,
+                  step_ns: float) -> Finding:
+    kind = {"persistent": "straggler", "transient": "transient", "moving": "moving"}[f.kind]
+    one = replace(loc, verdict="transient" if f.kind != "persistent" else "straggler", culprit_rank=f.rank,
+                  culprit_ranks=(f.rank,), coords=tables.layout.coords(f.rank).as_dict(),
+                  episode_steps=f.steps if f.kind != "persistent" else ())
+    cause = explain(tables, one, tun, work)
+    if cause.kind in ("none", "unexplained", "insufficient_data", "stage_imbalance", "slow_link"):
+        cause = Cause("slow_compute", (f.rank,), f"rank {f.rank} computes {f.ratio:.2f}x its peers",
+                      {"compute_ratio": f.ratio})
+    what = {"straggler": "is a straggler", "transient": "is a transient straggler",
+            "moving": "is slow in some steps (the slowness moves)"}[kind]
+    summary = f"{_where(tables, (f.rank,))} {what}: {cause.summary}"
+    return Finding(kind, (f.rank,), _where(tables, (f.rank,)), f.steps, max(f.cost_ns, 0.0),
+                   max(f.cost_ns, 0.0) / step_ns, f.confidence, cause.kind, summary,
+                   NEXT_STEP.get(cause.kind, NEXT_STEP["unexplained"]).format(who=f"rank {f.rank}"))
+
+
+def _link_findings(tables: RunTables, links: pl.DataFrame, step_ns: float, n_steps: int) -> list[Finding]:
+    out = []
+    for row in links.filter(pl.col("slow")).iter_rows(named=True):
+        ranks = tuple(int(r) for r in row["ranks"])
+        lay = tables.layout
+        if row["link"] == "p2p":
+            a, b = ranks
+            where = (f"pipeline link rank {a} -> rank {b} (stage {lay.coords(a).pp} -> {lay.coords(b).pp})")
+        else:
+            where = _where(tables, tuple(sorted(ranks)))
+        conf = float(min(0.99, 1 - 2.0 ** (-(row["z"] - row["z_bar"]) - 1)))
+        out.append(Finding("slow_link", ranks, where, (), row["excess_per_step_ns"],
+                           row["excess_per_step_ns"] / step_ns, conf, "slow_link",
+                           f"slow link: {where} transfers {row['ratio']:.1f}x slower than the same kind elsewhere",
+                           NEXT_STEP["slow_link"].format(who=f"ranks {list(ranks)}")))
+    return out
+
+
+def _stage_findings(tables: RunTables, metrics: pl.DataFrame, tun: Tunables, step_ns: float) -> list[Finding]:
+    lay = tables.layout
+    if lay.pp < 2:
+        return []
+    out = []
+    for stage, ratio, excess_ns, share in stage_ratios(metrics, tables, tun.stage_compute_ratio):
+        if ratio >= tun.stage_compute_ratio and share >= tun.persist_min:
+            ranks = tuple(r for r in range(lay.world_size) if lay.coords(r).pp == stage)
+            out.append(Finding("stage_imbalance", ranks, f"pipeline stage {stage} (ranks {list(ranks)})", (), excess_ns,
+                               excess_ns / step_ns, min(0.95, share), "stage_imbalance",
+                               f"pipeline stage {stage} computes {ratio:.2f}x the median stage in every replica",
+                               NEXT_STEP["stage_imbalance"].format(who=stage)))
+    return out
+
+
+def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFrame | None = None,
+             hang: HangReport | None = None) -> Diagnosis:
+    """Which ranks or links made this job slow, why, and what each costs."""
+    tun = tunables
+    loc = localize(tables, tun)
+    step_ns = loc.step_time_ns or 1.0
+    why_hung = _hung(hang, tables)
+    if why_hung:
+        culprits = tuple(hang.culprits) if hang is not None and hang.hung else ()
+        quiet = replace(loc, verdict="hang", culprit_rank=None, culprit_ranks=culprits, coords={}, confidence=0.0)
+        cause = Cause("hang", culprits, why_hung, {})
+        return Diagnosis(quiet, cause, [])
+    compute = find_culprits(compute_speed(tables), tun)
+    metrics = rank_step_metrics(tables)
+    n_steps = max(metrics["step"].n_unique(), 1) if metrics.height else 1
+    findings: list[Finding] = [_rank_finding(tables, f, loc, tun, work, step_ns) for f in compute.findings]
+    findings += _stage_findings(tables, metrics, tun, step_ns)
+    links = link_transfers(tables, step_ns, tun)
+    findings += [f for f in _link_findings(tables, links, step_ns, n_steps)
+                 if not any(set(f.ranks) <= set(g.ranks) for g in findings if g.kind == "slow_link")]
+    if not compute.has_data and loc.verdict in ("straggler", "group", "transient", "stage", "moving"):
+        cause = explain(tables, loc, tun, work)
+        if cause.kind not in ("none", "unexplained") or loc.confidence >= 0.5:
+            findings.append(_waits_finding(tables, loc, cause, step_ns))
+    elif compute.has_data and not findings and loc.verdict in ("straggler", "group", "transient"):
+        cause = explain(tables, loc, tun, work)
+        if cause.kind == "cpu_bound":  # late without computing more: launch gaps on its host
+            findings.append(_waits_finding(tables, loc, cause, step_ns))
+    findings = _merge_data_imbalance(findings)
+    return Diagnosis(_primary(loc, findings, tables), _primary_cause(findings, loc), findings, compute)
+
+
+def _waits_finding(tables: RunTables, loc: Localization, cause: Cause, step_ns: float) -> Finding:
+    ranks = loc.culprit_ranks or ((loc.culprit_rank,) if loc.culprit_rank is not None else ())
+    named = [lv for lv in loc.levels if lv.verdict == "culprit"]
+    cost = max((lv.effect_ns for lv in named), default=0.0)
+    kind = {"straggler": "straggler", "transient": "transient", "moving": "moving"}.get(loc.verdict, cause.kind)
+    where = _where(tables, tuple(ranks)) if ranks else "the job"
+    return Finding(kind, tuple(ranks), where, tuple(loc.episode_steps), cost, cost / step_ns,
+                   min(loc.confidence, 0.9), cause.kind, f"{where}: {cause.summary}",
+                   NEXT_STEP.get(cause.kind, NEXT_STEP["unexplained"]).format(who=where))
+
+
+def _merge_data_imbalance(findings: list[Finding]) -> list[Finding]:
+    """Rank findings whose cause is data imbalance are one finding: the data, not the ranks."""
+    moving = [f for f in findings if f.kind in ("straggler", "transient", "moving") and f.cause == "data_imbalance"]
+    if len(moving) < 2:
+        return findings
+    rest = [f for f in findings if f not in moving]
+    ranks = tuple(sorted({r for f in moving for r in f.ranks}))
+    steps = tuple(sorted({s for f in moving for s in f.steps}))
+    cost = max(f.cost_ns for f in moving)
+    return [Finding("data_imbalance", ranks, f"ranks {list(ranks)}", steps, cost, max(f.cost_share for f in moving),
+                    max(f.confidence for f in moving), "data_imbalance",
+                    f"ranks {list(ranks)} compute more because they get more attention work (up to "
+                    f"{cost / 1e6:.1f} ms per step): data imbalance, not slower devices",
+                    NEXT_STEP["data_imbalance"])] + rest
+
+
+def _primary(loc: Localization, findings: list[Finding], tables: RunTables) -> Localization:
+    """The Localization the findings amount to (the costliest rank finding leads)."""
+    if not findings:
+        verdict = "no_data" if loc.verdict == "no_data" else "no_straggler"
+        return replace(loc, verdict=verdict, culprit_rank=None, culprit_ranks=(), coords={})
+    ranked = [f for f in findings if f.kind in ("straggler", "transient", "moving")]
+    if ranked:
+        kinds = {f.kind for f in ranked}
+        lead = max(ranked, key=lambda f: (f.kind == "straggler", f.cost_ns))
+        if "straggler" not in kinds and "moving" in kinds and len({f.ranks for f in ranked}) > 1:
+            return replace(loc, verdict="moving", culprit_rank=None, culprit_ranks=tuple(sorted(
+                {r for f in ranked for r in f.ranks})), coords={}, confidence=lead.confidence)
+        r = lead.ranks[0]
+        all_ranks = tuple(sorted({x for f in ranked if f.kind == lead.kind for x in f.ranks}))
+        return replace(loc, verdict="straggler" if lead.kind == "straggler" else "transient", culprit_rank=r,
+                       culprit_ranks=all_ranks, coords=tables.layout.coords(r).as_dict(), confidence=lead.confidence,
+                       episode_steps=lead.steps if lead.kind != "straggler" else (),
+                       basis="both" if loc.culprit_rank == r else "compute")
+    lead = max(findings, key=lambda f: f.cost_ns)
+    verdict = {"stage_imbalance": "stage"}.get(lead.kind, "group")
+    coords = {"pp": tables.layout.coords(lead.ranks[0]).pp} if verdict == "stage" else {}
+    return replace(loc, verdict=verdict, culprit_rank=None, culprit_ranks=lead.ranks, coords=coords,
+                   confidence=lead.confidence)
+
+
+def _primary_cause(findings: list[Finding], loc: Localization) -> Cause:
+    if not findings:
+        if loc.verdict == "no_data":
+            return Cause("insufficient_data", (), "no collectives across ranks and no p2p records: nothing to compare",
+                         {})
+        return Cause("none", (), "no rank, stage or link stands out beyond noise", {})
+    lead = max(findings, key=lambda f: (f.kind == "straggler", f.cost_ns))
+    return Cause(lead.cause, lead.ranks, lead.summary, {"cost_ns": lead.cost_ns, "cost_share": lead.cost_share})
