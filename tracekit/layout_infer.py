@@ -25,13 +25,21 @@ ALIASES = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "sp": "cp", "fsdp": "
            "ddp": "dp", "pipe": "pp", "pipeline": "pp", "tensor": "tp", "context": "cp", "data": "dp"}
 
 
+# Words in longer descriptions (Megatron's 'tensor_model_parallel', 'pipeline_model_parallel', ...).
+WORDS = {"tensor": "tp", "context": "cp", "pipeline": "pp", "data": "dp"}
+
+
 def dim_of_desc(desc: str | None) -> str | None:
-    """The dimension a group description names ('mesh_tp' -> 'tp'), or None."""
+    """The dimension a group description names ('mesh_tp' -> 'tp', 'tensor_model_parallel' -> 'tp'),
+    or None (also when it names several, as Megatron's 'data_parallel_with_context' does)."""
     if not desc:
         return None
     d = desc.strip().lower()
     d = d[5:] if d.startswith("mesh_") else d
-    return ALIASES.get(d)
+    if d in ALIASES:
+        return ALIASES[d]
+    named = {dim for word, dim in WORDS.items() if word in d.replace("-", "_").split("_")}
+    return named.pop() if len(named) == 1 and "expert" not in d else None
 
 
 @dataclass(frozen=True)

@@ -170,3 +170,25 @@ def compute_outlier(speed: pl.DataFrame, tunables: Tunables = Tunables()) -> Com
           and slower / diffs.size >= tun.persist_min)
     return ComputeFinding("culprit" if ok else "none", ranks[top], float(math.exp(effect)), float(margin), float(bar),
                           int(diffs.size), slower, ratios)
+
+
+ATTENTION = ("flash", "attn", "attention", "sdpa", "softmax", "fmha")
+
+
+def attention_split(tables: RunTables, rank: int, steps: list[int] | None = None) -> tuple[float, float] | None:
+    """(attention kernels' ratio, other kernels' ratio): the rank's own compute over its stage
+    peers' mean, summed per class over the matched spans. A slow device slows both alike; more
+    attention work (document-mask imbalance, Llama 3 sec. 7.3.2) only the first. None when the
+    spans carry no kernel names of both classes."""
+    spans = own_compute_spans(tables)
+    if steps is not None:
+        spans = spans.filter(pl.col("step").is_in(steps))
+    spans = spans.join(tables.coords().select("rank", "pp"), on="rank")
+    peers = ["pp", "step", "key"]
+    n = pl.len().over(peers)
+    spans = spans.with_columns(((pl.col("own_ns").sum().over(peers) - pl.col("own_ns")) / (n - 1)).alias("ref"))
+    own = spans.filter((pl.col("rank") == rank) & (n > 1)).with_columns(
+        pl.col("key").str.to_lowercase().str.contains("|".join(ATTENTION)).alias("attn"))
+    per = own.group_by("attn").agg(pl.col("own_ns").sum(), pl.col("ref").sum())
+    got = {a: o / r for a, o, r in per.iter_rows() if r and r > 0}
+    return (got[True], got[False]) if True in got and False in got else None

@@ -126,6 +126,15 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables()) -> ComputeCul
               and max(counts.values()) / len(top_per_step) < tun.persist_min)
     for j in sorted({j for _, j in hot}):
         cells = sorted(i for i, jj in hot if jj == j)
+        if len(cells) >= max(2, tun.persist_min * T) and not moving:  # slow in most steps: not an episode
+            vals = e[cells, j]
+            findings.append(RankFinding("persistent", ranks[j], tuple(int(steps[i]) for i in cells),
+                                        float(math.exp(np.median(e[:, j]))),
+                                        float(np.median([(math.exp(e[i, j]) - 1) * ref_ns.get((int(steps[i]), ranks[j]), 0.0)
+                                                         for i in cells])),
+                                        float(np.min(vals)) / sigma, _confidence(float(np.min(vals)) / sigma,
+                                                                                 cell_bar / sigma, len(cells) / T)))
+            continue
         if not moving and len(cells) < 2:
             continue
         if moving and j not in counts:

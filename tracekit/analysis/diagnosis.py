@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import polars as pl
 
-from tracekit.analysis.compute_speed import compute_speed
+from tracekit.analysis.compute_speed import attention_split, compute_speed
 from tracekit.analysis.culprits import ComputeCulprits, RankFinding, find_culprits
 from tracekit.analysis.hangs import HangReport
 from tracekit.analysis.links import link_transfers
@@ -129,6 +129,14 @@ def _rank_finding(tables: RunTables, f: RankFinding, loc: Localization, tun: Tun
                   culprit_ranks=(f.rank,), coords=tables.layout.coords(f.rank).as_dict(),
                   episode_steps=f.steps if f.kind != "persistent" else ())
     cause = explain(tables, one, tun, work)
+    split = attention_split(tables, f.rank, list(f.steps))
+    if split is not None and cause.kind != "data_imbalance":
+        attn, other = split
+        if attn - 1 >= tun.slow_compute_ratio - 1 and (other - 1) <= tun.work_explains_share * (attn - 1) * 0.5:
+            cause = Cause("data_imbalance", (f.rank,), f"rank {f.rank}'s extra compute is in its attention kernels "
+                          f"({attn:.2f}x its peers; other kernels {other:.2f}x): more attention work "
+                          "(document-mask imbalance), not a slower device", {"attention_ratio": attn,
+                                                                              "other_ratio": other})
     if cause.kind in ("none", "unexplained", "insufficient_data", "stage_imbalance", "slow_link"):
         cause = Cause("slow_compute", (f.rank,), f"rank {f.rank} computes {f.ratio:.2f}x its peers",
                       {"compute_ratio": f.ratio})
@@ -141,9 +149,12 @@ def _rank_finding(tables: RunTables, f: RankFinding, loc: Localization, tun: Tun
 
 
 def _link_findings(tables: RunTables, links: pl.DataFrame, step_ns: float, n_steps: int) -> list[Finding]:
-    out = []
+    out, seen = [], set()
     for row in links.filter(pl.col("slow")).iter_rows(named=True):
         ranks = tuple(int(r) for r in row["ranks"])
+        if frozenset(ranks) in seen:  # both directions of one p2p pair: one link
+            continue
+        seen.add(frozenset(ranks))
         lay = tables.layout
         if row["link"] == "p2p":
             a, b = ranks

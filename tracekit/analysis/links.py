@@ -1,9 +1,11 @@
 """Slow links: transfers that take longer than the same kind of transfer elsewhere.
 
-A transfer is the time an operation takes once every side is ready: for a collective instance the
-completion minus the last arrival, for a p2p message the receive's end minus the later of the send
-and receive starts. Arrivals do not enter it, so a late rank does not make its links look slow, and
-a slow link (both ends on time, data slow) shows here and nowhere else.
+A transfer is the time an operation takes once every side is ready, measured on one rank's clock
+(cross-host clocks are skewed by up to seconds, so no comparison of two ranks' timestamps enters a
+link verdict): for a collective instance its shortest member duration (the last member to arrive
+waits for no one), for a p2p message the shorter of its send and its receive (the side that came
+second waits for no one; sends and receives are paired by order per link and step). A late rank does not make its links look slow, and a slow link (both ends on time, data
+slow) shows here and nowhere else.
 
 Links are compared within their kind: a collective group with the other groups of its dimension
 for the same op (a group's all-gathers and reduce-scatters cost differently), a p2p pair with the
@@ -36,26 +38,31 @@ SCHEMA = {"link": pl.Utf8, "name": pl.Utf8, "ranks": pl.List(pl.Int32), "kind": 
 
 
 def _transfer_instances(tables: RunTables) -> pl.DataFrame:
-    """(link, name, ranks, kind, step, t): one row per transfer instance."""
+    """(link, name, ranks, kind, step, t): one row per transfer sample, each measured on one rank's
+    clock (host clocks are skewed; FORMATS.md): a collective instance's transfer is its shortest
+    member duration (the last arrival waits for no one); a p2p message's, the shorter of its send
+    and its receive."""
     parts = []
-    p2p = tables.p2p
-    if p2p.height:
-        send = p2p.filter(pl.col("direction") == "send").select(
-            pl.col("rank").alias("src"), pl.col("peer").alias("dst"), "pg_name", "seq", pl.col("start_ns").alias("s0"))
-        recv = p2p.filter(pl.col("direction") == "recv").select(
-            pl.col("peer").alias("src"), pl.col("rank").alias("dst"), "pg_name", "seq", "step",
-            pl.col("start_ns").alias("r0"), pl.col("end_ns").alias("r1"))
-        pairs = send.join(recv, on=["src", "dst", "pg_name", "seq"])
+    known = tables.p2p.filter(pl.col("peer").is_not_null() & pl.col("step").is_not_null()).with_columns(
+        pl.when(pl.col("direction") == "send").then(pl.col("rank")).otherwise(pl.col("peer")).alias("src"),
+        pl.when(pl.col("direction") == "send").then(pl.col("peer")).otherwise(pl.col("rank")).alias("dst"),
+        (pl.col("end_ns") - pl.col("start_ns")).alias("d")).sort("start_ns")
+    known = known.with_columns(pl.int_range(pl.len()).over("src", "dst", "step", "direction").alias("k"))
+    send, recv = (known.filter(pl.col("direction") == x).select("src", "dst", "step", "k", pl.col("d").alias(x))
+                  for x in ("send", "recv"))
+    pairs = send.join(recv, on=["src", "dst", "step", "k"])
+    if pairs.height:
         parts.append(pairs.select(
             pl.lit("p2p").alias("link"), pl.format("{}->{}", "src", "dst").alias("name"),
             pl.concat_list("src", "dst").cast(pl.List(pl.Int32)).alias("ranks"), pl.lit("p2p").alias("kind"),
-            pl.col("step").cast(pl.Int64),
-            (pl.col("r1") - pl.max_horizontal("s0", "r0")).clip(lower_bound=0).cast(pl.Float64).alias("t")))
+            pl.col("step").cast(pl.Int64), pl.min_horizontal("send", "recv").clip(lower_bound=0).cast(pl.Float64)
+            .alias("t")))
     m = match_collectives(tables)
     if m.height:
         inst = m.group_by("pg_name", "seq", "dim", "op").agg(
-            pl.col("transfer_ns").median().cast(pl.Float64).alias("t"), pl.col("step").max().cast(pl.Int64),
-            pl.col("rank").unique().sort().cast(pl.Int32).alias("ranks"))
+            pl.col("duration_ns").min().cast(pl.Float64).alias("t"), pl.col("step").max().cast(pl.Int64),
+            pl.col("rank").unique().sort().cast(pl.Int32).alias("ranks"), pl.col("complete").all())
+        inst = inst.filter(pl.col("complete"))
         parts.append(inst.select(pl.lit("group").alias("link"), pl.col("pg_name").alias("name"), "ranks",
                                  pl.format("{}:{}", "dim", "op").alias("kind"), "step", "t"))
     if not parts:

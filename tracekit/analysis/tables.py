@@ -60,6 +60,7 @@ class RunTables:
                 raise TablesError(f"expected one run in 'runs', found {runs.height}; pass run_id")
             run_id = runs["run_id"][0]
         frames = {t: tables[t].filter(pl.col("run_id") == run_id) for t in TABLE_NAMES}
+        frames["p2p"] = with_p2p_peers(frames["p2p"], frames["groups"], frames["steps"])
         for t in ("collectives", "p2p"):
             frames[t] = prefer_profiler(frames[t])
         if frames["runs"].height != 1:
@@ -111,6 +112,47 @@ def prefer_profiler(ops: pl.DataFrame) -> pl.DataFrame:
         return ops
     profiled = pl.col("source").fill_null("") != "fr"
     return ops.filter(profiled | ~profiled.any().over("rank"))
+
+
+def with_p2p_peers(p2p: pl.DataFrame, groups: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
+    """Profiler p2p rows with the peer filled in where the record lacks it (NCCL's names the group,
+    not the peer; FORMATS.md): from the rank's own flight-recorder entries, which name it. The
+    recorder stamps the CPU-side call, the profiler the GPU kernel, so they are paired by order,
+    not time: the k-th send (receive) of a step on a rank is its k-th recorder send (receive) within
+    that step's CPU span (``steps``, same clock as the recorder). Else, from the pipeline group when
+    the rank is an end stage (its only neighbour); middle stages without recorder entries stay unknown."""
+    if not p2p.height or not p2p["peer"].null_count():
+        return p2p
+    is_fr = pl.col("source").fill_null("") == "fr"
+    p2p = p2p.with_row_index("_i")
+    todo = p2p.filter(~is_fr & pl.col("peer").is_null() & pl.col("step").is_not_null())
+    known = p2p.filter(is_fr & pl.col("peer").is_not_null())
+    if known.height and todo.height and steps.height:
+        spans = steps.select(pl.col("rank").cast(known["rank"].dtype), pl.col("step").alias("fr_step"),
+                             pl.col("start_ns").alias("s0"), pl.col("end_ns").alias("s1")).sort("s0")
+        known = known.sort("start_ns").join_asof(spans, left_on="start_ns", right_on="s0", by="rank",
+                                                 check_sortedness=False)
+        known = known.filter(pl.col("start_ns") <= pl.col("s1")).with_columns(
+            pl.int_range(pl.len()).over("rank", "fr_step", "direction").alias("k"))
+        todo = todo.sort("start_ns").with_columns(pl.int_range(pl.len()).over("rank", "step", "direction").alias("k"))
+        hit = todo.select("_i", "rank", pl.col("step").cast(pl.Int64), "direction", "k").join(
+            known.select("rank", pl.col("fr_step").cast(pl.Int64).alias("step"), "direction", "k",
+                         pl.col("peer").alias("fr_peer")), on=["rank", "step", "direction", "k"])
+        p2p = p2p.join(hit.select("_i", "fr_peer"), on="_i", how="left").with_columns(
+            pl.coalesce("peer", "fr_peer").alias("peer")).drop("fr_peer")
+    members = {n: list(r) for n, r in groups.select("pg_name", "ranks").drop_nulls().iter_rows()}
+    ends = {}
+    for name, ranks in members.items():
+        if len(ranks) >= 2:
+            ends[(name, ranks[0])] = ranks[1]
+            ends[(name, ranks[-1])] = ranks[-2]
+    if ends and p2p["peer"].null_count():
+        lut = pl.DataFrame({"pg_name": [k[0] for k in ends], "rank": [k[1] for k in ends],
+                            "end_peer": list(ends.values())}, schema={"pg_name": pl.Utf8, "rank": p2p["rank"].dtype,
+                                                                      "end_peer": p2p["peer"].dtype})
+        p2p = p2p.join(lut, on=["pg_name", "rank"], how="left").with_columns(
+            pl.coalesce("peer", "end_peer").alias("peer")).drop("end_peer")
+    return p2p.sort("_i").drop("_i")
 
 
 def compute_events(events: pl.DataFrame) -> pl.DataFrame:

@@ -49,7 +49,7 @@ class Tunables:
     # A link is slow when its median transfer (end minus last arrival) is this many times the same
     # kind's elsewhere, its instances rank above the others' (one-sided Mann-Whitney) beyond the
     # Bonferroni bar for link_alpha over all links (and at least link_z_min) (links.py) ...
-    slow_link_ratio: float = 1.5
+    slow_link_ratio: float = 1.1
     link_alpha: float = 0.001
     link_z_min: float = 3.0
     # ... and the link's excess transfer time costs at least this share of a step.

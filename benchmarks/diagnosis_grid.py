@@ -1,0 +1,273 @@
+"""The diagnosis benchmark: a fault grid of simulated NCCL jobs (tracekit/simulate), each through
+the real ingest and ``store.diagnose``, judged against the manifest's ground truth.
+
+    python benchmarks/diagnosis_grid.py                 # the full grid (>= 150 cases)
+    python benchmarks/diagnosis_grid.py --quick         # about 30 cases
+    python benchmarks/diagnosis_grid.py --kinds slow --seeds 3 --show-wrong
+
+The grid varies, case by case: layouts with each of TP (to 8), CP (to 4), PP (to 8) and DP (to 8) at
+1 and above 1; group names as DeviceMesh records them (mesh_tp ...) or plain; kernel noise 2-15% and
+deschedule spikes; host clocks skewed up to 2 s and drifting; faults: one slow rank (1.03-2x), two
+slow ranks, transient (2 of 8 steps), moving, slow collective link, slow p2p link, CP data imbalance,
+stage imbalance, hang, and clean runs. Judged (rank and coordinates both right):
+- slow: a straggler finding names the rank, and the store's layout is the true one (so its
+  coordinates are right); two: both ranks are named as stragglers;
+- transient: the rank is named with exactly the slow steps; moving: the verdict is moving;
+- link: a slow-link finding names both ends (and, for a collective link, the group's dimension);
+- cp_imbalance: a data-imbalance finding within the loaded CP ranks; stage: the stage is named;
+- hang: no performance verdict, and ``hangs`` names the stuck rank alone;
+- clean: no finding at all (anything else is a false alarm).
+Printed: accuracy per kind (with a 95% Wilson lower bound), the false-alarm rate on clean runs, a
+calibration table (confidence bucket: findings, share right), time and peak memory. Holistic Trace
+Analysis' ``get_potential_stragglers`` always returns k ranks and has no notion of hangs, links or
+"no straggler"; with ``--hta`` it is run on the slow-rank cases (own venv, see ingest_vs_hta).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+LAYOUTS = [  # (tp, cp, pp, dp): every dimension at 1 and above 1, TP to 8, CP to 4, PP to 8, DP to 8
+    (2, 1, 1, 4), (1, 2, 2, 2), (2, 2, 2, 2), (4, 1, 2, 2), (8, 1, 1, 2), (1, 4, 1, 2), (2, 1, 4, 2),
+    (1, 1, 2, 8), (2, 2, 4, 1), (1, 1, 8, 2), (2, 4, 1, 1), (1, 2, 1, 8),
+]
+KINDS = ("slow", "slow3", "two", "transient", "moving", "link_coll", "link_p2p", "cp_imbalance", "stage", "hang",
+         "clean")
+
+
+@dataclass
+class Case:
+    kind: str
+    layout: tuple[int, int, int, int]
+    seed: int
+    faults: tuple[str, ...]
+    names: str
+    noise: float
+    spikes: float
+    skew_ms: float
+    drift_ppm: float
+    truth: dict
+
+    @property
+    def label(self) -> str:
+        tp, cp, pp, dp = self.layout
+        return (f"{self.kind:12s} tp{tp} cp{cp} pp{pp} dp{dp} {self.names:5s} noise {self.noise:.2f} "
+                f"skew {self.skew_ms:.0f}ms seed {self.seed} {' '.join(self.faults)}")
+
+
+def _rank(lay, rng, **fixed) -> int:
+    from tracekit.topology import Layout
+
+    lay = Layout(*lay[:2], pp=lay[2], dp=lay[3]) if not isinstance(lay, Layout) else lay
+    c = {d: fixed.get(d, rng.randrange(getattr(lay, d))) for d in ("dp", "pp", "cp", "tp")}
+    return lay.rank_of(**c)
+
+
+def make_cases(kinds, seeds: int, quick: bool) -> list[Case]:
+    from tracekit.topology import Layout
+
+    cases = []
+    rng = random.Random(20261126)
+    for seed in range(seeds):
+        for li, (tp, cp, pp, dp) in enumerate(LAYOUTS):
+            lay = Layout(tp=tp, cp=cp, pp=pp, dp=dp)
+            world = lay.world_size
+            for kind in kinds:
+                if quick and (li + seed + KINDS.index(kind)) % 4:
+                    continue
+                s = seed * 1000 + li * 37 + KINDS.index(kind)
+                faults: tuple[str, ...] = ()
+                truth: dict = {}
+                if kind in ("slow", "slow3"):
+                    r = rng.randrange(world)
+                    f = 1.03 if kind == "slow3" else rng.choice([1.05, 1.1, 1.3, 1.5, 2.0])
+                    faults, truth = (f"slow:rank={r},factor={f}",), {"ranks": [r], "factor": f}
+                elif kind == "two":
+                    a, b = rng.sample(range(world), 2)
+                    f = rng.choice([1.1, 1.3, 1.5])
+                    faults, truth = (f"slow:rank={a},factor={f}", f"slow:rank={b},factor={f}"), {"ranks": sorted([a, b])}
+                elif kind == "transient":
+                    r = rng.randrange(world)
+                    st = sorted(rng.sample(range(8), 2))
+                    f = rng.choice([1.3, 1.5, 2.0])
+                    faults, truth = (f"slow:rank={r},factor={f},steps={st[0]}+{st[1]}",), {"ranks": [r], "steps": st}
+                elif kind == "moving":
+                    if world < 3:
+                        continue
+                    rs = rng.sample(range(world), 3)
+                    faults, truth = (f"moving:ranks={'+'.join(map(str, rs))},factor=1.5",), {"ranks": rs}
+                elif kind == "link_coll":
+                    dims = [d for d in ("tp", "cp", "dp") if getattr(lay, d) > 1]
+                    if not dims:
+                        continue
+                    d = rng.choice(dims)
+                    a = rng.randrange(world)
+                    g = lay.group(a, d)
+                    b = rng.choice([x for x in g if x != a])
+                    faults, truth = (f"link:a={a},b={b},delay_ms={rng.choice([5, 10, 20])}",), {"ranks": sorted(g), "dim": d}
+                elif kind == "link_p2p":
+                    if pp < 2:
+                        continue
+                    st = rng.randrange(pp - 1)
+                    a = _rank(lay, rng, pp=st)
+                    b = a + lay.stride("pp")
+                    faults, truth = (f"link:a={a},b={b},delay_ms={rng.choice([5, 10, 20])}",), {"ranks": [a, b]}
+                elif kind == "cp_imbalance":
+                    if cp < 2:
+                        continue
+                    c = rng.randrange(cp)
+                    faults, truth = (f"cp_imbalance:ranks={c},weight=0.8",), {}
+                elif kind == "stage":
+                    if pp < 2:
+                        continue
+                    st = rng.randrange(pp)
+                    faults, truth = (f"stage:pp={st},factor=1.4",), {"pp": st}
+                elif kind == "hang":
+                    r = rng.randrange(world)
+                    faults, truth = (f"hang:rank={r},step={rng.randrange(2, 6)}",), {"ranks": [r]}
+                cases.append(Case(kind, (tp, cp, pp, dp), s, faults, rng.choice(["mesh", "plain"]),
+                                  rng.choice([0.02, 0.05, 0.1, 0.15]), rng.choice([0.0, 0.002, 0.01]),
+                                  rng.choice([0.0, 50.0, 500.0, 2000.0]), rng.choice([0.0, 20.0]), truth))
+    return cases
+
+
+def run_case(case: Case, work: Path) -> dict:
+    import tracekit
+    from tracekit.ingest import ingest
+    from tracekit.simulate.config import SimConfig
+    from tracekit.simulate.run import simulate
+
+    tp, cp, pp, dp = case.layout
+    out = work / "run"
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = SimConfig(tp=tp, cp=cp, pp=pp, dp=dp, steps=8, seed=case.seed, faults=case.faults, names=case.names,
+                    noise=case.noise, spikes=case.spikes, skew_ms=case.skew_ms, drift_ppm=case.drift_ppm, layers=4)
+    simulate(cfg, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").rename(work / "truth.json")  # judge from the traces alone, not the manifest
+    store = work / "s.duckdb"
+    store.unlink(missing_ok=True)
+    ingest([out], store, workers=1)
+    with tracekit.open(store) as s:
+        d = s.diagnose()
+        runs = s.table("runs").row(0, named=True)
+        h = s.hangs()
+    return {"diagnosis": d.to_dict(), "layout": [runs[x] for x in ("tp", "cp", "pp", "dp")],
+            "layout_source": runs["layout_source"], "hang_culprits": list(h.culprits), "truth": manifest["faults"]}
+
+
+def judge(case: Case, res: dict) -> tuple[bool, list[tuple[float, bool]]]:
+    """(right, [(confidence, right) per finding]) for the calibration table."""
+    d = res["diagnosis"]
+    fs = d["findings"]
+    verdict = d["localization"]["verdict"]
+    layout_ok = tuple(res["layout"]) == case.layout
+    t = case.truth
+    strag = {f["ranks"][0] for f in fs if f["kind"] == "straggler"}
+    ok_finding = [False] * len(fs)
+    if case.kind == "clean":
+        return not fs and verdict != "hang", [(f["confidence"], False) for f in fs]
+    if case.kind == "hang":
+        return verdict == "hang" and res["hang_culprits"] == t["ranks"], []
+    for i, f in enumerate(fs):
+        rs = set(f["ranks"])
+        if case.kind in ("slow", "slow3", "two"):
+            ok_finding[i] = f["kind"] == "straggler" and rs <= set(t["ranks"]) and layout_ok
+        elif case.kind == "transient":
+            ok_finding[i] = f["kind"] in ("transient", "straggler") and rs == set(t["ranks"]) and \
+                sorted(f["steps"]) == t["steps"] and layout_ok
+        elif case.kind == "moving":
+            ok_finding[i] = f["kind"] in ("moving", "transient") and rs <= set(t["ranks"])
+        elif case.kind in ("link_coll", "link_p2p"):
+            ok_finding[i] = f["kind"] == "slow_link" and rs == set(t["ranks"]) and \
+                (case.kind == "link_p2p" or t["dim"].upper() in f["where"])
+        elif case.kind == "cp_imbalance":
+            loaded = set(res["truth"][0]["ranks"])
+            ok_finding[i] = f["cause"] == "data_imbalance" and rs <= loaded and bool(rs)
+        elif case.kind == "stage":
+            ok_finding[i] = f["kind"] == "stage_imbalance" and f"stage {t['pp']}" in f["where"]
+    if case.kind in ("slow", "slow3", "two"):
+        right = strag == set(t["ranks"]) and all(ok_finding)
+    elif case.kind == "transient":
+        right = any(ok_finding) and all(ok_finding)
+    elif case.kind == "moving":
+        right = verdict == "moving" or (len({r for f, ok in zip(fs, ok_finding) if ok for r in f["ranks"]}) >= 2
+                                        and all(ok_finding))
+    else:
+        right = any(ok_finding) and all(ok for f, ok in zip(fs, ok_finding) if f["kind"] != "straggler" or ok)
+    return right, [(f["confidence"], ok) for f, ok in zip(fs, ok_finding)]
+
+
+def wilson_low(k: int, n: int, z: float = 1.96) -> float:
+    if n == 0:
+        return float("nan")
+    p = k / n
+    return (p + z * z / (2 * n) - z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))) / (1 + z * z / n)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kinds", nargs="*", default=list(KINDS), choices=KINDS)
+    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--show-wrong", action="store_true")
+    ap.add_argument("--json", type=Path, help="write every case's result here")
+    args = ap.parse_args()
+    cases = make_cases(args.kinds, args.seeds, args.quick)
+    per_kind: dict[str, list[bool]] = defaultdict(list)
+    calib: list[tuple[float, bool]] = []
+    results = []
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="tk-grid-") as tmp:
+        for i, case in enumerate(cases):
+            try:
+                res = run_case(case, Path(tmp))
+                right, cal = judge(case, res)
+            except Exception as e:  # noqa: BLE001 - a crash is a wrong answer, reported
+                res, right, cal = {"error": f"{type(e).__name__}: {e}"}, False, []
+            per_kind[case.kind].append(right)
+            calib += cal
+            results.append({"case": case.label, "right": right, **res})
+            print(f"[{i + 1}/{len(cases)}] {'ok   ' if right else 'WRONG'} {case.label}", file=sys.stderr, flush=True)
+            if not right and args.show_wrong:
+                print("    " + (res.get("error") or res["diagnosis"]["headline"])[:400], file=sys.stderr)
+    wall = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"\n{len(cases)} cases in {wall:.0f} s ({wall / max(len(cases), 1):.2f} s each: simulate, ingest, diagnose); "
+          f"peak RSS {peak:.0f} MB\n")
+    print("| kind | cases | right | share | 95% lower bound |")
+    print("|---|---|---|---|---|")
+    for kind in KINDS:
+        v = per_kind.get(kind)
+        if v:
+            print(f"| {kind} | {len(v)} | {sum(v)} | {sum(v) / len(v):.1%} | {wilson_low(sum(v), len(v)):.1%} |")
+    clean = per_kind.get("clean", [])
+    if clean:
+        print(f"\nfalse alarms on clean runs: {len(clean) - sum(clean)} of {len(clean)} "
+              f"({(len(clean) - sum(clean)) / len(clean):.1%})")
+    print("\n| confidence | findings | right | share right |")
+    print("|---|---|---|---|")
+    for lo, hi in ((0, 0.5), (0.5, 0.7), (0.7, 0.9), (0.9, 0.97), (0.97, 1.01)):
+        b = [ok for c, ok in calib if lo <= c < hi]
+        if b:
+            print(f"| [{lo:.2f}, {min(hi, 1):.2f}) | {len(b)} | {sum(b)} | {sum(b) / len(b):.1%} |")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
