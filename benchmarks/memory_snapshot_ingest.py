@@ -61,7 +61,7 @@ elif what == "ingest":
     shutil.copy(Path(tmp) / "s.duckdb", path + ".duckdb")  # for the analysis contender
 elif what == "analyse":
     from pathlib import Path
-    from tracekit.memory.cli import load_tables
+    from tracekit.analysis.memory_tables import load_tables
     from tracekit.analysis.memory import analyse
     run_id, tables, _, _ = load_tables(Path(path + ".duckdb"), None)
     res = analyse(tables["memory_events"], tables.get("memory_segments"), blocks=tables.get("memory_blocks"))

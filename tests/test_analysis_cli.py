@@ -136,6 +136,23 @@ def test_run_directory_is_ingested_into_a_sibling_store(tmp_path: Path) -> None:
     assert _cli("steps", str(run), "--json")[1] == out  # second call reuses the store (files skipped)
 
 
+def test_store_flag_and_the_one_place_a_run_directory_is_stored(tmp_path: Path, monkeypatch) -> None:
+    from tracekit.ingest.cached import store_for
+
+    run = tmp_path / "runB"
+    for r in range(2):
+        write_trace(run / f"rank{r}.json.gz", nccl_trace(r))
+    chosen = tmp_path / "elsewhere" / "mine.duckdb"
+    chosen.parent.mkdir()
+    code, out = _cli("hangs", str(run), "--store", str(chosen), "--json")
+    assert code == 0, out
+    assert chosen.is_file()
+    assert not (tmp_path / "runB.tracekit.duckdb").exists() and not (run / "tracekit.duckdb").exists()
+    assert store_for(run) == tmp_path / "runB.tracekit.duckdb" and store_for(run, chosen) == chosen
+    monkeypatch.chdir(run)  # "." is named by its absolute path, not stored as a hidden ".tracekit.duckdb"
+    assert store_for(Path(".")) == tmp_path / "runB.tracekit.duckdb"
+
+
 def test_store_facade_newest_run_and_saved_clock_offsets(tmp_path: Path) -> None:
     db = tmp_path / "two.duckdb"
     frames = make_job(faults=Faults(host_skew_ns={1: 3_000_000}), run_id="skewed")

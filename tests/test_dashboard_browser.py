@@ -167,7 +167,7 @@ def test_trainer_sample_run_dir_ingested_on_the_fly(tmp_path_factory, browser, s
         pg.goto(url)
         D.wait_rendered(pg)
         pg.screenshot(path=str(shots / "07-sample-slow_rank_8.png"), full_page=True)
-        assert (run / "tracekit.duckdb").is_file()
+        assert (run.parent / "slow_rank_8.tracekit.duckdb").is_file()  # tracekit.ingest.cached
         assert f"rank {injected} (dp 0, pp 1, cp 0, tp 1) is the straggler" in D.text(pg, ".tk-verdict")
         assert "world size 8" in D.text(pg, ".tk-overview") and "slow:rank=5" in D.text(pg, ".tk-overview")
         memory = D.text(pg, ".tk-memory")

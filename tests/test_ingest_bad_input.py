@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tracekit
-from tracekit import safe_pickle, store
+from tracekit import store
+from tracekit.ingest import unpickle
 from tracekit.ingest.pipeline import ingest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -154,8 +155,8 @@ def test_malicious_pickle_runs_nothing(tmp_path: Path) -> None:
     evil = tmp_path / "fr" / "rank0"
     evil.parent.mkdir()
     evil.write_bytes(pickle.dumps({"version": "2.10", "entries": [_Boom()]}))
-    with pytest.raises(safe_pickle.UnsafePickleError, match="posix.system|os.system"):
-        safe_pickle.load(evil)
+    with pytest.raises(unpickle.UnsafePickleError, match="posix.system|os.system"):
+        unpickle.load(evil)
     rep = ingest([evil], tmp_path / "s.duckdb")
     assert rep.failed and "system" in rep.failed[0].error and str(evil) in rep.failed[0].error
     assert not marker.exists()
@@ -164,7 +165,7 @@ def test_malicious_pickle_runs_nothing(tmp_path: Path) -> None:
 def test_safe_pickle_admits_plain_data() -> None:
     data = {"a": [1, 2.5, None, True], "b": ("x", b"y"), "c": {1, 2}, "d": {"nested": [{"k": -1}]}}
     for proto in range(2, pickle.HIGHEST_PROTOCOL + 1):
-        assert safe_pickle.loads(pickle.dumps(data, protocol=proto)) == data
+        assert unpickle.loads(pickle.dumps(data, protocol=proto)) == data
 
 
 def _mangle(data: bytes, how: str, pos: float, blob: bytes) -> bytes:

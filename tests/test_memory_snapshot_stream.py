@@ -1,4 +1,4 @@
-"""Streaming ingest of memory snapshots (tracekit.pickle_stream, tracekit.ingest.memory_snapshot).
+"""Streaming ingest of memory snapshots (tracekit.ingest.unpickle, tracekit.ingest.memory_snapshot).
 
 Real formats: snapshots with the object layout torch's ``_snapshot()`` builds (tests/cuda_snapshot.py),
 written by ``pickle.dump`` with protocol 4 (what ``_dump_snapshot`` does) and 5, and in the layout
@@ -8,7 +8,7 @@ CPU-derived snapshots are in tests/test_memory_estimate_trainer.py. Each streame
 what ``pickle.load`` gives. Malicious and mangled pickles must fail naming the file, run nothing
 and write nothing.
 
-Every test runs on both pickle machines (the C one, ``tracekit._pickle_machine``, when it is built,
+Every test runs on both pickle machines (the C one, ``tracekit.ingest.unpickle._pickle_machine``, when it is built,
 and the Python one); tests/test_pickle_machines.py compares the two directly.
 """
 
@@ -27,15 +27,14 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tracekit import pickle_stream
 from tracekit.cli import main as cli_main
-from tracekit.ingest import memory_snapshot
+from tracekit.ingest import memory_snapshot, unpickle
 from tracekit.ingest.common import IngestError
 from tracekit.ingest.memory_snapshot import looks_like_snapshot, parse, parse_snapshot
 from tracekit.ingest.parse import parse_path
 from tracekit.ingest.pipeline import ingest
 from tracekit.ingest.sniff import sniff
-from tracekit.safe_pickle import UnsafePickleError
+from tracekit.ingest.unpickle import UnsafePickleError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cuda_snapshot import cuda_snapshot  # noqa: E402
@@ -46,10 +45,10 @@ MACHINES = ["python", "native"]
 
 @pytest.fixture(autouse=True, params=MACHINES)
 def machine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test once per pickle machine (pickle_stream.READER_ENV)."""
-    if request.param == "native" and not pickle_stream.AVAILABLE:
-        pytest.skip("tracekit._pickle_machine is not built")
-    monkeypatch.setenv(pickle_stream.READER_ENV, request.param)
+    """Each test once per pickle machine (unpickle.READER_ENV)."""
+    if request.param == "native" and not unpickle.AVAILABLE:
+        pytest.skip("tracekit.ingest.unpickle._pickle_machine is not built")
+    monkeypatch.setenv(unpickle.READER_ENV, request.param)
     return request.param
 
 
@@ -152,11 +151,11 @@ def test_reader_equals_pickle_load(tmp_path: Path, proto: int) -> None:
     shared = [1, 2]
     data["shared"] = [shared, shared, {"x": shared}]
     path = write(tmp_path / "p.pkl", pickle.dumps(data, protocol=proto))
-    got = pickle_stream.read(path, {})
+    got = unpickle.read(path, {})
     assert got == data
     assert got["shared"][0] is got["shared"][1] is got["shared"][2]["x"]
     seen = []
-    got = pickle_stream.read(path, {("a", "*"): lambda lst, items: seen.extend(items),
+    got = unpickle.read(path, {("a", "*"): lambda lst, items: seen.extend(items),
                                     ("one", "*", "*"): lambda lst, items: seen.append(items)}, batch=2)
     assert got["a"] == [] and seen[:len(data["a"])] == data["a"] and seen[-1] == [{"only": 1}]
     assert got["one"] == [[]]
@@ -185,14 +184,14 @@ def test_watched_items_arrive_in_batches_and_lists_come_back_empty(snapshot, tmp
     snap, _ = snapshot
     path = write(tmp_path / "s.pickle", pickle.dumps(snap, protocol=4))
     calls = []
-    top = pickle_stream.read(path, {("device_traces", "*", "*"): lambda lst, items: calls.append(len(items))},
+    top = unpickle.read(path, {("device_traces", "*", "*"): lambda lst, items: calls.append(len(items))},
                              batch=64)
     assert top["device_traces"] == [[]] and len(top["segments"]) == len(snap["segments"])
     assert sum(calls) == len(snap["device_traces"][0])
     assert max(calls) <= 1000  # the pickler's APPENDS batches: never the whole list at once
     jit = write(tmp_path / "j.pickle", jit_pickle(snap))  # one APPENDS for all: flushed by the reader
     calls.clear()
-    pickle_stream.read(jit, {("device_traces", "*", "*"): lambda lst, items: calls.append(len(items))}, batch=64)
+    unpickle.read(jit, {("device_traces", "*", "*"): lambda lst, items: calls.append(len(items))}, batch=64)
     assert sum(calls) == len(snap["device_traces"][0]) and max(calls) <= 65 and len(calls) > 10
 
 
@@ -253,7 +252,7 @@ def test_malicious_snapshot_runs_nothing_and_names_the_file(tmp_path: Path, stre
     for proto in (0, 2):
         p = write(tmp_path / f"g{proto}.pickle", pickle.dumps({"segments": [_Boom()]}, protocol=proto))
         with pytest.raises(UnsafePickleError, match=r"GLOBAL (posix|os)\.system"):
-            pickle_stream.read(p, {})
+            unpickle.read(p, {})
     assert not marker.exists()
 
 
@@ -261,7 +260,7 @@ def test_malicious_snapshot_runs_nothing_and_names_the_file(tmp_path: Path, stre
 def test_every_code_running_opcode_is_refused(tmp_path: Path, name: str) -> None:
     path = write(tmp_path / "x.pickle", b"\x80\x04}\x94(\x8c\x08segments\x94]" + FORBIDDEN[name] + b"eu.")
     with pytest.raises(UnsafePickleError, match=f"x.pickle: pickle uses {name}"):
-        pickle_stream.read(path, {})
+        unpickle.read(path, {})
 
 
 def test_not_a_snapshot_and_malformed_entries(tmp_path: Path) -> None:
@@ -276,7 +275,7 @@ def test_not_a_snapshot_and_malformed_entries(tmp_path: Path) -> None:
         parse(p)
     p = write(tmp_path / "d.pickle", b"")
     with pytest.raises(pickle.UnpicklingError, match="d.pickle: empty file"):
-        pickle_stream.read(p, {})
+        unpickle.read(p, {})
     assert not looks_like_snapshot(write(tmp_path / "fr.pickle", pickle.dumps({"version": "2.10", "entries": []})))
 
 
@@ -347,7 +346,7 @@ def test_callback_errors_pass_through_unchanged(tmp_path: Path, snapshot) -> Non
         raise TypeError("mine") if len(items) == 1 else Stop("stop")
 
     with pytest.raises(Stop, match="^stop$"):
-        pickle_stream.read(path, {("device_traces", "*", "*"): boom})
+        unpickle.read(path, {("device_traces", "*", "*"): boom})
     p2 = write(tmp_path / "one.pickle", pickle.dumps({"a": [7]}, protocol=4))  # one item: APPEND
     with pytest.raises(TypeError, match="^mine$"):
-        pickle_stream.read(p2, {("a", "*"): boom})
+        unpickle.read(p2, {("a", "*"): boom})

@@ -1,4 +1,4 @@
-"""The C pickle machine (tracekit._pickle_machine) against the Python one (tracekit.pickle_machine):
+"""The C pickle machine (tracekit.ingest.unpickle._pickle_machine) against the Python one (unpickle/build.py):
 the same values and sharing, the same callback batches, the same errors naming the same byte, on
 real snapshot layouts (tests/cuda_snapshot.py, every protocol, torch's C++ pickler) and on mangled
 and malicious pickles; the reader choice; and no leak in the C machine."""
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tracekit import pickle_stream
+from tracekit.ingest.unpickle import stream as pickle_stream  # the machines themselves: internals
 from tracekit.ingest.common import IngestError
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -76,7 +76,7 @@ def _same_on_both(path: Path, monkeypatch: pytest.MonkeyPatch, patterns: list[li
     return outcomes
 
 
-native_only = pytest.mark.skipif(not pickle_stream.AVAILABLE, reason="tracekit._pickle_machine is not built")
+native_only = pytest.mark.skipif(not pickle_stream.AVAILABLE, reason="tracekit.ingest.unpickle._pickle_machine is not built")
 SNAPSHOT_WATCHES = [[], [("device_traces", "*", "*"), ("segments", "*")], [("device_traces", "*")],
                     [("segments", "*", "blocks", "*")], [("*",)], [()]]
 
@@ -147,7 +147,7 @@ def test_reader_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert pickle_stream.read(path, {}) == {"segments": []}
     monkeypatch.setenv(pickle_stream.READER_ENV, "native")
     monkeypatch.setattr(pickle_stream, "AVAILABLE", False)
-    with pytest.raises(IngestError, match="native, but tracekit._pickle_machine is not built"):
+    with pytest.raises(IngestError, match="native, but tracekit.ingest.unpickle._pickle_machine is not built"):
         pickle_stream.read(path, {})
 
 

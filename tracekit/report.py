@@ -1,6 +1,6 @@
 """The whole analysis of one run in one object (what ``tracekit report`` renders), and its markdown.
 
-The library builds data and text; the CLI (``tracekit.analysis_cli``) prints it.
+The library builds data and text; the CLI (``tracekit.cli.analysis``) prints it.
 """
 
 from __future__ import annotations

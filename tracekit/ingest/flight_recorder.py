@@ -13,7 +13,8 @@ import json
 import math
 from pathlib import Path
 
-from tracekit import classify, safe_pickle
+from tracekit import classify
+from tracekit.ingest import unpickle
 from tracekit.ingest.common import IngestError, Parsed, table_from_rows
 
 DTYPE_BYTES = {"float": 4, "half": 2, "bfloat16": 2, "double": 8, "int": 4, "long": 8, "short": 2,
@@ -23,7 +24,7 @@ DTYPE_BYTES = {"float": 4, "half": 2, "bfloat16": 2, "double": 8, "int": 4, "lon
 def load(path: Path, data: bytes) -> dict:
     """The dump as a dict, from pickle (restricted) or JSON bytes."""
     if data[:1] == b"\x80":
-        obj = safe_pickle.loads(data, str(path))
+        obj = unpickle.loads(data, str(path))
     else:
         try:
             obj = json.loads(data)

@@ -2,7 +2,7 @@
 CPU-derived ones: torch's ``_profile_to_snapshot`` and the reference trainer's) into memory_events,
 memory_segments and memory_blocks.
 
-A snapshot of hundreds of MB is streamed (tracekit.pickle_stream): trace entries and segments go
+A snapshot of hundreds of MB is streamed (tracekit.ingest.unpickle): trace entries and segments go
 into column buffers as the pickle reader completes them, and the pickle's object graph never
 exists whole. The reader accepts plain data only, as the restricted unpickler does.
 """
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from tracekit import pickle_stream
+from tracekit.ingest import unpickle
 from tracekit.ingest import columns
 from tracekit.ingest.common import IngestError, Parsed, arrow_schema, table_from_rows
 
@@ -309,7 +309,7 @@ def parse_snapshot(path: Path, snap: dict) -> Parsed:
 def parse(path: Path) -> Parsed:
     """Stream a snapshot pickle: no more than a batch of entries is alive as Python objects."""
     events, segments = _Events(path), _Segments(path)
-    top = pickle_stream.read(path, {TRACE: events.add, SEGMENTS: segments.add})
+    top = unpickle.read(path, {TRACE: events.add, SEGMENTS: segments.add})
     _check(path, top)
     return _parsed(events, segments)
 

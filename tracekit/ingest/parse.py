@@ -12,7 +12,7 @@ import duckdb
 import pyarrow as pa
 import xxhash
 
-from tracekit import safe_pickle
+from tracekit.ingest import unpickle
 from tracekit.ingest import sniff as sn
 from tracekit.ingest.common import IngestError, Parsed, arrow_schema
 
@@ -91,7 +91,7 @@ def parse_path(path: Path, format: str) -> Parsed:
         if path.stat().st_size > memory_snapshot.STREAM_ABOVE and memory_snapshot.looks_like_snapshot(path):
             return memory_snapshot.parse(path)
         data = path.read_bytes()
-        obj = safe_pickle.loads(data, str(path))
+        obj = unpickle.loads(data, str(path))
         if isinstance(obj, dict) and isinstance(obj.get("entries"), list):
             return flight_recorder.parse_dump(path, obj)
         if isinstance(obj, dict) and ("segments" in obj or "device_traces" in obj):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from tracekit.cli._common import EXIT_BAD_INPUT, EXIT_OK, fail, ingest_progress
 from tracekit.ingest.common import IngestError
 
 
@@ -29,28 +30,15 @@ def ingest_cmd(paths: tuple[Path, ...], store_path: Path, run_id: str | None, wo
     dumps (pickle or JSON), memory snapshots (pickle) and op-table traces (parquet). Exit code 2 if
     any file failed; the others are still ingested.
     """
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from tracekit.ingest.pipeline import ingest
     from tracekit.store import StoreError
 
-    err = Console(stderr=True)
-    with Progress(TextColumn("ingest"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.description}"), console=err, transient=True,
-                  disable=as_json or not err.is_terminal) as bar:
-        task = bar.add_task("", total=None)
-
-        def on_progress(done: int, total: int, path: Path, status: str) -> None:
-            bar.update(task, completed=done, total=total, description=path.name)
-
+    with ingest_progress(as_json) as progress:
         try:
-            report = ingest(list(paths), store_path, run_id=run_id, workers=workers, progress=on_progress,
+            report = ingest(list(paths), store_path, run_id=run_id, workers=workers, progress=progress,
                             processes=processes)
         except (IngestError, StoreError, ValueError) as e:  # the store cannot be opened, no input, no fork
-            err.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True, highlight=False)
-            sys.exit(2)
+            fail(str(e))
     missing = {f"{r}/{f}": ranks for (r, f), ranks in report.missing.items()}
     if as_json:
         click.echo(json.dumps({
@@ -61,7 +49,7 @@ def ingest_cmd(paths: tuple[Path, ...], store_path: Path, run_id: str | None, wo
             indent=2))
     else:
         _render(report, missing)
-    sys.exit(2 if report.failed else 0)
+    sys.exit(EXIT_BAD_INPUT if report.failed else EXIT_OK)
 
 
 def _render(report: object, missing: dict[str, list[int]]) -> None:

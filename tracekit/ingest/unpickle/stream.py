@@ -5,7 +5,7 @@ The reader is its own pickle machine: it resolves no global, calls nothing the f
 builds only dict, list, tuple, set, frozenset, str, bytes, bytearray, int, float, bool and None.
 Any opcode that would import or call something (GLOBAL, STACK_GLOBAL, REDUCE, BUILD, INST, OBJ,
 NEWOBJ, NEWOBJ_EX, EXT*, PERSID, BINPERSID, out-of-band buffers) is refused with
-:class:`~tracekit.safe_pickle.UnsafePickleError` naming the file, before anything is built.
+:class:`~tracekit.ingest.unpickle.UnsafePickleError` naming the file, before anything is built.
 
 Two passes over a read-only memory map of the file:
 
@@ -21,7 +21,7 @@ The pickle's memo would otherwise keep every container alive to the end. Pages a
 released from the process (``madvise``) as the walk moves on.
 
 Both passes exist twice: in C (``_pickle_machine.c``, about 10x faster; used when built) and in
-Python (``scan`` here and tracekit.pickle_machine, the reference and the fallback), with the same
+Python (``scan`` here and ``build``, the reference and the fallback), with the same
 results, callbacks and errors. ``TRACEKIT_PICKLE_READER`` (READER_ENV) = ``native`` or ``python``
 forces one.
 """
@@ -41,10 +41,10 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from tracekit.safe_pickle import UnsafePickleError
+from tracekit.ingest.unpickle.safe import UnsafePickleError
 
 try:
-    from tracekit import _pickle_machine
+    from tracekit.ingest.unpickle import _pickle_machine
 except ImportError:  # built without a C compiler: the Python machine runs
     _pickle_machine = None
 
@@ -267,7 +267,7 @@ def machine() -> str:
     if want not in ("", "native", "python"):
         raise IngestError(f"{READER_ENV}={want!r}: expected 'native' or 'python'")
     if want == "native" and not AVAILABLE:
-        raise IngestError(f"{READER_ENV}=native, but tracekit._pickle_machine is not built "
+        raise IngestError(f"{READER_ENV}=native, but tracekit.ingest.unpickle._pickle_machine is not built "
                           "(reinstall tracekit where a C compiler is available)")
     return want or ("native" if AVAILABLE else "python")
 
@@ -289,7 +289,7 @@ def read(path: str | Path, watch: Mapping[tuple, OnItems], batch: int = 1024) ->
             watch = dict(watch)
             return _pickle_machine.read(reader, watch, max(-1, min(batch, sys.maxsize)),  # a C ssize_t
                                          prefixes(watch), decode_line_string)
-        from tracekit.pickle_machine import build
+        from tracekit.ingest.unpickle.build import build
 
         last = scan(reader)
         reader.released = 0

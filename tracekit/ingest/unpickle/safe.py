@@ -5,7 +5,7 @@ whatever callable it names. This unpickler resolves no global at all: a pickle m
 data (dict, list, tuple, str, bytes, int, float, bool, None, set) loads; the few constructors
 older protocols use for sets and bytes are mapped to safe equivalents; anything else that names a
 class or function (``os.system``, ``torch.Tensor``, ...) is rejected with :class:`UnsafePickleError`
-before it can be called. Large memory snapshots are read by tracekit.pickle_stream instead, which
+before it can be called. Large memory snapshots are read by ``stream`` (this package) instead, which
 walks the opcodes itself under the same rule (and refuses even these constructors).
 """
 

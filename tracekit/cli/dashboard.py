@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
+
+from tracekit.cli._common import fail, ingest_progress
 
 
 @click.command("dashboard")
 @click.argument("path", type=click.Path(exists=True, path_type=Path))
 @click.option("--store", "store_path", type=click.Path(path_type=Path), default=None,
-              help="Store to ingest a run directory into (default: <run dir>/tracekit.duckdb).")
+              help="Store to ingest a run directory into (default: <dir>.tracekit.duckdb beside it).")
 @click.option("--port", type=int, default=5006, show_default=True)
 @click.option("--address", default="127.0.0.1", show_default=True)
 @click.option("--show/--no-show", default=False, help="Open a browser tab.")
@@ -20,25 +21,20 @@ def dashboard_command(path: Path, store_path: Path | None, port: int, address: s
     from rich.console import Console
     from rich.markup import escape
 
-    from tracekit.ingest.common import IngestError
     from tracekit.store import StoreError
 
     err = Console(stderr=True)
     if path.is_dir():
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
         from tracekit.ingest import ingest
+        from tracekit.ingest.cached import store_for
+        from tracekit.ingest.common import IngestError
 
-        store = store_path or path / "tracekit.duckdb"
-        with Progress(TextColumn("ingest"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                      console=err, transient=True, disable=not err.is_terminal) as bar:
-            task = bar.add_task("", total=None)
+        store = store_for(path, store_path)
+        with ingest_progress() as progress:
             try:
-                report = ingest([path], store, progress=lambda done, total, p, status: bar.update(
-                    task, completed=done, total=total, description=p.name))
+                report = ingest([path], store, progress=progress)
             except IngestError as e:
-                err.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
-                sys.exit(2)
+                fail(str(e))
         for f in report.failed:
             err.print(f"[yellow]warning:[/yellow] not ingested: {escape(f.error or '')}", soft_wrap=True)
     else:
@@ -47,16 +43,13 @@ def dashboard_command(path: Path, store_path: Path | None, port: int, address: s
         from apps.dashboard import serve
         from apps.data import DashboardData
     except ImportError as e:
-        err.print(f"[red]error:[/red] the dashboard needs its extra ({e.name} missing): "
-                  "pip install 'tracekit[dashboard]'")
-        sys.exit(2)
+        fail(f"the dashboard needs its extra ({e.name} missing): pip install 'tracekit[dashboard]'")
 
     try:
         data = DashboardData(store)  # fail here, clearly, before the server starts
         newest = data.newest_run()
     except StoreError as e:
-        err.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
-        sys.exit(2)
+        fail(str(e))
     with err.status(f"analysing run {newest} ..."):  # what the first page shows, before anyone asks
         try:
             data.warm(newest)

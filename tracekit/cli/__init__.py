@@ -1,4 +1,6 @@
-"""The `tracekit` command line. Commands live next to the code they render; this file wires them.
+"""The `tracekit` command line: every command lives in this package, one module per command group
+(``analysis``, ``ingest``, ``memory``, ``estimate``, ``dashboard``), each rendering what the library
+returns; this file wires them (``train`` and ``numerics`` are the trainer's and the numerics' own).
 
 Exit codes: 0 ok; 1 a finding in check modes (e.g. a straggler or mismatch where one was asked
 not to exist); 2 bad input (unreadable or invalid files, impossible configs).
@@ -18,28 +20,28 @@ from tracekit import __version__
 # Panel, 3.4 s) and a broken optional dependency of one command does not take the others down. A
 # summary is the first line of its command's docstring (tests/test_cli.py holds them together).
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "estimate": ("tracekit.memory.estimate_cli", "estimate_command",
+    "estimate": ("tracekit.cli.estimate", "estimate_command",
                  "Estimate per-GPU memory of a Llama model under 4D parallelism (Fujii et al. 2024)."),
-    "memory": ("tracekit.memory.cli", "memory_command",
+    "memory": ("tracekit.cli.memory", "memory_command",
                "Per-rank peak memory, when it happened, what was live at it, imbalance across ranks, and"),
     "numerics": ("numerics.cli", "main",
                  "Numerics checks for parallel training: accumulation order, bit-exactness, BF16/FP32 buffers."),
     "train": ("reference_trainer.cli", "train_command",
               "Train the reference model on a spawned world of ranks and write a run directory."),
-    "ingest": ("tracekit.ingest.cli", "ingest_cmd",
+    "ingest": ("tracekit.cli.ingest", "ingest_cmd",
                "Ingest run directories, trace folders or single files into a store."),
-    "stragglers": ("tracekit.analysis_cli", "stragglers_command",
+    "stragglers": ("tracekit.cli.analysis", "stragglers_command",
                    "Which rank made the run slow, and why (top-down DP -> PP -> CP -> TP, then root cause)."),
-    "cp-wait": ("tracekit.analysis_cli", "cp_wait_command",
+    "cp-wait": ("tracekit.cli.analysis", "cp_wait_command",
                 "Exposed CP communication: waiting vs transfer, and what the waiting is due to."),
-    "steps": ("tracekit.analysis_cli", "steps_command",
+    "steps": ("tracekit.cli.analysis", "steps_command",
               "Step times per rank, the slow steps and what made each slow."),
-    "hangs": ("tracekit.analysis_cli", "hangs_command",
+    "hangs": ("tracekit.cli.analysis", "hangs_command",
               "Where the ranks stopped (flight-recorder entries) and which never joined."),
-    "report": ("tracekit.analysis_cli", "report_command", "Everything: stragglers, steps, CP wait and hangs."),
-    "demo": ("tracekit.analysis_cli", "demo_command",
+    "report": ("tracekit.cli.analysis", "report_command", "Everything: stragglers, steps, CP wait and hangs."),
+    "demo": ("tracekit.cli.analysis", "demo_command",
              "Train the reference model with rank 3 computing 3x slower, ingest, report culprit and cause"),
-    "dashboard": ("tracekit.dashboard_cli", "dashboard_command",
+    "dashboard": ("tracekit.cli.dashboard", "dashboard_command",
                   "Serve the dashboard for a tracekit store, or for a run directory (ingested on the fly)."),
 }
 

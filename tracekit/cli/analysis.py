@@ -1,8 +1,9 @@
 """`tracekit stragglers | cp-wait | steps | hangs | report | demo`: render the analyses (no analysis here).
 
-Each takes a store file or a run directory. A run directory is ingested on the fly into a sibling
-store ``<dir>.tracekit.duckdb`` (or a temporary one where that cannot be written); files already
-ingested are skipped, so a second call is fast. Human-readable by default, ``--json`` for machines.
+Each takes a store file or a run directory. A run directory is ingested on the fly into the store
+tracekit.ingest.cached.store_for names (``<dir>.tracekit.duckdb`` beside it, or ``--store``); files
+already ingested are skipped, so a second call is fast. Human-readable by default, ``--json`` for
+machines.
 
 Exit codes: 0 ok; 1 a finding with ``--check`` (a straggler, slow steps, a hang, CP waiting with a
 cause); 2 bad input (no such path, not a store, unreadable traces, unknown run).
@@ -18,84 +19,61 @@ from typing import Any, Callable
 
 import click
 
+from tracekit.cli._common import EXIT_FINDING, EXIT_OK, fail, ingest_progress
 from tracekit.report import Findings, gather, markdown
 
-EXIT_OK, EXIT_FINDING, EXIT_BAD_INPUT = 0, 1, 2
 
-
-def _fail(message: str) -> None:
-    from rich.console import Console
-    from rich.markup import escape
-
-    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {escape(message)}", highlight=False)
-    sys.exit(EXIT_BAD_INPUT)
-
-
-def _sibling_store(run_dir: Path) -> Path:
-    """``<dir>.tracekit.duckdb`` beside the run directory, or a temporary store if that is read-only."""
-    probe = run_dir.parent / f".{run_dir.name}.tracekit.probe"
-    try:
-        probe.write_bytes(b"")
-        probe.unlink()
-        return run_dir.parent / f"{run_dir.name}.tracekit.duckdb"
-    except OSError:
-        return Path(tempfile.mkdtemp(prefix="tracekit-")) / f"{run_dir.name}.duckdb"
-
-
-def open_source(path: Path, run_id: str | None, quiet: bool):
-    """(Store, run_id) for a store file or a run directory (ingested with a progress bar)."""
+def open_source(path: Path, run_id: str | None, quiet: bool, store: Path | None = None):
+    """(Store, run_id) for a store file or a run directory (ingested with a progress bar into
+    ``store``, by default the one tracekit.ingest.cached.store_for names)."""
     import tracekit
     from tracekit.ingest.common import IngestError
     from tracekit.store import StoreError
 
     if not path.exists():
-        _fail(f"{path}: no such file or directory")
+        fail(f"{path}: no such file or directory")
     if path.is_dir():
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
         from tracekit.ingest import ingest
+        from tracekit.ingest.cached import store_for
 
-        store_path = _sibling_store(path)
-        err = Console(stderr=True)
-        with Progress(TextColumn("ingest"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                      console=err, transient=True, disable=quiet or not err.is_terminal) as bar:
-            task = bar.add_task("", total=None)
+        store_path = store_for(path, store)
+        with ingest_progress(quiet) as progress:
             try:
-                report = ingest([path], store_path, run_id=run_id, workers=1,
-                                progress=lambda d, t, p, s: bar.update(task, completed=d, total=t, description=p.name))
+                report = ingest([path], store_path, run_id=run_id, workers=1, progress=progress)
             except IngestError as e:
-                _fail(str(e))
+                fail(str(e))
         ok = [f for f in report.files if f.status in ("ok", "skipped", "warning")]
         if not ok:
             errors = "; ".join(f.error or f.status for f in report.failed) or "no trace files found"
-            _fail(f"{path}: nothing could be ingested ({errors})")
+            fail(f"{path}: nothing could be ingested ({errors})")
         run_id = run_id or (ok[0].run_id if ok else None)
         path = store_path
     try:
-        store = tracekit.open(path)
-        store.run_tables(run_id)  # fails early, with the file's name, on a bad store or run id
+        opened = tracekit.open(path)
+        opened.run_tables(run_id)  # fails early, with the file's name, on a bad store or run id
     except (StoreError, ValueError) as e:
-        _fail(f"{path}: {e}" if str(path) not in str(e) else str(e))
-    return store, run_id
+        fail(f"{path}: {e}" if str(path) not in str(e) else str(e))
+    return opened, run_id
 
 
 def _common(fn: Callable) -> Callable:
     fn = click.option("--check", is_flag=True, help="Exit 1 when there is a finding.")(fn)
     fn = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")(fn)
     fn = click.option("--run-id", default=None, help="Run to analyse (default: the newest in the store).")(fn)
+    fn = click.option("--store", "store_path", type=click.Path(path_type=Path), default=None,
+                      help="Store to ingest a run directory into (default: <dir>.tracekit.duckdb beside it).")(fn)
     return click.argument("source", type=click.Path(path_type=Path))(fn)
 
 
-def _run(source: Path, run_id: str | None, as_json: bool, check: bool, parts: tuple[str, ...],
-         fmt: str = "terminal") -> None:
-    store, rid = open_source(source, run_id, quiet=as_json)
+def _run(source: Path, store_path: Path | None, run_id: str | None, as_json: bool, check: bool,
+         parts: tuple[str, ...], fmt: str = "terminal") -> None:
+    store, rid = open_source(source, run_id, quiet=as_json, store=store_path)
     try:
         findings = gather(store, rid, parts)
     finally:
         store.close()
     if len(parts) == 1 and findings.skipped:  # the one thing asked for cannot be analysed
-        _fail(f"{source}: {findings.skipped[parts[0]]}")
+        fail(f"{source}: {findings.skipped[parts[0]]}")
     if as_json:
         click.echo(json.dumps(findings.to_dict(), indent=2, default=str))
     elif fmt == "markdown":
@@ -107,38 +85,43 @@ def _run(source: Path, run_id: str | None, as_json: bool, check: bool, parts: tu
 
 @click.command("stragglers")
 @_common
-def stragglers_command(source: Path, run_id: str | None, as_json: bool, check: bool) -> None:
+def stragglers_command(source: Path, store_path: Path | None, run_id: str | None, as_json: bool,
+                       check: bool) -> None:
     """Which rank made the run slow, and why (top-down DP -> PP -> CP -> TP, then root cause)."""
-    _run(source, run_id, as_json, check, ("stragglers",))
+    _run(source, store_path, run_id, as_json, check, ("stragglers",))
 
 
 @click.command("cp-wait")
 @_common
-def cp_wait_command(source: Path, run_id: str | None, as_json: bool, check: bool) -> None:
+def cp_wait_command(source: Path, store_path: Path | None, run_id: str | None, as_json: bool,
+                    check: bool) -> None:
     """Exposed CP communication: waiting vs transfer, and what the waiting is due to."""
-    _run(source, run_id, as_json, check, ("cp_wait",))
+    _run(source, store_path, run_id, as_json, check, ("cp_wait",))
 
 
 @click.command("steps")
 @_common
-def steps_command(source: Path, run_id: str | None, as_json: bool, check: bool) -> None:
+def steps_command(source: Path, store_path: Path | None, run_id: str | None, as_json: bool,
+                  check: bool) -> None:
     """Step times per rank, the slow steps and what made each slow."""
-    _run(source, run_id, as_json, check, ("steps",))
+    _run(source, store_path, run_id, as_json, check, ("steps",))
 
 
 @click.command("hangs")
 @_common
-def hangs_command(source: Path, run_id: str | None, as_json: bool, check: bool) -> None:
+def hangs_command(source: Path, store_path: Path | None, run_id: str | None, as_json: bool,
+                  check: bool) -> None:
     """Where the ranks stopped (flight-recorder entries) and which never joined."""
-    _run(source, run_id, as_json, check, ("hangs",))
+    _run(source, store_path, run_id, as_json, check, ("hangs",))
 
 
 @click.command("report")
 @_common
 @click.option("--format", "fmt", type=click.Choice(["terminal", "markdown"]), default="terminal")
-def report_command(source: Path, run_id: str | None, as_json: bool, check: bool, fmt: str) -> None:
+def report_command(source: Path, store_path: Path | None, run_id: str | None, as_json: bool, check: bool,
+                   fmt: str) -> None:
     """Everything: stragglers, steps, CP wait and hangs."""
-    _run(source, run_id, as_json, check, ("stragglers", "steps", "cp_wait", "hangs"), fmt)
+    _run(source, store_path, run_id, as_json, check, ("stragglers", "steps", "cp_wait", "hangs"), fmt)
 
 
 @click.command("demo")
@@ -156,9 +139,9 @@ def demo_command(out: Path | None, no_train: bool, as_json: bool) -> None:
     out = out or Path(tempfile.mkdtemp(prefix="tracekit-demo-"))
     err = Console(stderr=True)
     if no_train:
-        bundled = Path(__file__).resolve().parents[1] / "sample_traces" / "slow_rank_8"
+        bundled = Path(__file__).resolve().parents[2] / "sample_traces" / "slow_rank_8"
         if not (bundled / "manifest.json").exists():
-            _fail(f"{bundled}: no bundled sample run in this checkout; run without --no-train")
+            fail(f"{bundled}: no bundled sample run in this checkout; run without --no-train")
         run_dir = bundled
     else:
         run_dir = out / "demo-run"

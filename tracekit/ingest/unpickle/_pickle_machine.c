@@ -1,6 +1,6 @@
-/* The restricted, streaming pickle machine of tracekit.pickle_stream in C: pass 1 (scan) and
- * pass 2 (build) of pickle_stream.py / pickle_machine.py, with the same results, callbacks and
- * errors. pickle_machine.py stays the reference (and the fallback where this is not built); read
+/* The restricted, streaming pickle machine of tracekit.ingest.unpickle.stream in C: pass 1 (scan) and
+ * pass 2 (build) of stream.py / build.py, with the same results, callbacks and
+ * errors. build.py stays the reference (and the fallback where this is not built); read
  * its docstrings for the watched-list rules, which this file follows line by line.
  *
  * Why native: the Python machine reads about 6 MB per CPU-second; memory snapshots are hundreds
@@ -14,7 +14,7 @@
  * mark per open MARK frame (as in CPython's _pickle.c); "the watched frame" is a depth.
  *
  * Errors: corrupt input raises what reader.fail(what, byte) builds (UnpicklingError naming the
- * file), at the byte the Python machine names; errors of the same classes pickle_machine.py turns
+ * file), at the byte the Python machine names; errors of the same classes build.py turns
  * into that (IndexError, KeyError, TypeError, ValueError, OverflowError, AttributeError) are
  * turned the same way; a callback's exception propagates unchanged. Every read is bounds-checked
  * in both passes (the file may change between them).
@@ -32,7 +32,7 @@
 #define LEFT 0x7fffffffu                     /* fetch[i]: fetches still to come; saturated: kept */
 
 static char top_marker;
-#define TOP ((PyObject *)&top_marker) /* path of the base frame (pickle_machine._TOP); NULL: None */
+#define TOP ((PyObject *)&top_marker) /* path of the base frame (build._TOP); NULL: None */
 
 static PyObject *STAR, *MAPPED, *S_FAIL, *S_FORBIDDEN, *S_RELEASE, *S_RELEASED, *S_BUF, *S_LITTLE, *S_SIGNED;
 
@@ -77,7 +77,7 @@ static int fail(M *m, long long pos, const char *fmt, ...) {
     return -1;
 }
 
-/* The pending exception, if of a class pickle_machine.build turns into a corrupt-pickle error,
+/* The pending exception, if of a class build.build turns into a corrupt-pickle error,
  * becomes reader.fail(f"{type(e).__name__}: {e}", pos); any other is left as it is. */
 static int wrap(M *m, long long pos) {
     if (!PyErr_Occurred())
@@ -228,7 +228,7 @@ static inline void note_fetch(M *m, Py_ssize_t i) {
     }
 }
 
-/* A fetch of a slot not set yet (corrupt input) is reported where pickle_stream.scan reports it,
+/* A fetch of a slot not set yet (corrupt input) is reported where stream.scan reports it,
  * so that both machines name the same error and byte: the Python scan gathers the fetches of each
  * run of memo references that starts at a LONG_BINGET, and of each GET, and checks them against
  * the slots set so far (_Fetches.fold) at the end of a run once more than FOLD_CHUNK are gathered,
@@ -254,7 +254,7 @@ static int fold(M *m, Fold *f, Py_ssize_t pos) {
 }
 
 /* Argument of `len` bytes after byte `base` that runs past the end (or is negative): the byte
- * named is where it would end, as pickle_stream.scan names it (Python ints: it may not fit). */
+ * named is where it would end, as stream.scan names it (Python ints: it may not fit). */
 static int fail_length(M *m, Py_ssize_t base, PyObject *len) {
     PyObject *b = PyLong_FromSsize_t(base), *end = NULL;
     if (b && len)
@@ -612,7 +612,7 @@ static PyObject *tuple_plus(PyObject *path, PyObject *a, PyObject *b) {
     return t;
 }
 
-/* pickle_machine._child_path: the path of slots[n-1] in a frame filling `owner` (at `path`);
+/* build._child_path: the path of slots[n-1] in a frame filling `owner` (at `path`);
  * *out: a new tuple or NULL (None). */
 static int child_path(PyObject *path, PyObject *owner, PyObject **slots, Py_ssize_t n, PyObject **out) {
     *out = NULL;
@@ -640,7 +640,7 @@ static int child_path(PyObject *path, PyObject *owner, PyObject **slots, Py_ssiz
     return 0;
 }
 
-/* pickle_machine's path_of_top: the path of the current frame's last value, if it is a prefix
+/* build's path_of_top: the path of the current frame's last value, if it is a prefix
  * of a watched pattern; *out: a new tuple or NULL (None). */
 static int path_of_top(M *m, PyObject **out) {
     PyObject *path = m->paths[m->depth], *p = NULL;
@@ -729,7 +729,7 @@ static PyObject *callback_for(M *m, PyObject *path, int *err) {
         }                                                                                          \
     } while (0)
 
-/* Pass 2. `epos` is the byte an error names: the opcode's, or where pickle_machine.py's `pos`
+/* Pass 2. `epos` is the byte an error names: the opcode's, or where build.py's `pos`
  * stands minus one when that has moved past the argument already. */
 static PyObject *build(M *m) {
     const unsigned char *b = m->b;
@@ -801,7 +801,7 @@ static PyObject *build(M *m) {
             }
             if (!owner_path && owner && PyList_CheckExact(owner)) {
                 /* MARK, memo references, APPENDS (a frames list, one per trace entry) go straight
-                 * into the list, as in pickle_machine.py: a missing slot is named at the MARK */
+                 * into the list, as in build.py: a missing slot is named at the MARK */
                 Py_ssize_t q = pos, refs = 0;
                 for (;;) {
                     if (q < n && b[q] == 'j' && n - q >= 5)
@@ -898,7 +898,7 @@ static PyObject *build(M *m) {
         put:
             if (i > count || i >= m->nslots)
                 FAIL("file changed while read: memo slot %zd set out of order", i);
-            if (i < 256 || (m->fetch[i] & EVER)) { /* pickle_machine's kept[i] (it keeps BINGET's slots) */
+            if (i < 256 || (m->fetch[i] & EVER)) { /* build's kept[i] (it keeps BINGET's slots) */
                 if (m->sp == START)
                     FAIL("IndexError: list index out of range");
                 if (m->fetch[i] & LEFT) { /* stored only while a fetch is still to come */
@@ -1237,8 +1237,8 @@ static void clear(M *m) {
 
 PyDoc_STRVAR(read_doc,
 "read(reader, watch, batch, prefixes, decode_line_string) -> top object\n\n"
-"Scan and build the pickle in reader.buf (a pickle_stream._Reader) as pickle_stream.scan and\n"
-"pickle_machine.build do: watch maps patterns to on_items(list, items) callbacks, prefixes is\n"
+"Scan and build the pickle in reader.buf (a stream._Reader) as stream.scan and\n"
+"build.build do: watch maps patterns to on_items(list, items) callbacks, prefixes is\n"
 "the set of every proper prefix of a pattern, batch bounds a watched frame before it is\n"
 "flushed. Errors are built by reader.fail / reader.forbidden; pages go back by reader.release.");
 
@@ -1291,7 +1291,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_pickle_machine",
-    "The plain-data pickle machine of tracekit.pickle_stream in C (see pickle_machine.py).", -1, methods,
+    "The plain-data pickle machine of tracekit.ingest.unpickle.stream in C (see build.py).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__pickle_machine(void) {

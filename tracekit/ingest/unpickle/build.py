@@ -1,4 +1,4 @@
-"""Pass 2 of tracekit.pickle_stream: the plain-data pickle machine with watched lists.
+"""Pass 2 of tracekit.ingest.unpickle.stream: the plain-data pickle machine with watched lists.
 
 Semantics follow CPython's pickle.py ``_Unpickler`` for the opcodes it accepts (the scan has
 already refused every other one). ``stack`` is the current MARK frame, ``frames`` the outer ones.
@@ -14,8 +14,16 @@ from typing import Any
 
 import numpy as np
 
-from tracekit import pickle_stream
-from tracekit.pickle_stream import _LEN, _REFS_APPENDS, _RELEASE_BYTES, OnItems, _Reader, decode_line_string, refs
+from tracekit.ingest.unpickle import stream
+from tracekit.ingest.unpickle.stream import (
+    _LEN,
+    _REFS_APPENDS,
+    _RELEASE_BYTES,
+    OnItems,
+    _Reader,
+    decode_line_string,
+    refs,
+)
 
 _TOP = ("top",)  # owner of the base frame (below every MARK): its first item is the top object
 
@@ -65,7 +73,7 @@ def _purge(memo: dict, last: np.ndarray, reader: _Reader, pos: int) -> int:
 def build(reader: _Reader, last: np.ndarray, watch: dict[tuple, OnItems], batch: int) -> Any:
     buf = reader.buf
     kept = (last >= 0).tobytes()  # one byte per memo slot: fetched later, so kept when set
-    prefixes = pickle_stream.prefixes(watch)  # paths of lists that can lead to a watch
+    prefixes = stream.prefixes(watch)  # paths of lists that can lead to a watch
     memo: dict[int, Any] = {}
     same_refs: dict[bytes, tuple] = {}  # the objects a run of memo references fetches
     count = 0  # memo slots set so far

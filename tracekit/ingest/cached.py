@@ -1,0 +1,33 @@
+"""Where a run directory's store lives when a command is given the directory instead of a store.
+
+Every command that takes a run directory (``report``, ``stragglers``, ``steps``, ``cp-wait``,
+``hangs``, ``demo``, ``dashboard``) ingests it into the store :func:`store_for` names and reads
+that; files already ingested are skipped, so a second command on the same directory is fast.
+
+The place: ``<dir>.tracekit.duckdb`` beside the directory, so that the run directory itself is
+never written to (it may be a read-only copy of a job's output, and a store inside it would be
+one more file for the next ingest to pass over). Where the parent cannot be written, a fresh
+temporary store is used (ingested again by every command). ``--store PATH`` names any other.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+STORE_SUFFIX = ".tracekit.duckdb"
+
+
+def store_for(run_dir: Path, store: Path | None = None) -> Path:
+    """The store ``run_dir`` is ingested into: ``store`` when given, else ``<dir>.tracekit.duckdb``
+    beside it, else (a read-only parent) a temporary one."""
+    if store is not None:
+        return store
+    run_dir = run_dir.absolute()  # "." has no name; its absolute path does
+    probe = run_dir.parent / f".{run_dir.name}.tracekit.probe"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+        return run_dir.parent / f"{run_dir.name}{STORE_SUFFIX}"
+    except OSError:
+        return Path(tempfile.mkdtemp(prefix="tracekit-")) / f"{run_dir.name}.duckdb"
