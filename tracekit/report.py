@@ -27,6 +27,7 @@ class Findings:
     hangs: HangReport | None = None
     layout_source: str | None = None  # "assumed-dp" when the run had no layout
     skipped: dict[str, str] | None = None  # part -> why it could not be analysed
+    layout_note: str | None = None  # why the inferred layout may be wrong (ingest's warning)
 
     @property
     def any_finding(self) -> bool:
@@ -39,7 +40,7 @@ class Findings:
 
     def to_dict(self) -> dict:
         out: dict = {"run_id": self.run_id, "finding": self.any_finding, "layout_source": self.layout_source,
-                     "skipped": self.skipped or {}}
+                     "layout_note": self.layout_note, "skipped": self.skipped or {}}
         for name, part in (("stragglers", self.diagnosis), ("steps", self.steps), ("cp_wait", self.cp_wait),
                            ("hangs", self.hangs)):
             if part is not None:
@@ -61,14 +62,18 @@ def gather(store: Store, run_id: str | None = None, parts: tuple[str, ...] = PAR
         except ValueError as e:  # tables this analysis cannot work from; the others still run
             skipped[part] = str(e)
     layout = store.run_tables(rid).runs["layout_source"][0]
+    notes = store.sql("SELECT error FROM ingest_log WHERE run_id = $rid AND status = 'warning' AND error LIKE 'layout %'",
+                      {"rid": rid})
     return Findings(run_id=rid, diagnosis=results.get("stragglers"), steps=results.get("steps"),
                     cp_wait=results.get("cp_wait"), hangs=results.get("hangs"), layout_source=layout,
-                    skipped=skipped)
+                    skipped=skipped, layout_note=notes["error"][0] if notes.height else None)
 
 
 def markdown(f: Findings) -> str:
     """The findings as a markdown report."""
     lines = [f"# tracekit report: {f.run_id}", ""]
+    if f.layout_note:
+        lines += [f"_warning: {f.layout_note}_", ""]
     if f.layout_source == "assumed-dp":
         lines += ["_No parallel layout recorded: every rank is compared with every other as a data-parallel "
                   "replica._", ""]
@@ -76,8 +81,14 @@ def markdown(f: Findings) -> str:
         lines += [f"_{part}: not analysed: {why}_", ""]
     if f.diagnosis is not None:
         loc = f.diagnosis.localization
-        lines += ["## Stragglers", "", f"**{f.diagnosis.headline}**", "",
-                  "| level | verdict | chosen | margin | steps agree | effect ms | noise ms |",
+        lines += ["## Stragglers", "", f"**{f.diagnosis.headline}**", ""]
+        if f.diagnosis.findings:
+            lines += ["| finding | where | ms/step | of step | steps | confidence | next step |", "|---|---|---|---|---|---|---|"]
+            lines += [f"| {x.kind} ({x.cause}) | {x.where} | {x.cost_ns / 1e6:.1f} | {x.cost_share:.1%} | "
+                      f"{','.join(map(str, x.steps)) if x.kind in ('transient', 'moving') else 'all'} | "
+                      f"{x.confidence:.2f} | {x.next_step} |" for x in f.diagnosis.findings]
+            lines.append("")
+        lines += ["| level | verdict | chosen | margin | steps agree | effect ms | noise ms |",
                   "|---|---|---|---|---|---|---|"]
         lines += [f"| {lv.level} | {lv.verdict} | {lv.chosen} | {lv.margin:.1f} | {lv.steps_agree}/{lv.steps_total} "
                   f"| {lv.effect_ns / 1e6:.2f} | {lv.noise_ns / 1e6:.2f} |" for lv in loc.levels]

@@ -18,7 +18,7 @@ import polars as pl
 
 from tracekit.analysis.collectives import match_collectives
 from tracekit.analysis.cp_wait import CPWait, cp_wait
-from tracekit.analysis.diagnosis import Diagnosis, diagnose
+from tracekit.analysis.diagnosis import Diagnosis
 from tracekit.analysis.work import work_from_manifest
 from tracekit.analysis.tables import RunTables
 from tracekit.analysis.tunables import Tunables
@@ -98,8 +98,8 @@ class DashboardData:
         return work_from_manifest(self.tables(run_id).manifest)
 
     def diagnosis(self, run_id: str) -> Diagnosis:
-        return self.memo(("diagnosis", run_id),
-                         lambda: diagnose(self.tables(run_id), Tunables(), self.attention_work(run_id)))
+        # the CLI's own call (hangs included), so the page and `tracekit report` never disagree
+        return self.memo(("diagnosis", run_id), lambda: self._store.diagnose(run_id))
 
     def cp_wait(self, run_id: str) -> CPWait:
         return self.memo(("cp_wait", run_id),

@@ -99,7 +99,11 @@ def _where(tables: RunTables, ranks: tuple[int, ...]) -> str:
         c = lay.coords(ranks[0]).as_dict()
         return f"rank {ranks[0]} (" + ", ".join(f"{d} {v}" for d, v in c.items() if getattr(lay, d) > 1) + ")"
     dim = lay.dim_of(ranks) if max(ranks) < lay.world_size else None
-    return f"{(dim or 'ranks').upper() + ' group' if dim else 'ranks'} {list(ranks)}"
+    if dim:
+        return f"{dim.upper()} group {list(ranks)}"
+    shared = [f"{d} {v}" for d in ("dp", "pp", "cp", "tp") if getattr(lay, d) > 1
+              and len(v := {getattr(lay.coords(r), d) for r in ranks}) == 1 for v in v]
+    return f"ranks {list(ranks)}" + (f" (all {', '.join(shared)})" if shared else "")
 
 
 def _hung(hang: HangReport | None, tables: RunTables) -> str | None:

@@ -168,16 +168,25 @@ def render_terminal(f: Findings) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from rich.markup import escape
+
     out = Console()
     if f.layout_source == "assumed-dp":
         out.print("[yellow]note:[/] no parallel layout recorded: ranks compared as data-parallel replicas")
+    if f.layout_note:
+        out.print(f"[yellow]warning:[/] {escape(f.layout_note)}", highlight=False)
     for part, why in (f.skipped or {}).items():
-        out.print(f"[yellow]{part}:[/] not analysed: {why}", highlight=False)
+        out.print(f"[yellow]{part}:[/] not analysed: {escape(why)}", highlight=False)
     if f.diagnosis is not None:
         loc, cause = f.diagnosis.localization, f.diagnosis.cause
         colour = "green" if loc.verdict in ("no_straggler", "no_data") else "red"
-        out.print(f"[bold {colour}]stragglers:[/] {f.diagnosis.headline}", highlight=False)
-        t = Table(title="top-down localization")
+        out.print(f"[bold {colour}]stragglers:[/] {escape(f.diagnosis.headline)}", highlight=False)
+        for i, x in enumerate(f.diagnosis.findings, 1):
+            steps = ",".join(map(str, x.steps)) if x.kind in ("transient", "moving") else "every step"
+            out.print(f"  {i}. [bold]{x.kind}[/] ({x.cause}) at {escape(x.where)}: {x.cost_ns / 1e6:.1f} ms per step "
+                      f"({x.cost_share:.1%} of the step), {steps}, confidence {x.confidence:.2f}", highlight=False)
+            out.print(f"     next: {escape(x.next_step)}", highlight=False)
+        t = Table(title="top-down localization (waits)")
         for c in ("level", "verdict", "chosen", "margin", "steps agree", "effect ms", "noise ms"):
             t.add_column(c, justify="left" if c in ("level", "verdict") else "right")
         for lv in loc.levels:
