@@ -101,8 +101,8 @@ def _where(tables: RunTables, ranks: tuple[int, ...]) -> str:
     dim = lay.dim_of(ranks) if max(ranks) < lay.world_size else None
     if dim:
         return f"{dim.upper()} group {list(ranks)}"
-    shared = [f"{d} {v}" for d in ("dp", "pp", "cp", "tp") if getattr(lay, d) > 1
-              and len(v := {getattr(lay.coords(r), d) for r in ranks}) == 1 for v in v]
+    values = {d: {getattr(lay.coords(r), d) for r in ranks} for d in ("dp", "pp", "cp", "tp") if getattr(lay, d) > 1}
+    shared = [f"{d} {next(iter(v))}" for d, v in values.items() if len(v) == 1]
     return f"ranks {list(ranks)}" + (f" (all {', '.join(shared)})" if shared else "")
 
 
