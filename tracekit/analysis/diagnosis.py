@@ -99,7 +99,7 @@ def _where(tables: RunTables, ranks: tuple[int, ...]) -> str:
         c = lay.coords(ranks[0]).as_dict()
         return f"rank {ranks[0]} (" + ", ".join(f"{d} {v}" for d, v in c.items() if getattr(lay, d) > 1) + ")"
     dim = lay.dim_of(ranks) if max(ranks) < lay.world_size else None
-    if dim:
+    if dim and "_" not in dim:  # one dimension's group; a combined one reads better as shared coordinates
         return f"{dim.upper()} group {list(ranks)}"
     values = {d: {getattr(lay.coords(r), d) for r in ranks} for d in ("dp", "pp", "cp", "tp") if getattr(lay, d) > 1}
     shared = [f"{d} {next(iter(v))}" for d, v in values.items() if len(v) == 1]
@@ -216,7 +216,7 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
         cause = explain(tables, loc, tun, work)
         if cause.kind == "cpu_bound":  # late without computing more: launch gaps on its host
             findings.append(_waits_finding(tables, loc, cause, step_ns))
-    findings = _merge_data_imbalance(findings)
+    findings = _merge_data_imbalance(findings, tables)
     return Diagnosis(_primary(loc, findings, tables), _primary_cause(findings, loc), findings, compute)
 
 
@@ -231,7 +231,7 @@ def _waits_finding(tables: RunTables, loc: Localization, cause: Cause, step_ns: 
                    NEXT_STEP.get(cause.kind, NEXT_STEP["unexplained"]).format(who=where))
 
 
-def _merge_data_imbalance(findings: list[Finding]) -> list[Finding]:
+def _merge_data_imbalance(findings: list[Finding], tables: RunTables) -> list[Finding]:
     """Rank findings whose cause is data imbalance are one finding: the data, not the ranks."""
     moving = [f for f in findings if f.kind in ("straggler", "transient", "moving") and f.cause == "data_imbalance"]
     if len(moving) < 2:
@@ -240,9 +240,9 @@ def _merge_data_imbalance(findings: list[Finding]) -> list[Finding]:
     ranks = tuple(sorted({r for f in moving for r in f.ranks}))
     steps = tuple(sorted({s for f in moving for s in f.steps}))
     cost = max(f.cost_ns for f in moving)
-    return [Finding("data_imbalance", ranks, f"ranks {list(ranks)}", steps, cost, max(f.cost_share for f in moving),
+    return [Finding("data_imbalance", ranks, _where(tables, ranks), steps, cost, max(f.cost_share for f in moving),
                     max(f.confidence for f in moving), "data_imbalance",
-                    f"ranks {list(ranks)} compute more because they get more attention work (up to "
+                    f"{_where(tables, ranks)} compute more because they get more attention work (up to "
                     f"{cost / 1e6:.1f} ms per step): data imbalance, not slower devices",
                     NEXT_STEP["data_imbalance"])] + rest
 
