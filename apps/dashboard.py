@@ -109,8 +109,7 @@ class Dashboard:
 def build_app(store: str | Path, data: DashboardData | None = None) -> pn.viewable.Viewable:
     """One session's page over the store (the data access may be shared between sessions)."""
     store = Path(store)
-    title = store.name if store.name != "tracekit.duckdb" else f"{store.parent.name}/{store.name}"  # a run dir's
-    return Dashboard(data or DashboardData(store), title).panel
+    return Dashboard(data or DashboardData(store), store.name).panel  # a run dir's: <dir>.tracekit.duckdb
 
 
 def serve(store: str | Path, port: int = 5006, address: str = "127.0.0.1", show: bool = False,

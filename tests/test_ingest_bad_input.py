@@ -168,6 +168,21 @@ def test_safe_pickle_admits_plain_data() -> None:
         assert unpickle.loads(pickle.dumps(data, protocol=proto)) == data
 
 
+def test_safe_pickle_refuses_a_bytearray_of_a_size(tmp_path: Path) -> None:
+    """bytearray(n) from a few bytes of file would allocate n bytes; bytearray(bytes), what every
+    protocol writes, still loads."""
+    sized = b"\x80\x02c__builtin__\nbytearray\nJ\x40\x42\x0f\x00\x85R."  # bytearray(1_000_000)
+    with pytest.raises(unpickle.UnsafePickleError, match=r"x.pickle: pickle calls bytearray\(int\)"):
+        unpickle.loads(sized, "x.pickle")
+    evil = tmp_path / "fr" / "rank0"
+    evil.parent.mkdir()
+    evil.write_bytes(sized)
+    rep = ingest([evil], tmp_path / "s.duckdb")
+    assert rep.failed and str(evil) in rep.failed[0].error and "bytearray(int)" in rep.failed[0].error
+    for proto in range(pickle.HIGHEST_PROTOCOL + 1):
+        assert unpickle.loads(pickle.dumps({"b": bytearray(b"\x00ab")}, protocol=proto)) == {"b": bytearray(b"\x00ab")}
+
+
 def _mangle(data: bytes, how: str, pos: float, blob: bytes) -> bytes:
     i = int(pos * len(data))
     if how == "truncate":

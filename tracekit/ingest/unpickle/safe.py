@@ -26,13 +26,19 @@ class UnsafePickleError(pickle.UnpicklingError):
 _DATA_CONSTRUCTORS = {
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
-    ("builtins", "bytearray"): bytearray,
+    ("builtins", "bytearray"): lambda data=b"": bytearray(data) if isinstance(data, bytes) else _sized(data),
     ("_codecs", "encode"): lambda s, enc="utf-8": s.encode(enc) if enc in ("latin1", "latin-1", "utf-8") else _no(enc),
 }
 
 
 def _no(enc: str) -> bytes:
     raise UnsafePickleError(f"pickle asks for codec {enc!r}; refused")
+
+
+def _sized(arg: object) -> bytearray:
+    # The pickler writes bytearray(bytes); bytearray(1_500_000_000) would turn a few bytes of file
+    # into 1.5 GB (docs/ingest.md, "hostile inputs").
+    raise UnsafePickleError(f"pickle calls bytearray({type(arg).__name__}); only bytearray(bytes) is accepted")
 
 
 class _PlainDataUnpickler(pickle.Unpickler):
@@ -57,8 +63,10 @@ def loads(data: bytes, source: str = "<bytes>") -> Any:
     """Unpickle plain data from ``data``; ``source`` names it in errors."""
     try:
         return _PlainDataUnpickler(io.BytesIO(data), source).load()
-    except UnsafePickleError:
-        raise
+    except UnsafePickleError as e:
+        if str(e).startswith(f"{source}: "):
+            raise
+        raise UnsafePickleError(f"{source}: {e}") from None  # a data constructor's refusal
     except (pickle.UnpicklingError, EOFError, ValueError, IndexError, TypeError,
             AttributeError, MemoryError, OverflowError, KeyError) as e:
         raise pickle.UnpicklingError(f"{source}: corrupt or truncated pickle ({e})") from None
