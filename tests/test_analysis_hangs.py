@@ -70,8 +70,12 @@ def test_real_gloo_hang_names_the_collective_and_the_absent_rank(hang_store: Pat
 
 
 def _entries(rows: list[tuple]) -> pl.DataFrame:
-    df = pl.DataFrame(rows, schema=["rank", "pg_name", "collective_seq_id", "state", "profiling_name"], orient="row")
-    return conform(df.with_columns(pl.lit("r").alias("run_id"), pl.lit(False).alias("is_p2p")), "fr_entries")
+    """Flight-recorder rows in the order given (record_id); send/recv names are p2p entries."""
+    df = pl.DataFrame(rows, schema={"rank": pl.Int64, "pg_name": pl.Utf8, "collective_seq_id": pl.Int64,
+                                    "state": pl.Utf8, "profiling_name": pl.Utf8}, orient="row")
+    p2p = pl.col("profiling_name").str.contains("send|recv")
+    return conform(df.with_row_index("record_id").with_columns(
+        pl.lit("r").alias("run_id"), p2p.alias("is_p2p"), pl.when(p2p).then(1).alias("p2p_seq_id")), "fr_entries")
 
 
 def _groups(members: dict[str, list[int]]) -> pl.DataFrame:
@@ -94,7 +98,19 @@ def test_nccl_states_one_rank_behind_and_one_without_dump() -> None:
     rep = diagnose_hang(_entries(rows), _groups({"0": [0, 1, 2, 3]}))  # rank 3 left no dump
     s = rep.stuck[0]
     assert (s.seq, s.op, s.joined, s.missing, s.no_record) == (5, "all_gather", (0, 1), (2,), (3,))
-    assert rep.culprits == (2, 3)
+    # rank 2 recorded, stopped before #5 and waits in nothing: the culprit; rank 3 has no data to blame
+    assert rep.culprits == (2,) and rep.no_data == (3,) and rep.blocked == (0, 1)
+    assert "no flight-recorder data from ranks [3]" in rep.headline
+
+
+def test_ranks_waiting_on_p2p_from_the_hung_stage_are_blocked_not_culprits() -> None:
+    """Rank 3 never joins TP all-reduce #4 (its partner 2 waits in it); ranks 0 and 1, the previous
+    stage, wait in a p2p receive from it and so never reach their own #4 either: blocked, not culprits."""
+    rows = [(r, "tp", s, "completed", "nccl:all_reduce") for r in range(4) for s in range(1, 4)]
+    rows += [(2, "tp", 4, "started", "nccl:all_reduce")]
+    rows += [(r, "pp", None, "started", "nccl:recv 1<-0") for r in (0, 1)]
+    rep = diagnose_hang(_entries(rows), _groups({"tp": [0, 1, 2, 3], "pp": [0, 2]}), world_size=5)
+    assert rep.culprits == (3,) and rep.blocked == (0, 1, 2) and rep.no_data == (4,)
 
 
 def test_no_hang_and_no_entries() -> None:

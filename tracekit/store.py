@@ -154,7 +154,9 @@ class Store:
         from tracekit.analysis.hangs import diagnose_hang
 
         rid = self._run(run_id)
-        return diagnose_hang(self.table("fr_entries", rid), self.table("groups", rid))
+        world = self.table("runs", rid)["world_size"]
+        return diagnose_hang(self.table("fr_entries", rid), self.table("groups", rid),
+                             int(world[0]) if world.len() and world[0] is not None else None)
 
     def align_clocks(self, run_id: str | None = None, save: bool = True) -> ClockAlignment:
         """Estimate one clock offset per host from the collectives; with ``save`` store them in

@@ -40,6 +40,9 @@ class StuckCollective:
 class HangReport:
     ranks_with_records: tuple[int, ...]
     stuck: list[StuckCollective] = field(default_factory=list)
+    # ranks whose newest entry never completed (waiting in a collective or a p2p op), with that op
+    waiting: dict[int, str] = field(default_factory=dict)
+    world_size: int | None = None
 
     @property
     def hung(self) -> bool:
@@ -47,11 +50,28 @@ class HangReport:
 
     @property
     def culprits(self) -> tuple[int, ...]:
-        """Ranks that never joined a collective others wait in, and are not themselves waiting in a
-        stuck one: the ones holding the job (a rank waiting in one group can be why another stalls)."""
-        waiting = {r for s in self.stuck for r in s.joined}
-        absent = {r for s in self.stuck for r in (*s.missing, *s.no_record)}
-        return tuple(sorted(absent - waiting)) or tuple(sorted(absent))
+        """Ranks that never joined a collective others wait in and are not themselves waiting in
+        any operation (a stuck collective, or a p2p receive from a hung stage): the ones holding the
+        job. Only when no recorded rank is such are the members without any record named (a rank
+        that died leaves no dump); ``no_data`` says which those are."""
+        waiting = {r for s in self.stuck for r in s.joined} | set(self.waiting)
+        absent = {r for s in self.stuck for r in s.missing}
+        silent = {r for s in self.stuck for r in s.no_record}
+        return tuple(sorted(absent - waiting)) or tuple(sorted(silent)) or \
+            tuple(sorted(absent - {r for s in self.stuck for r in s.joined}))
+
+    @property
+    def blocked(self) -> tuple[int, ...]:
+        """Ranks waiting behind the culprits: in the stuck collectives, or in other operations."""
+        waiting = {r for s in self.stuck for r in s.joined} | set(self.waiting)
+        return tuple(sorted(waiting - set(self.culprits)))
+
+    @property
+    def no_data(self) -> tuple[int, ...]:
+        """Ranks of the world with no flight-recorder entry at all (nothing can be said of them)."""
+        if not self.world_size:
+            return tuple(sorted({r for s in self.stuck for r in s.no_record}))
+        return tuple(r for r in range(self.world_size) if r not in set(self.ranks_with_records))
 
     @property
     def headline(self) -> str:
@@ -61,11 +81,19 @@ class HangReport:
             return f"no hang: every group's members reached the same collective ({len(self.ranks_with_records)} ranks)"
         s = self.stuck[0]
         never = sorted({*s.missing, *s.no_record})
-        return (f"hang in {s.op} #{s.seq} of group {s.pg_desc or s.pg_name}: ranks {list(s.joined)} wait, "
-                f"ranks {never} never joined; likely culprit(s): {list(self.culprits)}")
+        text = (f"hang in {s.op} #{s.seq} of group {s.pg_desc or s.pg_name} {list(s.members)}: ranks {list(s.joined)} "
+                f"wait, ranks {never} never joined; culprit(s): {list(self.culprits)}")
+        behind = [r for r in self.blocked if r not in s.joined]
+        if behind:
+            text += f"; blocked behind them in other operations: {list(behind)}"
+        if self.no_data:
+            text += f"; no flight-recorder data from ranks {list(self.no_data)}"
+        return text
 
     def to_dict(self) -> dict:
         return {"headline": self.headline, "hung": self.hung, "culprits": list(self.culprits),
+                "blocked": list(self.blocked), "no_data": list(self.no_data),
+                "waiting": {str(k): v for k, v in self.waiting.items()},
                 "ranks_with_records": list(self.ranks_with_records), "stuck": [s.to_dict() for s in self.stuck]}
 
 
@@ -75,11 +103,22 @@ def _op(profiling_name: str | None) -> str:
     return name.split(" ", 1)[0]
 
 
-def diagnose_hang(fr_entries: pl.DataFrame, groups: pl.DataFrame) -> HangReport:
+def _waiting(fr: pl.DataFrame) -> dict[int, str]:
+    """Per rank, the operation it waits in: its newest entry, when that never completed (only where
+    the recorder keeps completion states; torch's gloo recorder leaves every entry 'scheduled')."""
+    if not fr.filter(pl.col("state") == "completed").height:
+        return {}
+    order = pl.coalesce("time_created_ns", "record_id")
+    newest = fr.sort(order).group_by("rank").last()
+    open_ = newest.filter(pl.col("state") != "completed")
+    return {int(r): f"{_op(n)} in group {g}" for r, n, g in open_.select("rank", "profiling_name", "pg_name").iter_rows()}
+
+
+def diagnose_hang(fr_entries: pl.DataFrame, groups: pl.DataFrame, world_size: int | None = None) -> HangReport:
     """The collectives where ranks stopped. ``groups`` (pg_name, pg_desc, ranks) gives membership;
     a group it lacks gets the ranks that recorded it."""
     if not fr_entries.height:
-        return HangReport(())
+        return HangReport((), world_size=world_size)
     fr = fr_entries.with_columns(
         pl.col("rank").cast(pl.Int64),
         pl.when(pl.col("is_p2p").fill_null(False)).then(pl.col("p2p_seq_id")).otherwise(
@@ -122,7 +161,7 @@ def diagnose_hang(fr_entries: pl.DataFrame, groups: pl.DataFrame) -> HangReport:
         desc = descs.get(pg) or (row["pg_desc"][0] if row.height else None)
         stuck.append(StuckCollective(pg, desc, int(seq), op, tuple(mem), joined, missing, no_record,
                                      {int(r): int(v) for r, v in last.items()}))
-    report = HangReport(tuple(sorted(fr["rank"].unique().to_list())), stuck)
+    report = HangReport(tuple(sorted(fr["rank"].unique().to_list())), stuck, _waiting(fr), world_size)
     culprits = set(report.culprits)
     # the collective the culprits are absent from first: it is where the job stopped; the others
     # stalled behind it (their absent members wait in it)

@@ -117,29 +117,29 @@ def prefer_profiler(ops: pl.DataFrame) -> pl.DataFrame:
 def with_p2p_peers(p2p: pl.DataFrame, groups: pl.DataFrame, steps: pl.DataFrame) -> pl.DataFrame:
     """Profiler p2p rows with the peer filled in where the record lacks it (NCCL's names the group,
     not the peer; FORMATS.md): from the rank's own flight-recorder entries, which name it. The
-    recorder stamps the CPU-side call, the profiler the GPU kernel, so they are paired by order,
-    not time: the k-th send (receive) of a step on a rank is its k-th recorder send (receive) within
-    that step's CPU span (``steps``, same clock as the recorder). Else, from the pipeline group when
+    recorder stamps the CPU-side call, the profiler the GPU kernel (later by a launch lag), and the
+    recorder's ring may hold more ops than the profiled window: per rank and direction the profiled
+    ops are paired in order with the run of recorder entries whose time offset is the steadiest
+    (``_align``). Else, from the pipeline group when
     the rank is an end stage (its only neighbour); middle stages without recorder entries stay unknown."""
     if not p2p.height or not p2p["peer"].null_count():
         return p2p
     is_fr = pl.col("source").fill_null("") == "fr"
     p2p = p2p.with_row_index("_i")
-    todo = p2p.filter(~is_fr & pl.col("peer").is_null() & pl.col("step").is_not_null())
+    todo = p2p.filter(~is_fr & pl.col("peer").is_null())
     known = p2p.filter(is_fr & pl.col("peer").is_not_null())
-    if known.height and todo.height and steps.height:
-        spans = steps.select(pl.col("rank").cast(known["rank"].dtype), pl.col("step").alias("fr_step"),
-                             pl.col("start_ns").alias("s0"), pl.col("end_ns").alias("s1")).sort("s0")
-        known = known.sort("start_ns").join_asof(spans, left_on="start_ns", right_on="s0", by="rank",
-                                                 check_sortedness=False)
-        known = known.filter(pl.col("start_ns") <= pl.col("s1")).with_columns(
-            pl.int_range(pl.len()).over("rank", "fr_step", "direction").alias("k"))
-        todo = todo.sort("start_ns").with_columns(pl.int_range(pl.len()).over("rank", "step", "direction").alias("k"))
-        hit = todo.select("_i", "rank", pl.col("step").cast(pl.Int64), "direction", "k").join(
-            known.select("rank", pl.col("fr_step").cast(pl.Int64).alias("step"), "direction", "k",
-                         pl.col("peer").alias("fr_peer")), on=["rank", "step", "direction", "k"])
-        p2p = p2p.join(hit.select("_i", "fr_peer"), on="_i", how="left").with_columns(
-            pl.coalesce("peer", "fr_peer").alias("peer")).drop("fr_peer")
+    found: list[tuple[int, int]] = []
+    if known.height and todo.height:
+        fr = {k: g.sort("start_ns") for k, g in known.partition_by("rank", "direction", as_dict=True).items()}
+        for key, ops in todo.partition_by("rank", "direction", as_dict=True).items():
+            if key in fr:
+                ops = ops.sort("start_ns")
+                peers = _align(ops["start_ns"].to_numpy(), fr[key]["start_ns"].to_numpy(), fr[key]["peer"].to_numpy())
+                if peers is not None:
+                    found += list(zip(ops["_i"].to_list(), peers.tolist()))
+    if found:
+        hit = pl.DataFrame(found, schema={"_i": pl.UInt32, "fr_peer": p2p["peer"].dtype}, orient="row")
+        p2p = p2p.join(hit, on="_i", how="left").with_columns(pl.coalesce("peer", "fr_peer").alias("peer")).drop("fr_peer")
     members = {n: list(r) for n, r in groups.select("pg_name", "ranks").drop_nulls().iter_rows()}
     ends = {}
     for name, ranks in members.items():
@@ -153,6 +153,25 @@ def with_p2p_peers(p2p: pl.DataFrame, groups: pl.DataFrame, steps: pl.DataFrame)
         p2p = p2p.join(lut, on=["pg_name", "rank"], how="left").with_columns(
             pl.coalesce("peer", "end_peer").alias("peer")).drop("end_peer")
     return p2p.sort("_i").drop("_i")
+
+
+def _align(prof_t, fr_t, fr_peer):
+    """Peers for ``prof_t`` (sorted op times) from the recorder's (``fr_t``, ``fr_peer``): the
+    offset into the recorder's list at which the lag between the two is most constant (robust
+    spread of the differences, plus a little of the lag itself, which is small and positive)."""
+    import numpy as np
+
+    n, m = len(prof_t), len(fr_t)
+    if n == 0 or m < n:
+        return None
+    best, best_cost = None, None
+    for o in range(m - n + 1):
+        d = prof_t.astype(np.float64) - fr_t[o:o + n].astype(np.float64)
+        med = float(np.median(d))
+        cost = float(np.median(np.abs(d - med))) + 0.1 * abs(med)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = o, cost
+    return fr_peer[best:best + n]
 
 
 def compute_events(events: pl.DataFrame) -> pl.DataFrame:

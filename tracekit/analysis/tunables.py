@@ -68,7 +68,7 @@ class Tunables:
     # Steps: a step is slow when the job's step time exceeds the median step by this ratio and by
     # this many robust spreads (MAD x 1.4826) of the step times.
     slow_step_ratio: float = 1.10
-    slow_step_spreads: float = 4.0
+    slow_step_spreads: float = 3.0
     # CP wait: a member's wait counts as explained by compute imbalance up to the compute it lacked
     # against the CP group's slowest member; the imbalance is called the cause above this share.
     cp_explained_min: float = 0.5

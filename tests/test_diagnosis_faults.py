@@ -1,0 +1,118 @@
+"""Each failure class of the straggler diagnosis pinned on a small simulated NCCL job (skewed host
+clocks, DeviceMesh names, p2p records without peers): what the verdict must say, and what it costs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import tracekit
+from tracekit.ingest import ingest
+from tracekit.simulate.config import SimConfig
+from tracekit.simulate.run import simulate
+
+CASES = {
+    # name: (tp, cp, pp, dp, faults, extra config)
+    "mesh_cp4": (1, 4, 1, 2, ("slow:rank=6,factor=1.3",), {}),
+    "clean_skew_pp4": (2, 1, 4, 2, (), {"skew_ms": 2000.0, "drift_ppm": 20.0, "noise": 0.1, "spikes": 0.01}),
+    "two": (2, 1, 2, 2, ("slow:rank=1,factor=1.3", "slow:rank=6,factor=1.3"), {"skew_ms": 500.0}),
+    "transient": (2, 1, 2, 2, ("slow:rank=5,factor=2,steps=2+5",), {"skew_ms": 500.0}),
+    "moving": (2, 1, 2, 2, ("moving:ranks=1+6+3,factor=1.5",), {}),
+    "p2p_link_pp4": (1, 1, 4, 2, ("link:a=1,b=2,delay_ms=20",), {"skew_ms": 1000.0}),
+    "tp_link": (2, 1, 2, 2, ("link:a=4,b=5,delay_ms=10",), {"skew_ms": 1000.0}),
+    "hang": (2, 1, 2, 2, ("hang:rank=3,step=3",), {}),
+}
+
+
+@pytest.fixture(scope="module")
+def diagnosed(tmp_path_factory) -> dict:
+    out = {}
+    root = tmp_path_factory.mktemp("faults")
+    for i, (name, (tp, cp, pp, dp, faults, extra)) in enumerate(CASES.items()):
+        cfg = SimConfig(tp=tp, cp=cp, pp=pp, dp=dp, steps=8, seed=100 + i, faults=faults, layers=2,
+                        **{"noise": 0.05, **extra})
+        run = simulate(cfg, root / name)
+        truth = json.loads((run / "manifest.json").read_text())
+        (run / "manifest.json").unlink()  # judged from the traces alone
+        ingest([run], root / f"{name}.duckdb", workers=1)
+        with tracekit.open(root / f"{name}.duckdb") as s:
+            out[name] = {"d": s.diagnose(), "runs": s.table("runs").row(0, named=True), "hangs": s.hangs(),
+                         "steps": s.steps(), "p2p": s.run_tables().p2p, "truth": truth}
+    return out
+
+
+def _kinds(d) -> list[tuple[str, tuple[int, ...]]]:
+    return [(f.kind, f.ranks) for f in d.findings]
+
+
+def test_device_mesh_names_with_a_size_one_dimension_give_the_right_coordinates(diagnosed):
+    case = diagnosed["mesh_cp4"]
+    assert (case["runs"]["layout_source"], case["runs"]["cp"], case["runs"]["pp"], case["runs"]["dp"]) == \
+        ("group-names", 4, 1, 2)
+    d = case["d"]
+    assert _kinds(d) == [("straggler", (6,))]
+    assert d.localization.coords == {"dp": 1, "pp": 0, "cp": 2, "tp": 0}
+    assert "rank 6 (dp 1, cp 2)" in d.headline
+
+
+def test_clean_run_with_skewed_drifting_clocks_has_no_finding(diagnosed):
+    d = diagnosed["clean_skew_pp4"]["d"]
+    assert d.findings == [] and d.localization.verdict == "no_straggler", d.headline
+
+
+def test_two_culprits_are_both_named_each_with_its_cost(diagnosed):
+    d = diagnosed["two"]["d"]
+    assert sorted(r for k, rs in _kinds(d) if k == "straggler" for r in rs) == [1, 6], d.headline
+    for f in d.findings:
+        assert 0 < f.cost_share < 1 and f.cost_ns > 0 and "rank" in f.where and f.next_step
+
+
+def test_transient_straggler_is_named_with_its_steps_everywhere(diagnosed):
+    case = diagnosed["transient"]
+    d = case["d"]
+    assert _kinds(d) == [("transient", (5,))] and d.findings[0].steps == (2, 5), d.headline
+    assert d.localization.verdict == "transient" and d.localization.episode_steps == (2, 5)
+    assert "steps 2, 5" in d.headline
+    # the step report agrees: the slow steps are the episode's, and name the same rank
+    slow = {s.step: s.ranks for s in case["steps"].slow}
+    assert set(slow) == {2, 5} and all(5 in r for r in slow.values())
+
+
+def test_moving_straggler_is_moving_with_the_slow_compute(diagnosed):
+    d = diagnosed["moving"]["d"]
+    assert d.localization.verdict == "moving", d.headline
+    assert {r for f in d.findings for r in f.ranks} <= {1, 6, 3}
+    assert "without more compute" not in d.headline
+
+
+def test_p2p_peers_come_from_the_flight_recorder_when_nccl_records_omit_them(diagnosed):
+    p2p = diagnosed["p2p_link_pp4"]["p2p"]
+    profiled = p2p.filter(p2p["source"] != "fr")
+    assert profiled.height and profiled["peer"].null_count() == 0
+    # every message goes to an adjacent stage of the same pipeline (stride of pp is 1 here)
+    assert ((profiled["rank"] - profiled["peer"]).abs() == 1).all()
+
+
+def test_slow_p2p_link_names_both_ends_and_the_pipeline_despite_skew(diagnosed):
+    d = diagnosed["p2p_link_pp4"]["d"]
+    links = [f for f in d.findings if f.kind == "slow_link"]
+    assert len(links) == 1 and set(links[0].ranks) == {1, 2}, d.headline
+    assert "pipeline link" in links[0].where and links[0].cost_ns > 0
+    assert not [f for f in d.findings if f.kind != "slow_link"], d.headline
+
+
+def test_slow_collective_link_names_the_group_by_members_and_dimension(diagnosed):
+    d = diagnosed["tp_link"]["d"]
+    assert [(f.kind, f.where) for f in d.findings] == [("slow_link", "TP group [4, 5]")], d.headline
+    assert "slow link 3" not in d.headline  # never an internal pg name
+
+
+def test_hang_gets_no_performance_verdict_and_hangs_names_the_stuck_rank_alone(diagnosed):
+    case = diagnosed["hang"]
+    d = case["d"]
+    assert d.localization.verdict == "hang" and d.findings == [] and "tracekit hangs" in d.headline
+    h = case["hangs"]
+    assert h.culprits == (3,), h.headline
+    assert 3 not in h.blocked and set(h.blocked) == set(case["truth"]["faults"][0]["blocked_ranks"])
