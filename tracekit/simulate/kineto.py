@@ -97,9 +97,10 @@ class RankWriter:
         r = view.rank
         rng = np.random.default_rng([self.seed, 3, r])
         cpu_pid, device = 100_000 + 17 * r, r % self.clocks.rph
-        ts = self.clocks.ts_us(r, view.start)
-        te = self.clocks.ts_us(r, view.end)
-        lead = rng.uniform(0.015, 0.08, len(view.ops)) * 1e3  # the CPU runs ahead of the GPU (us)
+        ts = self.clocks.ts_us(r, view.start).tolist()
+        te = self.clocks.ts_us(r, view.end).tolist()
+        lead = (rng.uniform(0.015, 0.08, len(view.ops)) * 1e3).tolist()  # the CPU runs ahead of the GPU (us)
+        issued, done = np.isfinite(view.start).tolist(), np.isfinite(view.end).tolist()
         events: list[dict] = []
         ext = 0
         cpu = lambda name, cat, t, dur, args: events.append(  # noqa: E731
@@ -107,11 +108,11 @@ class RankWriter:
              "dur": round(dur, 3), "args": args})
         last = np.full(len(view.step_start), -np.inf)
         for i, op in enumerate(view.ops):
-            if not np.isfinite(view.start[i]):
+            if not issued[i]:
                 continue
             ext += 1
             t_cpu = ts[i] - lead[i]
-            last[op.step] = max(last[op.step], te[i] if np.isfinite(te[i]) else ts[i])
+            last[op.step] = max(last[op.step], te[i] if done[i] else ts[i])
             if op.kind != "compute":
                 meta = self.comm_args(op, r)
                 g = self.views.group(op, r)
@@ -121,7 +122,7 @@ class RankWriter:
                      "Global rank start": g.ranks[0], "Global rank stride": stride})
             cpu("cudaLaunchKernel", "cuda_runtime", t_cpu + 6.0, 4.0,
                 {"External id": ext, "cbid": 211, "correlation": ext})
-            if not np.isfinite(view.end[i]):
+            if not done[i]:
                 continue  # issued, never completed: CUPTI records no kernel
             stream = self.views.stream(op, r)
             kargs = {"External id": ext, "queued": 0, "device": device, "context": 1, "stream": stream,
@@ -165,5 +166,6 @@ class RankWriter:
 
 def write(path: Path, doc: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with gzip.open(path, "wt", compresslevel=3) as f:
-        json.dump(doc, f, separators=(",", ":"))
+    text = json.dumps(doc, separators=(",", ":"))  # dumps, not dump: dump skips the C encoder
+    with gzip.open(path, "wb", compresslevel=3) as f:
+        f.write(text.encode())
