@@ -89,8 +89,9 @@ class RankWriter:
                 "Group size": len(ranks), "dtype": op.dtype, "In split size": "[]", "Out split size": "[]",
                 "Process Group Name": g.name, "Process Group Description": g.desc,
                 "Process Group Ranks": json.dumps(ranks)}
-        if self.new and op.kind == "collective":
+        if self.new and op.kind == "collective":  # p2p: no peer, no Seq (ProcessGroupNCCL's older records)
             args["Seq"] = op.seq
+            args["Rank"] = ranks.index(r)  # torch 2.13: the group-local rank of a collective's caller
         return args
 
     def document(self, view: RankOps) -> dict:
