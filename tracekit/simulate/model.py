@@ -19,7 +19,7 @@ import numpy as np
 
 from tracekit.simulate.config import SimConfig
 from tracekit.simulate.faults import Effects
-from tracekit.simulate.schedule import Unit, stage_order
+from tracekit.simulate.schedule import Unit, stage_orders
 
 AXIS = {"dp": 0, "cp": 1, "tp": 2}  # a stage's lanes: (DP, CP, TP)
 RING = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}  # x (n-1)/n of the larger buffer
@@ -212,7 +212,8 @@ class Simulation:
     # -- the run -------------------------------------------------------------------------------------
     def run(self) -> Trace:
         c = self.cfg
-        tasks = [[("begin", s, None)] + [("unit", s, u) for u in stage_order(p, c.pp, c.vstages, c.n_microbatches)]
+        orders = stage_orders(c.pp, c.vstages, c.n_microbatches)
+        tasks = [[("begin", s, None)] + [("unit", s, u) for u in orders[p]]
                  + [("end", s, None)] for p in range(c.pp) for s in range(c.steps)]
         tasks = [sum(tasks[p * c.steps:(p + 1) * c.steps], []) for p in range(c.pp)]
         at = [0] * c.pp
