@@ -314,6 +314,8 @@ def test_ingest_reads_collectives_p2p_steps_and_fr(ingested) -> None:
     lanes, steps, mbs, hops = 8, 2, 4, 4 * 2 - 1  # 8 pipelines; 8 chunks: 7 hops forward and 7 back
     assert p2p[0] == lanes * steps * mbs * hops * 2 * 2 and p2p[1] == 0 and sorted(p2p[2]) == ["recv", "send"]
     assert con.execute("SELECT count(*) FROM steps").fetchone()[0] == 32 * 2
+    fr_ops = {op for (op,) in con.execute("SELECT DISTINCT op FROM collectives WHERE source = 'fr'").fetchall()}
+    assert fr_ops == {"all_reduce", "all_gather", "reduce_scatter"}  # nccl:_all_gather_base read as all_gather
     fr = con.execute("SELECT count(*), count(DISTINCT rank), list_distinct(list(state)) FROM fr_entries").fetchone()
     assert fr[1] == 32 and fr[2] == ["completed"]
     assert fr[0] == sum(len(pickle.loads((run / f"fr/rank{r}").read_bytes())["entries"]) for r in range(32))
