@@ -56,7 +56,8 @@ def main() -> None:
         if n <= a.model_up_to:
             r = run(kw, a.steps, False)
             lay = "x".join(f"{k}{v}" for k, v in kw.items())
-            print(f"{'model (run_model)':<22}{n:>7}{lay:>22}{a.steps:>6}{r['s']:>9.2f}{r['rss_mb']:>9.0f}{r['ops']:>14}")
+            print(f"{'model (run_model)':<22}{n:>7}{lay:>22}{a.steps:>6}{r['s']:>9.2f}{r['rss_mb']:>9.0f}"
+                  f"{r['ops']:>14}")
     for n, kw in WRITE:
         if n <= a.write_up_to:
             r = run(kw, a.steps, True)

@@ -19,8 +19,9 @@ from tracekit.simulate.config import SimConfig, SimError
               help="Seed of noise, clocks and flavour (odd: older NCCL kernel names, no Seq args).")
 @click.option("--out", "out", type=click.Path(file_okay=False), required=True, help="Run directory to write.")
 @click.option("--fault", "faults", multiple=True, metavar="SPEC",
-              help="slow:rank=5,factor=1.5[,steps=2+3] | moving:ranks=1+5+3,factor=2 | link:a=2,b=3,delay_ms=40 | "
-                   "cp_imbalance:ranks=1[,weight=0.5] | hang:rank=3,step=1[,dim=dp] | stage:pp=3,factor=1.3. Repeatable.")
+              help="slow:rank=5,factor=1.5[,steps=2+3] | moving:ranks=1+5+3,factor=2 | "
+                   "link:a=2,b=3,delay_ms=40 | cp_imbalance:ranks=1[,weight=0.5] | "
+                   "hang:rank=3,step=1[,dim=dp] | stage:pp=3,factor=1.3. Repeatable.")
 @click.option("--names", type=click.Choice(["mesh", "plain", "none"]), default="mesh", show_default=True,
               help="Group descriptions: DeviceMesh (mesh_tp...), hand-made (by seed: tp / Megatron names / "
                    "'undefined'), or none (distributedInfo without pg_config).")

@@ -30,7 +30,8 @@ _OLD_KERNEL = {"all_reduce": "AllReduce_RING_LL_Sum_{dt}", "all_gather": "AllGat
                "reduce_scatter": "ReduceScatter_RING_LL_Sum_{dt}", "send": "SendRecv_RING_SIMPLE_Sum_int8_t",
                "recv": "SendRecv_RING_SIMPLE_Sum_int8_t"}
 _DT = {True: {"BFloat16": "bf16", "Float": "f32"}, False: {"BFloat16": "bfloat16", "Float": "float"}}
-_GEMM = {True: "sm90_xmma_gemm_bf16bf16_bf16f32_f32_{t}_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off_kernel__5x_cublas",
+_GEMM = {True: "sm90_xmma_gemm_bf16bf16_bf16f32_f32_{t}_n_tilesize128x256x64_warpgroupsize2x1x1_"
+               "execute_segment_k_off_kernel__5x_cublas",
          False: "ampere_bf16_s16816gemm_bf16_256x128_ldg8_f2f_stages_64x3_{t}"}
 _AT = "void at::native::(anonymous namespace)::"
 KERNELS = {
@@ -159,7 +160,8 @@ class RankWriter:
     def metadata(cpu_pid: int, device: int) -> list[dict]:
         out = [{"name": "process_name", "ph": "M", "ts": 0, "pid": cpu_pid, "tid": 0, "args": {"name": "python3.11"}},
                {"name": "process_name", "ph": "M", "ts": 0, "pid": device, "tid": 0, "args": {"name": "python3.11"}},
-               {"name": "process_labels", "ph": "M", "ts": 0, "pid": device, "tid": 0, "args": {"labels": f"GPU {device}"}},
+               {"name": "process_labels", "ph": "M", "ts": 0, "pid": device, "tid": 0,
+                "args": {"labels": f"GPU {device}"}},
                {"name": "thread_name", "ph": "M", "ts": 0, "pid": cpu_pid, "tid": cpu_pid,
                 "args": {"name": f"thread {cpu_pid} (pt_main_thread)"}}]
         return out
