@@ -67,7 +67,7 @@ class Simulation:
         self.ops: list[list[Op]] = [[] for _ in range(cfg.pp)]
         self.seq = [{d: 0 for d in ("tp", "cp", "dp")} for _ in range(cfg.pp)]
         self.p2p_count = [0] * cfg.pp
-        self.sends: dict[tuple, Op] = {}
+        self.sends: dict[tuple, tuple[int, Op]] = {}  # (phase, step, chunk, mb) -> (sending stage, send)
         self.spikes: list[dict] = []
         self.hung: dict | None = None
         s = cfg.seq_len // cfg.cp
@@ -94,7 +94,7 @@ class Simulation:
         self.ops[p].append(Op(step, "compute", name, t, end, unit=unit))
         return end
 
-    def _bandwidth(self, cross: np.ndarray) -> np.ndarray:
+    def _bandwidth(self, cross: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         c = self.cfg
         return np.where(cross, c.inter_gbps, c.intra_gbps) * 1e6, np.where(cross, 0.03, 0.01)  # bytes/ms, ms
 
