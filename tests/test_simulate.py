@@ -237,6 +237,26 @@ def test_hang_leaves_the_stuck_collective_open_and_the_hung_rank_absent(tmp_path
     assert len(rpc) == len(kern) + 1
 
 
+def test_detail_adds_the_profilers_own_events_and_changes_no_comm_row(tmp_path: Path) -> None:
+    rows = {}
+    for detail in (False, True):
+        d = simulate(SimConfig(tp=2, pp=2, dp=2, steps=2, seed=4, detail=detail), tmp_path / str(detail))
+        store = tmp_path / f"{detail}.duckdb"
+        assert not ingest([d], store).failed
+        con = duckdb.connect(str(store), read_only=True)
+        rows[detail] = [con.execute(f"SELECT * EXCLUDE (run_id) FROM {t} WHERE source = 'kernel' "
+                                    "ORDER BY ALL").fetchall() for t in ("collectives", "p2p")]
+        rows[detail].append(con.execute("SELECT rank, name, ts_ns, step FROM events WHERE kind = 'kernel' "
+                                        "ORDER BY ALL").fetchall())
+        con.close()
+    assert rows[True] == rows[False] and len(rows[True][0]) > 100
+    raw = json.load(gzip.open(tmp_path / "True/traces/rank3.json.gz"))["traceEvents"]
+    flows = [e for e in raw if e.get("cat") == "ac2g"]
+    kernels = [e for e in raw if e.get("cat") == "kernel"]
+    assert len(flows) == 2 * len(kernels) and {e["ph"] for e in flows} == {"s", "f"}
+    assert any(e["name"] == "aten::_flash_attention_forward" for e in raw)
+
+
 # -- the CLI ---------------------------------------------------------------------------------------
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", "from tracekit.cli import main; main()", "simulate", *args],

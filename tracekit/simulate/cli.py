@@ -33,15 +33,17 @@ from tracekit.simulate.config import SimConfig, SimError
 @click.option("--microbatches", type=int, default=0, help="Micro-batches per step (default 2 x pp).")
 @click.option("--vstages", type=int, default=1, show_default=True, help="Virtual stages per rank (interleaved 1F1B).")
 @click.option("--ranks-per-host", type=int, default=8, show_default=True, help="Ranks sharing one host clock.")
+@click.option("--detail", is_flag=True,
+              help="Also aten ops, nccl: annotations and ac2g flows (the profiler's full layout).")
 def simulate_command(tp: int, cp: int, pp: int, dp: int, steps: int, seed: int, out: str, faults: tuple[str, ...],
                      names: str, skew_ms: float, drift_ppm: float, noise: float, spikes: float, microbatches: int,
-                     vstages: int, ranks_per_host: int) -> None:
+                     vstages: int, ranks_per_host: int, detail: bool) -> None:
     """Simulate a 4D-parallel NCCL job: Kineto traces, flight-recorder dumps and ground truth."""
     from tracekit.simulate.run import simulate
 
     cfg = SimConfig(tp=tp, cp=cp, pp=pp, dp=dp, steps=steps, seed=seed, faults=tuple(faults), names=names,
                     skew_ms=skew_ms, drift_ppm=drift_ppm, noise=noise, spikes=spikes, microbatches=microbatches,
-                    vstages=vstages, ranks_per_host=ranks_per_host)
+                    vstages=vstages, ranks_per_host=ranks_per_host, detail=detail)
     try:
         path = simulate(cfg, out)
     except SimError as e:

@@ -18,16 +18,13 @@ from pathlib import Path
 import numpy as np
 
 from tracekit.simulate.clock import Clocks
-from tracekit.simulate.kineto import NCCL_VERSION, new_nccl
+from tracekit.simulate.kineto import NCCL_VERSION, PROFILING_NAME, new_nccl
 from tracekit.simulate.ranks import RankOps, Views
 
 VERSION = "2.10"
 BUFFER = 2000
 POLL_MS = 100.0
 TIMEOUT_MS = 600_000
-# ProcessGroupNCCL's profiling titles (all_gather_into_tensor / reduce_scatter_tensor run as the _base ops)
-PROFILING_NAME = {"all_reduce": "nccl:all_reduce", "all_gather": "nccl:_all_gather_base",
-                  "reduce_scatter": "nccl:_reduce_scatter_base"}
 
 
 def dump(views: Views, clocks: Clocks, view: RankOps, seed: int) -> dict:

@@ -24,6 +24,13 @@ from tracekit.simulate.ranks import RankOps, Views
 
 COLL_NAME = {"all_reduce": "allreduce", "all_gather": "_allgather_base", "reduce_scatter": "_reduce_scatter_base",
              "send": "send", "recv": "recv"}
+# ProcessGroupNCCL's profiling titles (nccl: annotations, flight-recorder profiling_name)
+PROFILING_NAME = {"all_reduce": "nccl:all_reduce", "all_gather": "nccl:_all_gather_base",
+                  "reduce_scatter": "nccl:_reduce_scatter_base", "send": "nccl:send", "recv": "nccl:recv"}
+# the aten op that launches each compute kernel (written with --detail)
+ATEN = {"embedding": "aten::embedding", "attn_fwd": "aten::_flash_attention_forward",
+        "attn_bwd": "aten::_flash_attention_backward", "mlp_fwd": "aten::mm", "mlp_bwd": "aten::mm",
+        "head_fwd": "aten::mm", "head_bwd": "aten::mm", "loss": "aten::_log_softmax", "optimizer": "aten::_fused_adam_"}
 _NEW_KERNEL = {"all_reduce": "AllReduce_Sum_{dt}_RING_LL", "all_gather": "AllGather_RING_LL",
                "reduce_scatter": "ReduceScatter_Sum_{dt}_RING_LL", "send": "SendRecv", "recv": "SendRecv"}
 _OLD_KERNEL = {"all_reduce": "AllReduce_RING_LL_Sum_{dt}", "all_gather": "AllGather_RING_LL_Sum_int8_t",
@@ -79,8 +86,9 @@ def kernel_name(op: Op, new: bool) -> str:
 class RankWriter:
     """Builds one rank's trace document."""
 
-    def __init__(self, views: Views, clocks: Clocks, names: str, seed: int, world: int) -> None:
+    def __init__(self, views: Views, clocks: Clocks, names: str, seed: int, world: int, detail: bool = False) -> None:
         self.views, self.clocks, self.names, self.seed, self.world = views, clocks, names, seed, world
+        self.detail = detail
         self.new = new_nccl(seed)
 
     def comm_args(self, op: Op, r: int) -> dict:
@@ -122,6 +130,11 @@ class RankWriter:
                 cpu("record_param_comms", "cpu_op", t_cpu, 12.0,
                     {"External id": ext, "Record function id": ext, "Ev Idx": ext, **meta,
                      "Global rank start": g.ranks[0], "Global rank stride": stride})
+                if self.detail:
+                    cpu(PROFILING_NAME[op.name], "user_annotation", t_cpu + 1.0, 10.0, {"External id": ext})
+            elif self.detail:
+                cpu(ATEN[op.name], "cpu_op", t_cpu - 2.0, 14.0,
+                    {"External id": ext, "Record function id": ext, "Ev Idx": ext})
             cpu("cudaLaunchKernel", "cuda_runtime", t_cpu + 6.0, 4.0,
                 {"External id": ext, "cbid": 211, "correlation": ext})
             if not done[i]:
@@ -135,6 +148,11 @@ class RankWriter:
                 kargs.update(meta)
             events.append({"ph": "X", "cat": "kernel", "name": kernel_name(op, self.new), "pid": device,
                            "tid": stream, "ts": round(ts[i], 3), "dur": round(te[i] - ts[i], 3), "args": kargs})
+            if self.detail:  # the launch -> kernel flow
+                events.append({"ph": "s", "id": ext, "pid": cpu_pid, "tid": cpu_pid, "ts": round(t_cpu + 6.0, 3),
+                               "cat": "ac2g", "name": "ac2g"})
+                events.append({"ph": "f", "id": ext, "pid": device, "tid": stream, "ts": round(ts[i], 3),
+                               "cat": "ac2g", "name": "ac2g", "bp": "e"})
         s0 = self.clocks.ts_us(r, view.step_start)
         s1 = self.clocks.ts_us(r, view.step_end)
         for s in range(len(s0)):

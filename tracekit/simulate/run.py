@@ -34,7 +34,7 @@ def simulate(cfg: SimConfig, out_dir: str | Path) -> Path:
     groups = Groups(cfg)
     views = Views(trace, groups)
     clocks = Clocks(cfg)
-    writer = kineto.RankWriter(views, clocks, cfg.names, cfg.seed, cfg.world_size)
+    writer = kineto.RankWriter(views, clocks, cfg.names, cfg.seed, cfg.world_size, cfg.detail)
     blocked = []
     for r in range(cfg.world_size):
         view = views.rank(r)
