@@ -31,6 +31,7 @@ OP_ALIASES: dict[str, str] = {
     "allreduce_coalesced": "all_reduce", "allreduce_coalesced_": "all_reduce",
     "allgather": "all_gather", "all_gather": "all_gather", "allgather_": "all_gather",
     "_allgather_base": "all_gather", "_allgather_base_": "all_gather",
+    "_all_gather_base": "all_gather",  # ProcessGroupNCCL's profiling name (FR, nccl: spans)
     "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
     "allgather_into_tensor_coalesced": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
     "allgather_coalesced": "all_gather", "allgather_coalesced_": "all_gather",

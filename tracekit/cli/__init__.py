@@ -41,6 +41,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "report": ("tracekit.cli.analysis", "report_command", "Everything: stragglers, steps, CP wait and hangs."),
     "demo": ("tracekit.cli.analysis", "demo_command",
              "Train the reference model with rank 3 computing 3x slower, ingest, report culprit and cause"),
+    "simulate": ("tracekit.cli.simulate", "simulate_command",
+                 "Simulate a 4D-parallel NCCL job: Kineto traces, flight-recorder dumps and ground truth."),
     "dashboard": ("tracekit.cli.dashboard", "dashboard_command",
                   "Serve the dashboard for a tracekit store, or for a run directory (ingested on the fly)."),
 }

@@ -37,6 +37,7 @@ class SimConfig:
     vstages: int = 1
     layers: int = 1  # transformer layers per virtual stage (each: attention + MLP)
     ranks_per_host: int = 8
+    detail: bool = False  # Kineto: aten ops around launches and ac2g flows, as the profiler writes them
     # base costs of one layer on one micro-batch (ms), before tp/cp split and faults
     attn_ms: float = 1.6
     mlp_ms: float = 2.4

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from tracekit.simulate.clock import Clocks
-from tracekit.simulate.kineto import COLL_NAME, NCCL_VERSION, new_nccl
+from tracekit.simulate.kineto import NCCL_VERSION, PROFILING_NAME, new_nccl
 from tracekit.simulate.ranks import RankOps, Views
 
 VERSION = "2.10"
@@ -53,7 +53,7 @@ def dump(views: Views, clocks: Clocks, view: RankOps, seed: int) -> dict:
             profiling = f"nccl:send {me}->{other}" if op.kind == "send" else f"nccl:recv {me}<-{other}"
         else:
             coll_seq[g.name] = op.seq
-            profiling = "nccl:" + {"all_reduce": "all_reduce"}.get(op.name, COLL_NAME[op.name])
+            profiling = PROFILING_NAME[op.name]
         done = bool(np.isfinite(view.end[i]))
         state = "completed" if done else ("scheduled" if open_seen else "started")
         open_seen = open_seen or not done

@@ -24,13 +24,21 @@ from tracekit.simulate.ranks import RankOps, Views
 
 COLL_NAME = {"all_reduce": "allreduce", "all_gather": "_allgather_base", "reduce_scatter": "_reduce_scatter_base",
              "send": "send", "recv": "recv"}
+# ProcessGroupNCCL's profiling titles (nccl: annotations, flight-recorder profiling_name)
+PROFILING_NAME = {"all_reduce": "nccl:all_reduce", "all_gather": "nccl:_all_gather_base",
+                  "reduce_scatter": "nccl:_reduce_scatter_base", "send": "nccl:send", "recv": "nccl:recv"}
+# the aten op that launches each compute kernel (written with --detail)
+ATEN = {"embedding": "aten::embedding", "attn_fwd": "aten::_flash_attention_forward",
+        "attn_bwd": "aten::_flash_attention_backward", "mlp_fwd": "aten::mm", "mlp_bwd": "aten::mm",
+        "head_fwd": "aten::mm", "head_bwd": "aten::mm", "loss": "aten::_log_softmax", "optimizer": "aten::_fused_adam_"}
 _NEW_KERNEL = {"all_reduce": "AllReduce_Sum_{dt}_RING_LL", "all_gather": "AllGather_RING_LL",
                "reduce_scatter": "ReduceScatter_Sum_{dt}_RING_LL", "send": "SendRecv", "recv": "SendRecv"}
 _OLD_KERNEL = {"all_reduce": "AllReduce_RING_LL_Sum_{dt}", "all_gather": "AllGather_RING_LL_Sum_int8_t",
                "reduce_scatter": "ReduceScatter_RING_LL_Sum_{dt}", "send": "SendRecv_RING_SIMPLE_Sum_int8_t",
                "recv": "SendRecv_RING_SIMPLE_Sum_int8_t"}
 _DT = {True: {"BFloat16": "bf16", "Float": "f32"}, False: {"BFloat16": "bfloat16", "Float": "float"}}
-_GEMM = {True: "sm90_xmma_gemm_bf16bf16_bf16f32_f32_{t}_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off_kernel__5x_cublas",
+_GEMM = {True: "sm90_xmma_gemm_bf16bf16_bf16f32_f32_{t}_n_tilesize128x256x64_warpgroupsize2x1x1_"
+               "execute_segment_k_off_kernel__5x_cublas",
          False: "ampere_bf16_s16816gemm_bf16_256x128_ldg8_f2f_stages_64x3_{t}"}
 _AT = "void at::native::(anonymous namespace)::"
 KERNELS = {
@@ -78,8 +86,9 @@ def kernel_name(op: Op, new: bool) -> str:
 class RankWriter:
     """Builds one rank's trace document."""
 
-    def __init__(self, views: Views, clocks: Clocks, names: str, seed: int, world: int) -> None:
+    def __init__(self, views: Views, clocks: Clocks, names: str, seed: int, world: int, detail: bool = False) -> None:
         self.views, self.clocks, self.names, self.seed, self.world = views, clocks, names, seed, world
+        self.detail = detail
         self.new = new_nccl(seed)
 
     def comm_args(self, op: Op, r: int) -> dict:
@@ -89,17 +98,19 @@ class RankWriter:
                 "Group size": len(ranks), "dtype": op.dtype, "In split size": "[]", "Out split size": "[]",
                 "Process Group Name": g.name, "Process Group Description": g.desc,
                 "Process Group Ranks": json.dumps(ranks)}
-        if self.new and op.kind == "collective":
+        if self.new and op.kind == "collective":  # p2p: no peer, no Seq (ProcessGroupNCCL's older records)
             args["Seq"] = op.seq
+            args["Rank"] = ranks.index(r)  # torch 2.13: the group-local rank of a collective's caller
         return args
 
     def document(self, view: RankOps) -> dict:
         r = view.rank
         rng = np.random.default_rng([self.seed, 3, r])
         cpu_pid, device = 100_000 + 17 * r, r % self.clocks.rph
-        ts = self.clocks.ts_us(r, view.start)
-        te = self.clocks.ts_us(r, view.end)
-        lead = rng.uniform(0.015, 0.08, len(view.ops)) * 1e3  # the CPU runs ahead of the GPU (us)
+        ts = self.clocks.ts_us(r, view.start).tolist()
+        te = self.clocks.ts_us(r, view.end).tolist()
+        lead = (rng.uniform(0.015, 0.08, len(view.ops)) * 1e3).tolist()  # the CPU runs ahead of the GPU (us)
+        issued, done = np.isfinite(view.start).tolist(), np.isfinite(view.end).tolist()
         events: list[dict] = []
         ext = 0
         cpu = lambda name, cat, t, dur, args: events.append(  # noqa: E731
@@ -107,11 +118,11 @@ class RankWriter:
              "dur": round(dur, 3), "args": args})
         last = np.full(len(view.step_start), -np.inf)
         for i, op in enumerate(view.ops):
-            if not np.isfinite(view.start[i]):
+            if not issued[i]:
                 continue
             ext += 1
             t_cpu = ts[i] - lead[i]
-            last[op.step] = max(last[op.step], te[i] if np.isfinite(te[i]) else ts[i])
+            last[op.step] = max(last[op.step], te[i] if done[i] else ts[i])
             if op.kind != "compute":
                 meta = self.comm_args(op, r)
                 g = self.views.group(op, r)
@@ -119,9 +130,14 @@ class RankWriter:
                 cpu("record_param_comms", "cpu_op", t_cpu, 12.0,
                     {"External id": ext, "Record function id": ext, "Ev Idx": ext, **meta,
                      "Global rank start": g.ranks[0], "Global rank stride": stride})
+                if self.detail:
+                    cpu(PROFILING_NAME[op.name], "user_annotation", t_cpu + 1.0, 10.0, {"External id": ext})
+            elif self.detail:
+                cpu(ATEN[op.name], "cpu_op", t_cpu - 2.0, 14.0,
+                    {"External id": ext, "Record function id": ext, "Ev Idx": ext})
             cpu("cudaLaunchKernel", "cuda_runtime", t_cpu + 6.0, 4.0,
                 {"External id": ext, "cbid": 211, "correlation": ext})
-            if not np.isfinite(view.end[i]):
+            if not done[i]:
                 continue  # issued, never completed: CUPTI records no kernel
             stream = self.views.stream(op, r)
             kargs = {"External id": ext, "queued": 0, "device": device, "context": 1, "stream": stream,
@@ -132,6 +148,11 @@ class RankWriter:
                 kargs.update(meta)
             events.append({"ph": "X", "cat": "kernel", "name": kernel_name(op, self.new), "pid": device,
                            "tid": stream, "ts": round(ts[i], 3), "dur": round(te[i] - ts[i], 3), "args": kargs})
+            if self.detail:  # the launch -> kernel flow
+                events.append({"ph": "s", "id": ext, "pid": cpu_pid, "tid": cpu_pid, "ts": round(t_cpu + 6.0, 3),
+                               "cat": "ac2g", "name": "ac2g"})
+                events.append({"ph": "f", "id": ext, "pid": device, "tid": stream, "ts": round(ts[i], 3),
+                               "cat": "ac2g", "name": "ac2g", "bp": "e"})
         s0 = self.clocks.ts_us(r, view.step_start)
         s1 = self.clocks.ts_us(r, view.step_end)
         for s in range(len(s0)):
@@ -157,7 +178,8 @@ class RankWriter:
     def metadata(cpu_pid: int, device: int) -> list[dict]:
         out = [{"name": "process_name", "ph": "M", "ts": 0, "pid": cpu_pid, "tid": 0, "args": {"name": "python3.11"}},
                {"name": "process_name", "ph": "M", "ts": 0, "pid": device, "tid": 0, "args": {"name": "python3.11"}},
-               {"name": "process_labels", "ph": "M", "ts": 0, "pid": device, "tid": 0, "args": {"labels": f"GPU {device}"}},
+               {"name": "process_labels", "ph": "M", "ts": 0, "pid": device, "tid": 0,
+                "args": {"labels": f"GPU {device}"}},
                {"name": "thread_name", "ph": "M", "ts": 0, "pid": cpu_pid, "tid": cpu_pid,
                 "args": {"name": f"thread {cpu_pid} (pt_main_thread)"}}]
         return out
@@ -165,5 +187,6 @@ class RankWriter:
 
 def write(path: Path, doc: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with gzip.open(path, "wt", compresslevel=3) as f:
-        json.dump(doc, f, separators=(",", ":"))
+    text = json.dumps(doc, separators=(",", ":"))  # dumps, not dump: dump skips the C encoder
+    with gzip.open(path, "wb", compresslevel=3) as f:
+        f.write(text.encode())

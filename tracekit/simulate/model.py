@@ -19,7 +19,7 @@ import numpy as np
 
 from tracekit.simulate.config import SimConfig
 from tracekit.simulate.faults import Effects
-from tracekit.simulate.schedule import Unit, stage_order
+from tracekit.simulate.schedule import Unit, stage_orders
 
 AXIS = {"dp": 0, "cp": 1, "tp": 2}  # a stage's lanes: (DP, CP, TP)
 RING = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}  # x (n-1)/n of the larger buffer
@@ -67,7 +67,7 @@ class Simulation:
         self.ops: list[list[Op]] = [[] for _ in range(cfg.pp)]
         self.seq = [{d: 0 for d in ("tp", "cp", "dp")} for _ in range(cfg.pp)]
         self.p2p_count = [0] * cfg.pp
-        self.sends: dict[tuple, Op] = {}
+        self.sends: dict[tuple, tuple[int, Op]] = {}  # (phase, step, chunk, mb) -> (sending stage, send)
         self.spikes: list[dict] = []
         self.hung: dict | None = None
         s = cfg.seq_len // cfg.cp
@@ -94,7 +94,7 @@ class Simulation:
         self.ops[p].append(Op(step, "compute", name, t, end, unit=unit))
         return end
 
-    def _bandwidth(self, cross: np.ndarray) -> np.ndarray:
+    def _bandwidth(self, cross: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         c = self.cfg
         return np.where(cross, c.inter_gbps, c.intra_gbps) * 1e6, np.where(cross, 0.03, 0.01)  # bytes/ms, ms
 
@@ -104,12 +104,13 @@ class Simulation:
         n = getattr(c, dim)
         axis = AXIS[dim]
         self.seq[p][dim] += 1
-        arrive = t.copy()
+        arrive = t  # lanes arrays are never changed in place: ops share them (memory at 16K ranks)
         h = self.fx.hang
         if (h is not None and self.hung is None and step == h.params["step"]
                 and h.params.get("dim", dim) == dim and h.params.get("op", op) == op):
             co = c.layout.coords(h.params["rank"])
             if co.pp == p:
+                arrive = t.copy()
                 arrive[co.dp, co.cp, co.tp] = np.inf
                 self.hung = {"step": step, "dim": dim, "op": op, "seq": self.seq[p][dim], "stage": p}
         host = self.host[p]
@@ -123,14 +124,14 @@ class Simulation:
         xfer = lat + RING[op] * (n - 1) / n * nbytes / bw
         xfer = xfer * (self.rng.lognormal(0.0, c.noise / 2, shape) if c.noise > 0 else 1.0)
         xfer = xfer + self.fx.collective_delay_ms(step, dim, p, self.lanes).max(axis=axis, keepdims=True)
-        end = np.broadcast_to(arrive.max(axis=axis, keepdims=True) + xfer, self.lanes).copy()
+        end = np.broadcast_to(arrive.max(axis=axis, keepdims=True) + xfer, self.lanes)  # a view: one value per group
         self.ops[p].append(Op(step, "collective", op, arrive, end, dim=dim, seq=self.seq[p][dim],
                               in_nelems=in_n, out_nelems=out_n, dtype=dtype, unit=unit))
         return end
 
     def send(self, p: int, t: np.ndarray, step: int, unit: Unit, to: int, key: tuple) -> None:
         self.p2p_count[p] += 1
-        op = Op(step, "send", "send", t.copy(), np.full(self.lanes, np.nan), dim="pp", seq=self.p2p_count[p],
+        op = Op(step, "send", "send", t, np.broadcast_to(np.nan, self.lanes), dim="pp", seq=self.p2p_count[p],
                 in_nelems=self.act, out_nelems=self.act, peer_stage=to, unit=self.tag(unit, p))
         self.ops[p].append(op)
         self.sends[key] = (p, op)
@@ -145,7 +146,7 @@ class Simulation:
         end = np.maximum(send.start, t) + xfer
         send.end = end
         self.p2p_count[p] += 1
-        self.ops[p].append(Op(step, "recv", "recv", t.copy(), end, dim="pp", seq=self.p2p_count[p],
+        self.ops[p].append(Op(step, "recv", "recv", t, end, dim="pp", seq=self.p2p_count[p],
                               in_nelems=self.act, out_nelems=self.act, peer_stage=src, unit=self.tag(unit, p)))
         return end
 
@@ -212,7 +213,8 @@ class Simulation:
     # -- the run -------------------------------------------------------------------------------------
     def run(self) -> Trace:
         c = self.cfg
-        tasks = [[("begin", s, None)] + [("unit", s, u) for u in stage_order(p, c.pp, c.vstages, c.n_microbatches)]
+        orders = stage_orders(c.pp, c.vstages, c.n_microbatches)
+        tasks = [[("begin", s, None)] + [("unit", s, u) for u in orders[p]]
                  + [("end", s, None)] for p in range(c.pp) for s in range(c.steps)]
         tasks = [sum(tasks[p * c.steps:(p + 1) * c.steps], []) for p in range(c.pp)]
         at = [0] * c.pp

@@ -34,7 +34,7 @@ def simulate(cfg: SimConfig, out_dir: str | Path) -> Path:
     groups = Groups(cfg)
     views = Views(trace, groups)
     clocks = Clocks(cfg)
-    writer = kineto.RankWriter(views, clocks, cfg.names, cfg.seed, cfg.world_size)
+    writer = kineto.RankWriter(views, clocks, cfg.names, cfg.seed, cfg.world_size, cfg.detail)
     blocked = []
     for r in range(cfg.world_size):
         view = views.rank(r)
@@ -77,10 +77,14 @@ def manifest(cfg: SimConfig, faults: list, trace: Trace, clocks: Clocks, groups:
             "drift_ppm": cfg.drift_ppm, **clocks.summary(),
             "spikes": {"probability": cfg.spikes, "events": trace.spikes},
             "microbatches": cfg.n_microbatches, "vstages": cfg.vstages,
-            "step_ms": [round(float(np.nanmax(np.where(np.isfinite(e - s), e - s, np.nan))), 3)
-                        if np.isfinite(e - s).any() else None
-                        for s, e in zip(trace.step_start, trace.step_end)],
+            "step_ms": [_longest(s, e) for s, e in zip(trace.step_start, trace.step_end)],
         },
         "created_unix": time.time(),
         "argv": sys.argv,
     }
+
+
+def _longest(start: np.ndarray, end: np.ndarray) -> float | None:
+    """The step's longest duration over the ranks that finished it (true clock), None if none did."""
+    done = np.isfinite(start) & np.isfinite(end)
+    return round(float((end[done] - start[done]).max()), 3) if done.any() else None

@@ -5,7 +5,8 @@ chunks c = v * PP + p (v < V). Forwards of N = min(PP, M) consecutive micro-batc
 before moving to the next chunk (Llama 3 makes N tunable so that any M works); backwards go through
 the chunks in reverse. Warm-up forwards: (PP - p - 1) * 2 + (V - 1) * N as Megatron-LM's
 interleaved schedule (plain 1F1B, V = 1: PP - p - 1), then one forward one backward, then the
-remaining backwards.
+remaining backwards; where M is not a multiple of N that can deadlock, and stages get the fewest
+extra warm-up forwards that avoid it.
 """
 
 from __future__ import annotations
@@ -32,29 +33,64 @@ class Unit:
         return self.vstage * pp + stage
 
 
-def stage_order(stage: int, pp: int, vstages: int, microbatches: int) -> list[Unit]:
-    """The order in which ``stage`` runs its forward and backward units in one step."""
+def _order(stage: int, pp: int, vstages: int, microbatches: int, warmup: int) -> list[Unit]:
     n = min(pp, microbatches)
     groups = [range(g, min(g + n, microbatches)) for g in range(0, microbatches, n)]
     fwd = [Unit("F", v, m) for g in groups for v in range(vstages) for m in g]
     bwd = [Unit("B", v, m) for g in groups for v in reversed(range(vstages)) for m in g]
-    total = len(fwd)
-    if vstages == 1:
-        warmup = min(pp - stage - 1, total)
-    else:
-        warmup = min((pp - stage - 1) * 2 + (vstages - 1) * n, total)
     order = fwd[:warmup]
     f, b = warmup, 0
-    while f < total:
+    while f < len(fwd):
         order += [fwd[f], bwd[b]]
         f, b = f + 1, b + 1
     return order + bwd[b:]
 
 
+def _stuck(orders: list[list[Unit]], pp: int, vstages: int) -> list[int]:
+    """The stages that wait forever when every stage runs its order (sends never block)."""
+    last = pp * vstages - 1
+    done: set[tuple[str, int, int]] = set()
+    at = [0] * pp
+    moved = True
+    while moved:
+        moved = False
+        for p in range(pp):
+            while at[p] < len(orders[p]):
+                u = orders[p][at[p]]
+                c = u.chunk(pp, p)
+                need = ("F", c - 1, u.mb) if u.phase == "F" and c > 0 else \
+                    ("B", c + 1, u.mb) if u.phase == "B" and c < last else None
+                if need is not None and need not in done:
+                    break
+                done.add((u.phase, c, u.mb))
+                at[p] += 1
+                moved = True
+    return [p for p in range(pp) if at[p] < len(orders[p])]
+
+
+def stage_orders(pp: int, vstages: int, microbatches: int) -> list[list[Unit]]:
+    """Every stage's order of forward and backward units in one step. Megatron's warm-up can
+    deadlock when M is not a multiple of N (Llama 3 tunes N so that any M works): a stage that
+    would wait forever gets one more warm-up forward until none does (all forwards first always
+    works)."""
+    total = microbatches * vstages
+    if vstages == 1:
+        warm = [min(pp - p - 1, total) for p in range(pp)]
+    else:
+        warm = [min((pp - p - 1) * 2 + (vstages - 1) * min(pp, microbatches), total) for p in range(pp)]
+    while True:
+        orders = [_order(p, pp, vstages, microbatches, warm[p]) for p in range(pp)]
+        stuck = _stuck(orders, pp, vstages)
+        if not stuck:
+            return orders
+        for p in stuck:
+            warm[p] = min(warm[p] + 1, total)
+
+
 def schedule_names(cfg: SimConfig) -> list[list[str]]:
     """The manifest's ``pipeline_schedule``: per stage, 'F<chunk>.<mb>' / 'B<chunk>.<mb>'."""
-    return [[f"{u.phase}{u.chunk(cfg.pp, p)}.{u.mb}" for u in stage_order(p, cfg.pp, cfg.vstages, cfg.n_microbatches)]
-            for p in range(cfg.pp)]
+    return [[f"{u.phase}{u.chunk(cfg.pp, p)}.{u.mb}" for u in order]
+            for p, order in enumerate(stage_orders(cfg.pp, cfg.vstages, cfg.n_microbatches))]
 
 
 @dataclass(frozen=True)
