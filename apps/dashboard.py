@@ -23,6 +23,7 @@ from apps.selection import Selection
 from apps.views.cpwait import CPWaitView
 from apps.views.drilldown import DrilldownView
 from apps.views.heatmap import HeatmapView
+from apps.views.jobtimeline import JobTimelineView
 from apps.views.memory import MemoryView
 from apps.views.numerics import NumericsView
 from apps.views.overview import OverviewView
@@ -40,8 +41,9 @@ class Dashboard:
         self.overview, self.heatmap = OverviewView(data, sel), HeatmapView(data, sel)
         self.drilldown, self.timeline = DrilldownView(data, sel), TimelineView(data, sel)
         self.cpwait, self.memory, self.numerics = CPWaitView(data, sel), MemoryView(data, sel), NumericsView(data, sel)
+        self.job = JobTimelineView(data, sel)
         self.views = [self.overview, self.heatmap, self.drilldown, self.timeline, self.cpwait, self.memory,
-                      self.numerics]
+                      self.numerics, self.job]
         self.focus = pn.pane.Markdown("", css_classes=["tk-focus"], sizing_mode="stretch_width")
         self.errors = pn.pane.Alert("", alert_type="warning", visible=False, css_classes=["tk-errors"],
                                     sizing_mode="stretch_width")
@@ -53,6 +55,7 @@ class Dashboard:
         right = pn.Column(self.drilldown.panel, self.timeline.panel, self.memory.panel, self.numerics.panel,
                           sizing_mode="stretch_width")
         self.panel = pn.Column(header, self.focus, self.errors, pn.Row(left, right, sizing_mode="stretch_width"),
+                               self.job.panel,
                                sizing_mode="stretch_width", css_classes=["tk-app"])
         self._loading, self._run_errors = False, []
         self._load_run(sel.run_id)

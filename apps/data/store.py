@@ -19,6 +19,7 @@ import polars as pl
 from tracekit.analysis.collectives import match_collectives
 from tracekit.analysis.cp_wait import CPWait, cp_wait
 from tracekit.analysis.diagnosis import Diagnosis
+from tracekit.analysis.hangs import HangReport
 from tracekit.analysis.work import work_from_manifest
 from tracekit.analysis.tables import RunTables
 from tracekit.analysis.tunables import Tunables
@@ -100,6 +101,10 @@ class DashboardData:
     def diagnosis(self, run_id: str) -> Diagnosis:
         # the CLI's own call (hangs included), so the page and `tracekit report` never disagree
         return self.memo(("diagnosis", run_id), lambda: self._store.diagnose(run_id))
+
+    def hangs(self, run_id: str) -> HangReport:
+        # the CLI's `tracekit hangs` (and the hang finding of `diagnose`)
+        return self.memo(("hangs", run_id), lambda: self._store.hangs(run_id))
 
     def cp_wait(self, run_id: str) -> CPWait:
         return self.memo(("cp_wait", run_id),

@@ -53,23 +53,35 @@ def step_spans(data: DashboardData, run_id: str, ranks: list[int], step: int) ->
     return data.recent(("spans", run_id, tuple(ranks), step), lambda: _query(data, run_id, ranks, step))
 
 
-def _query(data: DashboardData, run_id: str, ranks: list[int], step: int) -> tuple[pl.DataFrame, int | None]:
-    p = {"r": run_id, "s": step}
-    pr = {**p, "ranks": ranks}
-    aligned = "FROM {t} x LEFT JOIN ranks k USING (run_id, rank) WHERE x.run_id = $r AND x.step = $s"
+def aligned_spans(data: DashboardData, run_id: str, ranks: list[int] | None, step: int | None) -> pl.DataFrame:
+    """rank, lane, kind, name, s, e (ns on the run's common clock: stored offsets applied) of
+    ``ranks`` (None: every rank) in ``step`` (None: every step). Collectives are split at their
+    last member's arrival into wait and transfer, so every member of an instance is read."""
+    p: dict = {"r": run_id}
+    where = "FROM {t} x LEFT JOIN ranks k USING (run_id, rank) WHERE x.run_id = $r"
+    if step is not None:
+        p["s"] = step
+        where += " AND x.step = $s"
+    mine = ""
+    if ranks is not None:
+        p["ranks"] = ranks
+        mine = " AND list_contains($ranks, x.rank)"
+    pr = {k: v for k, v in p.items()}
+    pc = {k: v for k, v in p.items() if k != "ranks"}
     ev = data.sql("SELECT x.rank, x.ts_ns - coalesce(k.clock_offset_ns, 0) AS ts_ns, x.dur_ns, x.kind, x.name, "
-                  "x.phase, x.is_comm " + aligned.format(t="events") + " AND list_contains($ranks, x.rank)", pr)
+                  "x.phase, x.is_comm " + where.format(t="events") + mine, pr)
     comp = compute_events(ev).select("rank", pl.lit("compute").alias("lane"), pl.lit("compute").alias("kind"),
                                      pl.coalesce("phase", "name").alias("name"), pl.col("ts_ns").alias("s"),
                                      (pl.col("ts_ns") + pl.col("dur_ns")).alias("e"))
-    # every member of the step's instances: the last arrival splits each into wait and transfer
+    # every member of the instances: the last arrival splits each into wait and transfer
     coll = prefer_profiler(data.sql(
         "SELECT x.rank, x.pg_name, x.seq, x.op, x.source, x.start_ns - coalesce(k.clock_offset_ns, 0) AS s, "
-        "x.end_ns - coalesce(k.clock_offset_ns, 0) AS e " + aligned.format(t="collectives"), p))
-    coll = coll.with_columns(pl.col("s").max().over("pg_name", "seq").alias("last")).filter(
-        pl.col("rank").is_in(ranks)).with_columns(
-        pl.min_horizontal(pl.max_horizontal("last", "s"), "e").alias("last"),
-        pl.format("{} {}", "op", "pg_name").alias("name"))
+        "x.end_ns - coalesce(k.clock_offset_ns, 0) AS e " + where.format(t="collectives"), pc))
+    coll = coll.with_columns(pl.col("s").max().over("pg_name", "seq").alias("last"))
+    if ranks is not None:
+        coll = coll.filter(pl.col("rank").is_in(ranks))
+    coll = coll.with_columns(pl.min_horizontal(pl.max_horizontal("last", "s"), "e").alias("last"),
+                             pl.format("{} {}", "op", "pg_name").alias("name"))
     wait = coll.select("rank", pl.lit("collective").alias("lane"), pl.lit("wait").alias("kind"), "name", "s",
                        pl.col("last").alias("e"))
     xfer = coll.select("rank", pl.lit("collective").alias("lane"), pl.lit("transfer").alias("kind"), "name",
@@ -77,9 +89,13 @@ def _query(data: DashboardData, run_id: str, ranks: list[int], step: int) -> tup
     p2p = prefer_profiler(data.sql(
         "SELECT x.rank, x.direction AS kind, x.direction || ' ' || x.peer AS name, x.source, "
         "x.start_ns - coalesce(k.clock_offset_ns, 0) AS s, x.end_ns - coalesce(k.clock_offset_ns, 0) AS e "
-        + aligned.format(t="p2p") + " AND list_contains($ranks, x.rank)", pr))
+        + where.format(t="p2p") + mine, pr))
     p2p = p2p.select("rank", pl.lit("p2p").alias("lane"), "kind", "name", "s", "e")
-    spans = pl.concat([comp, wait, xfer, p2p], how="vertical_relaxed").filter(pl.col("e") >= pl.col("s"))
+    return pl.concat([comp, wait, xfer, p2p], how="vertical_relaxed").filter(pl.col("e") >= pl.col("s"))
+
+
+def _query(data: DashboardData, run_id: str, ranks: list[int], step: int) -> tuple[pl.DataFrame, int | None]:
+    spans = aligned_spans(data, run_id, ranks, step)
     origin = step_origin_ns(data, run_id, ranks[0], step)
     if origin is None and spans.height:
         origin = int(spans["s"].min())
