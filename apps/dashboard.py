@@ -22,6 +22,7 @@ from apps.data.overview import initial_focus
 from apps.selection import Selection
 from apps.views.cpwait import CPWaitView
 from apps.views.drilldown import DrilldownView
+from apps.views.hang import HangView
 from apps.views.heatmap import HeatmapView
 from apps.views.jobtimeline import JobTimelineView
 from apps.views.memory import MemoryView
@@ -41,9 +42,10 @@ class Dashboard:
         self.overview, self.heatmap = OverviewView(data, sel), HeatmapView(data, sel)
         self.drilldown, self.timeline = DrilldownView(data, sel), TimelineView(data, sel)
         self.cpwait, self.memory, self.numerics = CPWaitView(data, sel), MemoryView(data, sel), NumericsView(data, sel)
-        self.job = JobTimelineView(data, sel)
-        self.views = [self.overview, self.heatmap, self.drilldown, self.timeline, self.cpwait, self.memory,
-                      self.numerics, self.job]
+        self.job, self.hang = JobTimelineView(data, sel), HangView(data, sel)
+        self.views = [self.overview, self.hang, self.heatmap, self.drilldown, self.timeline, self.cpwait,
+                      self.memory, self.numerics, self.job]
+        self.straggler_views = [self.heatmap, self.drilldown, self.cpwait]  # a hung run has no such verdict
         self.focus = pn.pane.Markdown("", css_classes=["tk-focus"], sizing_mode="stretch_width")
         self.errors = pn.pane.Alert("", alert_type="warning", visible=False, css_classes=["tk-errors"],
                                     sizing_mode="stretch_width")
@@ -54,7 +56,7 @@ class Dashboard:
         left = pn.Column(self.overview.panel, self.heatmap.panel, self.cpwait.panel, sizing_mode="stretch_width")
         right = pn.Column(self.drilldown.panel, self.timeline.panel, self.memory.panel, self.numerics.panel,
                           sizing_mode="stretch_width")
-        self.panel = pn.Column(header, self.focus, self.errors, pn.Row(left, right, sizing_mode="stretch_width"),
+        self.panel = pn.Column(header, self.focus, self.errors, self.hang.panel, pn.Row(left, right, sizing_mode="stretch_width"),
                                self.job.panel,
                                sizing_mode="stretch_width", css_classes=["tk-app"])
         self._loading, self._run_errors = False, []
@@ -92,6 +94,8 @@ class Dashboard:
         except ValueError:
             pass
         self._each("show_run", run_id)
+        for v in self.straggler_views:  # a hung run shows where ranks stopped instead
+            v.panel.visible = not self.hang.hung
         self._loading = True  # the views follow once below, not once per changed parameter
         try:
             self.sel.param.update(rank=rank, step=step)

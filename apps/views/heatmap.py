@@ -52,14 +52,15 @@ class HeatmapView:
         self.heading = pn.pane.Markdown("## Rank x step", sizing_mode="stretch_width")
         metric = pn.widgets.RadioButtonGroup.from_param(sel.param.metric)
         sel.param.watch(lambda e: self._color(e.new), "metric")
-        self.panel = pn.Column(self.heading, metric,
-                               bokeh_pane(fig, css_classes=["tk-heatmap-plot"]),
+        self.plot = bokeh_pane(fig, css_classes=["tk-heatmap-plot"])
+        self.panel = pn.Column(self.heading, metric, self.plot,
                                sizing_mode="stretch_width", css_classes=["tk-heatmap"])
 
     def show_run(self, run_id: str) -> None:
         df = rank_step(self.data, run_id)
         self.heading.object = "## Rank x step" + ("" if df.height else "\n\nno per-rank step records in this run")
         self.steps = sorted(df["step"].unique().to_list())
+        self.plot.visible = bool(df.height)  # an empty state is a message, not empty axes
         index = {s: i for i, s in enumerate(self.steps)}
         df = df.with_columns(pl.col("step").replace_strict(index, return_dtype=pl.Int64).alias("x"),
                              pl.format("dp {} pp {} cp {} tp {}", "dp", "pp", "cp", "tp").alias("coords"))

@@ -62,8 +62,9 @@ class OverviewView:
         fig.add_layout(self.marker)
         fig.on_event(Tap, self._tap)
         self.fig = fig
+        self.plot = bokeh_pane(fig)
         self.panel = pn.Column(self.config, self.verdict,
-                               bokeh_pane(fig), sizing_mode="stretch_width", css_classes=["tk-overview"])
+                               self.plot, sizing_mode="stretch_width", css_classes=["tk-overview"])
 
     def show_run(self, run_id: str) -> None:
         tables = self.data.tables(run_id)  # the layout the analyses use (assumed when none was recorded)
@@ -79,6 +80,7 @@ class OverviewView:
             self.verdict.object = f"**Verdict:** {d.headline}"
             self.verdict.alert_type = "success" if d.localization.verdict == "no_straggler" else "danger"
         self.source.data = {c: st[c].to_numpy() for c in ("step", "median_ms", "max_ms", "slowest_rank")}
+        self.plot.visible = bool(st.height)  # an empty state is a message, not empty axes
 
     def show_focus(self, rank: int, step: int) -> None:
         self.marker.location = step

@@ -47,7 +47,8 @@ class TimelineView:
         self.fig = fig
         self.title = pn.pane.Markdown("", css_classes=["tk-timeline-title"], sizing_mode="stretch_width")
         legend = " &nbsp; ".join(f"<span style='color:{c}'>&#9632;</span> {k}" for k, c in KIND_COLORS.items())
-        self.panel = pn.Column(self.title, bokeh_pane(fig), pn.pane.HTML(legend + " &nbsp; (a lane too crowded "
+        self.plot = bokeh_pane(fig)
+        self.panel = pn.Column(self.title, self.plot, pn.pane.HTML(legend + " &nbsp; (a lane too crowded "
                                                                              "to draw span by span shows how busy "
                                                                              "each pixel was; zoom in for spans)"),
                                sizing_mode="stretch_width", css_classes=["tk-timeline"])
@@ -66,6 +67,7 @@ class TimelineView:
         self.fig.yaxis.major_label_overrides = {
             Y[(w, lane)]: f"{w} {'-' if r is None else r} {lane}" for w, r in (("selected", rank), ("peer", peer))
             for lane in LANES}
+        self.plot.visible = bool(self.spans.height)  # an empty state is a message, not empty axes
         self._draw(None)
         lo, hi = (float(self.spans["start_ms"].min()), float(self.spans["end_ms"].max())) if self.spans.height \
             else (0.0, 1.0)
