@@ -141,6 +141,9 @@ def check(out, as_json, activations, **fields) -> None:
     if out is not None:
         # Kept beside the run so the dashboard's numerics view (and later readers) find the report.
         (out / "numerics.json").write_text(json.dumps(report.table().to_dicts(), default=str))
+        # the verdict as the check words it, so readers (the dashboard) show it rather than re-derive it
+        (out / "numerics_verdict.json").write_text(json.dumps(
+            {"bit_exact": report.bit_exact, "summary": report.summary(), "diagnosis": report.diagnosis}))
     if as_json:
         hist = report.ulp_histogram()
         if first is not None:

@@ -87,6 +87,7 @@ def memory_rows(run_id: str, rank: int, t0: int, t1: int, n: int):
                            pl.lit(None, pl.Utf8).alias("frame"))
 
 
+NUMERICS = ROOT / "tests" / "numerics_fixture"
 SLOW = 5  # the slowed rank of ``job_store``'s run "slow": dp 0, pp 1, cp 0, tp 1 of tp 2 x cp 2 x pp 2 x dp 2
 
 
@@ -112,7 +113,9 @@ def job_store(root: Path, memory_points: int) -> Path:
     slow = make_job(layout, steps=6, faults=Faults(slow_rank=SLOW, slow_factor=1.5), run_id="slow")
     run_dir = root / "slow-run"
     run_dir.mkdir()
-    (run_dir / "numerics.json").write_text(json.dumps([{"check": "bitwise", "ok": True, "max_ulp": 0}]))
+    for f in NUMERICS.iterdir():  # a real `numerics check --out` report (tests/numerics_fixture/README.md)
+        if f.suffix == ".json":
+            (run_dir / f.name).write_bytes(f.read_bytes())
     slow["runs"] = slow["runs"].with_columns(pl.lit(str(run_dir)).alias("root"))
     steps = slow["steps"].filter(pl.col("rank") == SLOW)
     slow["memory_events"] = pl.concat([

@@ -67,7 +67,7 @@ def test_opens_on_the_culprit_in_the_slowest_step_and_every_view_shows_it(sessio
     assert f"rank {SLOW}'s CP group [5, 7]" in dash.cpwait.group_note.object
     assert f"rank {SLOW}: measured peak" in dash.memory.text.object
     assert dash.memory.fig.xaxis.axis_label == f"ms from rank {SLOW}'s step {step} start (the timeline's origin)"
-    assert dash.numerics.table.visible and not dash.errors.visible
+    assert dash.numerics.body.visible and not dash.errors.visible
 
 
 def test_a_heatmap_click_moves_every_view_and_builds_no_new_model(session):
@@ -116,7 +116,7 @@ def test_switching_runs_reloads_every_view_and_a_view_that_cannot_read_its_data_
     dash.sel.run_id = "clean"
     assert "no straggler" in dash.overview.verdict.object and dash.overview.verdict.alert_type == "success"
     assert not dash.errors.visible and dash.memory.text.object.endswith("no memory snapshots in this run")
-    assert not dash.numerics.table.visible
+    assert not dash.numerics.body.visible
     dash.sel.run_id = "broken"
     assert dash.errors.visible
     assert "**memory**:" in dash.errors.object and "negative size" in dash.errors.object

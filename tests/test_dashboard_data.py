@@ -166,8 +166,22 @@ def test_memory_curve_on_the_steps_clock_and_off_it(data):
 
 def test_numerics_report_from_the_run_directory(data):
     rep = numerics_report(data, "slow")
-    assert rep is not None and rep.to_dicts() == [{"check": "bitwise", "ok": True, "max_ulp": 0}]
+    assert rep is not None and rep.rows.height == 297 and not rep.bit_exact
+    # the check's own verdict, as `numerics check` prints it
+    assert rep.headline == ("backward: the loss matches; the first wrong gradient in backward order is "
+                            "layers.3.mlp_norm.weight")
+    assert rep.detail.startswith("MISMATCH: first diverging buffer 'grad/layers.3.mlp_norm.weight'")
     assert numerics_report(data, "clean") is None
+
+
+def test_numerics_headline_from_the_rows_when_the_verdict_file_is_missing(data, tmp_path):
+    from apps.data.numerics import _first_divergent
+
+    rows = pl.read_json(D.NUMERICS / "numerics.json")
+    head, detail, exact = _first_divergent(rows)
+    assert head == "first diverging buffer grad/layers.3.mlp_norm.weight at step 0" and not exact
+    assert detail.startswith("266 of 297 buffers differ; 64/64 elements of the first")
+    assert _first_divergent(rows.with_columns(pl.lit(0).alias("mismatches")))[2]
 
 
 def test_what_cannot_be_read_fails_with_an_error_that_says_what(data, store):

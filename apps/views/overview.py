@@ -6,6 +6,7 @@ from __future__ import annotations
 import html
 import json
 
+import pandas as pd
 import panel as pn
 from bokeh.events import Tap
 from bokeh.models import ColumnDataSource, HoverTool, Legend, LegendItem, Span
@@ -40,6 +41,15 @@ def config_md(info: dict, layout: Layout) -> str:
     return "\n\n".join(lines)
 
 
+def findings_frame(diagnosis) -> pd.DataFrame:
+    """The diagnosis' findings, one row each, with the fields `tracekit report --json` gives."""
+    return pd.DataFrame([{"kind": f.kind, "where": f.where, "ranks": ", ".join(map(str, f.ranks)),
+                          "ms/step": round(f.cost_ns / 1e6, 1), "share": f"{f.cost_share:.1%}",
+                          "confidence": round(f.confidence, 2), "cause": f.cause, "next step": f.next_step}
+                         for f in diagnosis.findings],
+                        columns=["kind", "where", "ranks", "ms/step", "share", "confidence", "cause", "next step"])
+
+
 class OverviewView:
     def __init__(self, data: DashboardData, sel: Selection) -> None:
         self.data, self.sel = data, sel
@@ -63,7 +73,11 @@ class OverviewView:
         fig.on_event(Tap, self._tap)
         self.fig = fig
         self.plot = bokeh_pane(fig)
-        self.panel = pn.Column(self.config, self.verdict,
+        self.findings = pn.widgets.Tabulator(pd.DataFrame(), pagination="local", page_size=6, disabled=True,
+                                             show_index=False, sizing_mode="stretch_width", layout="fit_data_table",
+                                             css_classes=["tk-findings"], visible=False)
+        self.findings.on_click(self._finding_clicked)
+        self.panel = pn.Column(self.config, self.verdict, self.findings,
                                self.plot, sizing_mode="stretch_width", css_classes=["tk-overview"])
 
     def show_run(self, run_id: str) -> None:
@@ -77,13 +91,23 @@ class OverviewView:
         except ValueError as e:  # tables the analysis cannot work from: say so, show the rest
             self.verdict.object, self.verdict.alert_type = f"**Verdict:** none, the analysis failed: {e}", "warning"
         else:
-            self.verdict.object = f"**Verdict:** {d.headline}"
-            self.verdict.alert_type = "success" if d.localization.verdict == "no_straggler" else "danger"
+            lead = d.findings[0].summary if len(d.findings) > 1 else d.headline
+            more = f" (and {len(d.findings) - 1} more findings, below)" if len(d.findings) > 1 else ""
+            self.verdict.object = f"**Verdict:** {html.escape(lead)}{more}"
+            self.verdict.alert_type = "success" if not d.findings and d.localization.verdict != "hang" else "danger"
+            self.findings.value = findings_frame(d)
+            self.findings.visible = bool(d.findings)
         self.source.data = {c: st[c].to_numpy() for c in ("step", "median_ms", "max_ms", "slowest_rank")}
         self.plot.visible = bool(st.height)  # an empty state is a message, not empty axes
 
     def show_focus(self, rank: int, step: int) -> None:
         self.marker.location = step
+
+    def _finding_clicked(self, event) -> None:
+        """A finding's row selects its first rank."""
+        rows = self.findings.value
+        if event.row is not None and rows is not None and len(rows):
+            self.sel.rank = int(str(rows.iloc[event.row]["ranks"]).split(",")[0])
 
     def _tap(self, event: Tap) -> None:
         steps = self.source.data["step"]
