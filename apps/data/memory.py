@@ -5,6 +5,10 @@ Snapshot times are on the clock the recorder used. A CUDA snapshot's are epoch t
 clock; a snapshot made from a profile (``_profile_to_snapshot``) keeps the profiler's own clock,
 which the store does not relate to epoch time. ``rank_curve`` says which: on the steps' clock the
 curve can share the timeline's time axis, otherwise only its own.
+
+The figures are the library's ``analyse`` over the same rows `tracekit memory` reads (the trace
+and the blocks live at the snapshot that the trace never saw allocated), so the page's peak is
+the CLI's; the trace alone (what this view used before) misses those blocks and reads low.
 """
 
 from __future__ import annotations
@@ -14,18 +18,21 @@ from dataclasses import dataclass
 import polars as pl
 
 from apps.data.store import DashboardData
-from tracekit.analysis.memory import timeline
+from tracekit.analysis.memory import analyse
 
 MEMORY_POINTS = 1500  # time buckets per rank; each keeps its lowest and highest allocated value
 
 
 @dataclass(frozen=True)
 class MemoryCurve:
-    points: pl.DataFrame  # t_ns (aligned when on_step_clock), allocated_mib; in time order
+    points: pl.DataFrame  # t_ns (aligned when on_step_clock), allocated_mib, action, size, frame; time order
     steps: pl.DataFrame  # step, start_ns, end_ns of the rank (aligned)
     on_step_clock: bool  # the snapshot's times fall within the rank's steps
     peak_mib: float
     peak_t_ns: int | None
+    peak_frame: str  # the allocation that reached the peak: its site ('file:line:function') ...
+    peak_category: str  # ... and category, as `tracekit memory` names them
+    sites: pl.DataFrame  # live at the peak by allocation site: frame, bytes, blocks, share
 
 
 def memory_ranks(data: DashboardData, run_id: str) -> list[int]:
@@ -39,21 +46,29 @@ def rank_curve(data: DashboardData, run_id: str, rank: int) -> MemoryCurve:
 
 def _curve(data: DashboardData, run_id: str, rank: int) -> MemoryCurve:
     p = {"r": run_id, "k": rank}
-    events = data.sql("SELECT rank, seq, ts_ns, action, addr, size FROM memory_events "
+    events = data.sql("SELECT run_id, rank, seq, ts_ns, action, addr, size, category, frame FROM memory_events "
                       "WHERE run_id = $r AND rank = $k ORDER BY seq", p)
+    blocks = data.sql("SELECT * FROM memory_blocks WHERE run_id = $r AND rank = $k", p)
     offset = data.sql("SELECT coalesce(clock_offset_ns, 0) AS o FROM ranks WHERE run_id = $r AND rank = $k", p)
     offset = int(offset["o"][0]) if offset.height else 0
     steps = data.sql("SELECT step, start_ns, end_ns FROM steps WHERE run_id = $r AND rank = $k ORDER BY step", p)
-    tl = timeline(events).drop_nulls("ts_ns") if events.height else pl.DataFrame(
-        schema={"ts_ns": pl.Int64, "allocated": pl.Int64})
+    result = analyse(events, blocks=blocks)  # MemoryDataError (a ValueError): the page says so
+    peak = result.peaks.row(0, named=True)
+    tl = result.timeline.select("seq", "ts_ns", "allocated").join(
+        events.select("seq", "action", "size", pl.col("frame").fill_null("<unknown>")), on="seq", how="left"
+    ).drop_nulls("ts_ns").sort("seq")
     on_clock = bool(steps.height and tl.height) and (
         tl["ts_ns"].max() >= steps["start_ns"].min() and tl["ts_ns"].min() <= steps["end_ns"].max())
     shift = offset if on_clock else 0
-    tl = tl.select((pl.col("ts_ns") - shift).alias("t_ns"), (pl.col("allocated") / 2**20).alias("allocated_mib"))
+    tl = tl.select((pl.col("ts_ns") - shift).alias("t_ns"), (pl.col("allocated") / 2**20).alias("allocated_mib"),
+                   "action", "size", "frame")
     steps = steps.with_columns(pl.col("start_ns") - offset, pl.col("end_ns") - offset)
-    peak = tl.row(int(tl["allocated_mib"].arg_max()), named=True) if tl.height else None
+    sites = result.live_at_peak(by="frame").select("frame", "bytes", "blocks", "share")
     return MemoryCurve(points=_thin(tl), steps=steps, on_step_clock=on_clock,
-                       peak_mib=peak["allocated_mib"] if peak else 0.0, peak_t_ns=peak["t_ns"] if peak else None)
+                       peak_mib=peak["peak_allocated"] / 2**20,
+                       peak_t_ns=None if peak["peak_ts_ns"] is None else peak["peak_ts_ns"] - shift,
+                       peak_frame=peak["peak_frame"] or "<unknown>", peak_category=peak["peak_category"] or "unknown",
+                       sites=sites)
 
 
 def _thin(tl: pl.DataFrame, buckets: int = MEMORY_POINTS) -> pl.DataFrame:

@@ -5,6 +5,7 @@ shaded; otherwise time runs from the first recorded allocation and the plot says
 
 from __future__ import annotations
 
+import pandas as pd
 import panel as pn
 import polars as pl
 from bokeh.models import BoxAnnotation, ColumnDataSource, HoverTool, Range1d, Span
@@ -18,12 +19,13 @@ from apps.views.plots import ACCENT, CULPRIT, bokeh_pane, new_figure
 class MemoryView:
     def __init__(self, data: DashboardData, sel: Selection) -> None:
         self.data, self.run_id, self.ranks = data, None, []
-        self.source = ColumnDataSource({"t_ms": [], "allocated_mib": []})
+        self.source = ColumnDataSource({"t_ms": [], "allocated_mib": [], "action": [], "size_kib": [], "frame": []})
         self.step_starts = ColumnDataSource({"x": [], "step": []})
         fig = new_figure(240, name="tk-memory-fig", tools="xpan,xwheel_zoom,reset", title="allocated memory (MiB)", y_range=Range1d(0, 1), y_axis_label="MiB")
         line = fig.line("t_ms", "allocated_mib", source=self.source, line_width=1.5, color="#4c78a8")
-        fig.add_tools(HoverTool(renderers=[line], tooltips=[("t", "@t_ms{0.00} ms"), ("allocated", "@allocated_mib{0.000} MiB")],
-                                mode="vline"))
+        fig.add_tools(HoverTool(renderers=[line], mode="vline", tooltips=[
+            ("t", "@t_ms{0.00} ms"), ("allocated", "@allocated_mib{0.000} MiB"),
+            ("event", "@action @size_kib{0,0.0} KiB"), ("allocated by", "@frame")]))
         fig.vspan(x="x", source=self.step_starts, line_color="#888888", line_dash="dotted")
         self.window = BoxAnnotation(fill_color=ACCENT, fill_alpha=0.12, line_alpha=0, visible=False)
         fig.add_layout(self.window)
@@ -33,13 +35,16 @@ class MemoryView:
         self.fig = fig
         self.text = pn.pane.Markdown("", sizing_mode="stretch_width")
         self.plot = bokeh_pane(fig)
-        self.panel = pn.Column(self.text, self.plot, sizing_mode="stretch_width",
+        self.sites = pn.widgets.Tabulator(pd.DataFrame(), pagination="local", page_size=8, disabled=True,
+                                          show_index=False, sizing_mode="stretch_width", layout="fit_data_table",
+                                          css_classes=["tk-memory-sites"], visible=False)
+        self.panel = pn.Column(self.text, self.plot, self.sites, sizing_mode="stretch_width",
                                css_classes=["tk-memory"])
 
     def show_run(self, run_id: str) -> None:
         self.run_id = run_id
         self.ranks = memory_ranks(self.data, run_id)
-        self.plot.visible = bool(self.ranks)
+        self.plot.visible = self.sites.visible = bool(self.ranks)
         if not self.ranks:
             self.text.object = "## Memory\n\nno memory snapshots in this run"
 
@@ -57,7 +62,12 @@ class MemoryView:
             self.fig.xaxis.axis_label = ("ms from the first recorded allocation: the snapshot's clock is not the "
                                          "steps' clock, so it is not aligned with the timeline")
         pts = curve.points
-        self.source.data = {"t_ms": ((pts["t_ns"] - origin) / 1e6).to_numpy(), "allocated_mib": pts["allocated_mib"].to_numpy()}
+        self.source.data = {"t_ms": ((pts["t_ns"] - origin) / 1e6).to_numpy(), "allocated_mib": pts["allocated_mib"].to_numpy(),
+                            "action": pts["action"].to_list(), "size_kib": (pts["size"] / 1024).to_numpy(),
+                            "frame": pts["frame"].to_list()}
+        self.sites.value = curve.sites.select(
+            pl.col("frame").alias("allocation site (live at the peak)"), (pl.col("bytes") / 2**20).round(3).alias("MiB"),
+            "blocks", (pl.col("share") * 100).round(1).alias("% of peak")).to_pandas()
         st = curve.steps if curve.on_step_clock else curve.steps.clear()
         self.step_starts.data = {"x": ((st["start_ns"] - origin) / 1e6).to_numpy(), "step": st["step"].to_numpy()}
         sel = st.filter(pl.col("step") == step)
@@ -71,8 +81,12 @@ class MemoryView:
         text = f"rank {shown}: measured peak {curve.peak_mib:.4g} MiB"
         if curve.peak_t_ns is not None:
             text += f" at {(curve.peak_t_ns - origin) / 1e6:.1f} ms"
+        text += f", allocated by {curve.peak_frame} ({curve.peak_category})"
         if est:
             text += f"; estimate {est:.4g} MiB (measured/estimate {curve.peak_mib / est:.2f})"
+        if curve.peak_frame == "<unknown>":
+            text += ("<br>allocation sites unknown: the snapshot recorded no stacks (snapshots made from a CPU "
+                     "profile carry none; CUDA snapshots record them)")
         if shown != rank:
             text += f" (rank {rank} has no snapshot; ranks with one: {self.ranks})"
         self.text.object = "## Memory\n\n" + text
