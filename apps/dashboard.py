@@ -49,10 +49,16 @@ class Dashboard:
         self.focus = pn.pane.Markdown("", css_classes=["tk-focus"], sizing_mode="stretch_width")
         self.errors = pn.pane.Alert("", alert_type="warning", visible=False, css_classes=["tk-errors"],
                                     sizing_mode="stretch_width")
+        self.scope = pn.widgets.Select(options=["all ranks, all steps", "selected rank's group, selected step"],
+                                       name="Perfetto trace of", width=230)
+        self.download = pn.widgets.FileDownload(callback=self._perfetto, filename="trace.json.gz", embed=False,
+                                                label="Open in Perfetto (download trace)", button_type="primary",
+                                                css_classes=["tk-perfetto"], width=260)
         header = pn.Row(pn.pane.Markdown(f"# tracekit &middot; `{title}`"),
                         pn.widgets.Select.from_param(sel.param.run_id, label="run"),
                         pn.widgets.IntInput.from_param(sel.param.rank, label="rank"),
-                        pn.widgets.IntInput.from_param(sel.param.step, label="step"), sizing_mode="stretch_width")
+                        pn.widgets.IntInput.from_param(sel.param.step, label="step"), self.scope,
+                        pn.Column(pn.Spacer(height=18), self.download), sizing_mode="stretch_width")
         left = pn.Column(self.overview.panel, self.heatmap.panel, self.cpwait.panel, sizing_mode="stretch_width")
         right = pn.Column(self.drilldown.panel, self.timeline.panel, self.memory.panel, self.numerics.panel,
                           sizing_mode="stretch_width")
@@ -63,6 +69,20 @@ class Dashboard:
         self._load_run(sel.run_id)
         sel.param.watch(lambda e: self._held(self._load_run, e.new), "run_id")
         sel.param.watch(lambda *e: self._loading or self._held(self._follow, sel.rank, sel.step), ["rank", "step"])
+
+    def _perfetto(self):
+        """The trace `tracekit export perfetto` writes, of the whole run or of the selected rank's
+        group in the selected step (open it in ui.perfetto.dev)."""
+        import io
+
+        run, ranks, steps = self.sel.run_id, None, None
+        if self.scope.value.startswith("selected"):
+            lay = self.data.layout(run)
+            dims = [d for d in ("dp", "pp", "cp", "tp") if getattr(lay, d) > 1][-1:] or ["dp"]
+            ranks, steps = sorted(lay.group(self.sel.rank, dims[0])), [self.sel.step]
+        self.download.filename = f"{run}-" + ("all" if ranks is None else f"rank{self.sel.rank}-step{self.sel.step}") \
+            + ".json.gz"
+        return io.BytesIO(self.data.perfetto_trace(run, ranks, steps))
 
     def _held(self, update, *args) -> None:
         """Run an update with the session's document held: one message to the browser at the end."""

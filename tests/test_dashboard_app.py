@@ -139,3 +139,18 @@ def test_a_wide_drilldown_level_shows_its_top_members_the_chosen_and_the_selecte
     assert all(f"<span>dp {m}</span>" in page or f"<span>dp {m} (selected rank's)</span>" in page for m in top)
     assert f"dp {low} (selected rank's)" in page
     assert f"({64 - MAX_MEMBERS - 1} more, lower)" in page
+
+
+def test_the_perfetto_button_serves_the_export_of_the_selected_scope(session, tmp_path):
+    import gzip
+    import json
+
+    dash, _ = session
+    whole = json.loads(gzip.decompress(dash._perfetto().read()))
+    assert {e["pid"] for e in whole["traceEvents"] if e["ph"] == "X"} == set(range(LAYOUT.world_size))
+    assert whole["otherData"]["headline"] == dash.data.diagnosis(dash.sel.run_id).headline
+    dash.scope.value = "selected rank's group, selected step"
+    some = json.loads(gzip.decompress(dash._perfetto().read()))
+    spans = [e for e in some["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == set(LAYOUT.group(dash.sel.rank, "tp"))
+    assert {e["args"]["step"] for e in spans} == {dash.sel.step}

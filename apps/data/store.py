@@ -115,6 +115,17 @@ class DashboardData:
         stored clock offsets applied)."""
         return self.memo(("matched", run_id), lambda: match_collectives(self.tables(run_id)))
 
+    def perfetto_trace(self, run_id: str, ranks: list[int] | None = None, steps: list[int] | None = None) -> bytes:
+        """`tracekit export perfetto` of the run (gzipped Chrome JSON), as bytes for a download."""
+        import tempfile
+
+        from tracekit.perfetto import write_chrome_trace
+
+        with tempfile.TemporaryDirectory() as tmp, self._lock:
+            out = Path(tmp) / "trace.json.gz"
+            write_chrome_trace(self._store, out, run_id, ranks, steps)
+            return out.read_bytes()
+
     def warm(self, run_id: str) -> None:
         """Compute what the first page of a run needs, before anyone asks (the server does this
         for the newest run before it listens)."""
