@@ -139,6 +139,17 @@ def build_app(store: str | Path, data: DashboardData | None = None) -> pn.viewab
     return Dashboard(data or DashboardData(store), store.name).panel  # a run dir's: <dir>.tracekit.duckdb
 
 
+def _rehearse(store: str | Path, data: DashboardData) -> None:
+    """Build one page before the server listens, so the first visitor does not pay for what runs once
+    per process (Datashader's JIT compilation of its aggregation, 2-5 s; HoloViews' plot classes)."""
+    from bokeh.document import Document
+
+    try:
+        build_app(store, data).server_doc(Document())
+    except ValueError:  # a run the views cannot show: the page says so to its visitors
+        pass
+
+
 def serve(store: str | Path, port: int = 5006, address: str = "127.0.0.1", show: bool = False,
           data: DashboardData | None = None) -> None:
     """Serve the dashboard until interrupted, with one data access shared by all sessions (the
@@ -146,6 +157,7 @@ def serve(store: str | Path, port: int = 5006, address: str = "127.0.0.1", show:
     if data is None:
         data = DashboardData(store)
         data.warm(data.newest_run())
+    _rehearse(store, data)
     pn.serve({"dashboard": lambda: build_app(store, data)}, port=port, address=address, show=show,
              title="tracekit", websocket_origin=[f"{address}:{port}", f"localhost:{port}"], print_url=False)
 

@@ -15,6 +15,7 @@ from apps.selection import Selection
 from apps.views.plots import ACCENT, CULPRIT
 
 STYLE = f"""<style>
+.tk-dd-level, .tk-dd-text {{ overflow-wrap: anywhere; white-space: normal; max-width: 100%; }}
 .tk-dd-level {{ margin: 6px 0 10px 0; }}
 .tk-dd-bars {{ display: grid; grid-template-columns: max-content minmax(80px, 320px) max-content;
   gap: 2px 8px; align-items: center; font-size: 12px; margin-top: 4px; }}
@@ -59,7 +60,7 @@ def _level_html(lv, selected: int) -> str:
 class DrilldownView:
     def __init__(self, data: DashboardData, sel: Selection) -> None:
         self.data, self.run_id = data, None
-        self.body = pn.pane.HTML("", sizing_mode="stretch_width")
+        self.body = pn.pane.HTML("", sizing_mode="stretch_width", styles={"overflow-wrap": "anywhere", "min-width": "0"})
         self.panel = pn.Column(self.body,
                                sizing_mode="stretch_width", css_classes=["tk-drilldown"])
 
@@ -72,11 +73,11 @@ class DrilldownView:
         chosen = {lv.level: lv.chosen for lv in d.localization.levels}
         marks = ", ".join(f"{dim} {getattr(c, dim)}" + (" (chosen)" if chosen.get(dim) == getattr(c, dim) else "")
                           for dim in ("dp", "pp", "cp", "tp"))
-        parts = [STYLE, "<h2>Top-down drill-down: DP -&gt; PP -&gt; CP -&gt; TP</h2>", f"<p>selected rank {rank}: {marks}</p>"]
+        parts = [STYLE, "<h2>Top-down drill-down: DP -&gt; PP -&gt; CP -&gt; TP</h2>", f"<p class='tk-dd-text'>selected rank {rank}: {marks}</p>"]
         parts += [_level_html(lv, getattr(c, lv.level)) for lv in d.localization.levels]
         cause = d.cause
         ev = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in cause.evidence.items()
                        if v is not None)
-        parts.append(f"<p><b>Cause: {html.escape(cause.kind)}</b> ({cause.category}), ranks {list(cause.ranks)}: "
+        parts.append(f"<p class='tk-dd-text'><b>Cause: {html.escape(cause.kind)}</b> ({cause.category}), ranks {list(cause.ranks)}: "
                      f"{html.escape(cause.summary)}" + (f"<br>evidence: {html.escape(ev)}" if ev else "") + "</p>")
         self.body.object = "".join(parts)

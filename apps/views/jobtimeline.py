@@ -25,6 +25,10 @@ JOB_COLORS = {k: KIND_COLORS.get(k, KIND_COLORS["send"]) for k in JOB_KINDS}
 EMPTY = {"x0": [], "y0": [], "x1": [], "y1": [], "kind": []}
 
 
+def _named(plot, element) -> None:
+    plot.state.name = "tk-job-fig"  # how tests and the benchmark find the figure in the page
+
+
 class JobTimelineView:
     def __init__(self, data: DashboardData, sel: Selection) -> None:
         self.data, self.sel, self.run_id, self.job = data, sel, None, None
@@ -46,7 +50,8 @@ class JobTimelineView:
         marker = hv.DynamicMap(lambda data: hv.Bounds(data), streams=[self.marker]).opts(color=ACCENT, line_width=3)
         plot = (group * culprit * shaded * steps * marker).opts(
             hv.opts.RGB(responsive=True, height=420, invert_yaxis=True, xlabel="ms from the run's first step start",
-                        ylabel="rank", tools=[], active_tools=["wheel_zoom"], default_tools=["xpan", "wheel_zoom", "box_zoom", "reset"]))
+                        ylabel="rank", active_tools=["wheel_zoom"],
+                        default_tools=["pan", "wheel_zoom", "box_zoom", "reset"], hooks=[_named]))
         self.title = pn.pane.Markdown("", css_classes=["tk-job-title"], sizing_mode="stretch_width")
         legend = " &nbsp; ".join(f"<span style='color:{c}'>&#9632;</span> {k}" for k, c in JOB_COLORS.items())
         legend += (" &nbsp; <span style='color:crimson'>&#9632;</span> culprit &nbsp; <span style='color:orange'>"

@@ -9,7 +9,7 @@ import json
 import pandas as pd
 import panel as pn
 from bokeh.events import Tap
-from bokeh.models import ColumnDataSource, HoverTool, Legend, LegendItem, Span
+from bokeh.models import BasicTicker, ColumnDataSource, HoverTool, Legend, LegendItem, NumeralTickFormatter, Span
 
 from apps.data import DashboardData
 from apps.data.overview import step_times
@@ -31,7 +31,10 @@ def config_md(info: dict, layout: Layout) -> str:
              f" &nbsp; **backend** {info['backend'] or 'n/a'}"]
     cfg = info["manifest"].get("config")
     if isinstance(cfg, dict) and cfg:
-        lines.append("**config** " + " &middot; ".join(f"{k}={html.escape(_compact(v))}" for k, v in sorted(cfg.items())))
+        chips = "".join(f"<code>{html.escape(k)}={html.escape(_compact(v))}</code>" for k, v in sorted(cfg.items()))
+        lines.append(f"<details class='tk-config'><summary><b>config</b> ({len(cfg)} settings)</summary>"
+                     "<div style='display:flex;flex-wrap:wrap;gap:2px 14px;font-size:12px;overflow-wrap:anywhere'>"
+                     f"{chips}</div></details>")
     truth = info["manifest"].get("faults") or info["manifest"].get("ground_truth")
     if truth:
         items = truth if isinstance(truth, list) else [truth]
@@ -68,6 +71,8 @@ class OverviewView:
                                      LegendItem(label="slowest rank", renderers=[mx, dots])],
                               orientation="horizontal", location="top_left", label_text_font_size="11px",
                               border_line_alpha=0, background_fill_alpha=0.0), "above")
+        fig.xaxis.ticker = BasicTicker(min_interval=1)  # steps are whole numbers
+        fig.xaxis.formatter = NumeralTickFormatter(format="0")
         self.marker = Span(location=0, dimension="height", line_color=ACCENT, line_width=2, line_dash="dashed")
         fig.add_layout(self.marker)
         fig.on_event(Tap, self._tap)
