@@ -5,6 +5,8 @@ shaded; otherwise time runs from the first recorded allocation and the plot says
 
 from __future__ import annotations
 
+import html
+
 import pandas as pd
 import panel as pn
 import polars as pl
@@ -81,7 +83,7 @@ class MemoryView:
         text = f"rank {shown}: measured peak {curve.peak_mib:.4g} MiB"
         if curve.peak_t_ns is not None:
             text += f" at {(curve.peak_t_ns - origin) / 1e6:.1f} ms"
-        text += f", allocated by {curve.peak_frame} ({curve.peak_category})"
+        text += f", allocated by {html.escape(curve.peak_frame)} ({html.escape(curve.peak_category)})"
         if est:
             text += f"; estimate {est:.4g} MiB (measured/estimate {curve.peak_mib / est:.2f})"
         if curve.peak_frame == "<unknown>":
