@@ -198,8 +198,12 @@ def _train(rank: int, args: argparse.Namespace) -> None:
         schedule = ScheduleGPipe(stage, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
     slow = SlowOps(args.slow_factor) if rank == args.slow_rank else None
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        for _ in range(args.steps):
+    from torch.profiler import schedule as profiler_schedule
+    # one warm-up step (the pipeline's shape exchange, first-call setup) outside the trace; the
+    # schedule is what makes the profiler write ProfilerStep#N spans, the steps of the trace
+    sched = profiler_schedule(wait=0, warmup=1, active=args.steps, repeat=1)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, schedule=sched) as prof:
+        for _ in range(args.steps + 1):
             tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
             target = torch.roll(tokens, -1, dims=1)
             if slow is not None:
@@ -235,7 +239,7 @@ def manifest(args: argparse.Namespace, pids: list[int]) -> dict:
     faults = []
     if args.slow_rank is not None:
         faults.append({"kind": "slow", "spec": f"slow:rank={args.slow_rank},factor={args.slow_factor}",
-                       "ranks": [args.slow_rank], "steps": list(range(args.steps)),
+                       "ranks": [args.slow_rank], "steps": list(range(1, args.steps + 1)),
                        "magnitude": {"compute_factor": args.slow_factor}})
     return {"job": "native_job", "layout": {"tp": args.tp, "cp": 1, "pp": args.pp, "dp": args.dp},
             "world_size": world, "backend": "gloo", "torch_version": torch.__version__,
