@@ -108,7 +108,7 @@ def _by_counts(threads: dict[str, dict[str, int]], fr: dict[str, dict[str, int]]
     if not pgs or len(pgs) ** len(tids) > 200_000:
         return None
     ops = sorted({o for t in threads.values() for o in t} | {o for p in pgs for o in fr[p]})
-    best, best_cost = None, None
+    best, best_cost, ties = None, None, 0
     for combo in itertools.product(pgs, repeat=len(tids)):
         total = {p: dict.fromkeys(ops, 0) for p in pgs}
         for t, p in zip(tids, combo):
@@ -116,8 +116,10 @@ def _by_counts(threads: dict[str, dict[str, int]], fr: dict[str, dict[str, int]]
                 total[p][o] += n
         cost = sum(abs(total[p][o] - fr[p].get(o, 0)) for p in pgs for o in ops)
         if best_cost is None or cost < best_cost:
-            best, best_cost = dict(zip(tids, combo)), cost
-    return best
+            best, best_cost, ties = dict(zip(tids, combo)), cost, 1
+        elif cost == best_cost:
+            ties += 1
+    return best if ties == 1 else None  # groups whose counts agree: the recorder cannot tell them apart
 
 
 def _by_timing(rank: int, spans: pl.DataFrame, others: dict[int, pl.DataFrame],
