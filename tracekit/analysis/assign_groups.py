@@ -36,8 +36,6 @@ import polars as pl
 
 from tracekit import classify
 
-FR_OPS = {"scatter": None}  # recorded by gloo's recorder but never run on a worker thread we see
-
 
 @dataclass(frozen=True)
 class Assignment:
@@ -47,7 +45,7 @@ class Assignment:
     collectives_left: int  # unlabelled rows that no group could be given
     p2p_labelled: int
     p2p_left: int
-    method: str  # flight_recorder | timing | none
+    method: str  # flight_recorder | timing | flight_recorder+timing (ranks differ) | none
     threads: dict[int, dict[str, str]] = field(default_factory=dict)  # rank -> tid -> pg_name
     consistency: float = 1.0  # share of matched instances whose members agree on the op
 
@@ -92,8 +90,8 @@ def _fr_counts(fr: pl.DataFrame | None, rank: int, lo: int, hi: int) -> dict[str
         return None
     out: dict[str, dict[str, int]] = {}
     for pg, name in mine.select("pg_name", "profiling_name").iter_rows():
-        op = classify.comm_op(name or "") or ""
-        if op in FR_OPS or not op:
+        op = classify.comm_op(name or "")
+        if not op:
             continue
         out.setdefault(str(pg), {}).setdefault(op, 0)
         out[str(pg)][op] += 1
@@ -171,7 +169,7 @@ def assign(collectives: pl.DataFrame, p2p: pl.DataFrame, events: pl.DataFrame, g
     by_rank = _rank_groups(groups)
     first = steps.group_by(pl.col("rank").cast(pl.Int32)).agg(pl.col("start_ns").min().cast(pl.Int64).alias("_first"))
     threads: dict[int, dict[str, str]] = {}
-    method = "none"
+    methods: set[str] = set()
     labelled = todo.head(0)
     if todo.height:
         spans = _with_tid(todo, events)
@@ -185,10 +183,10 @@ def assign(collectives: pl.DataFrame, p2p: pl.DataFrame, events: pl.DataFrame, g
             got = _by_counts({t: {str(k): int(v) for k, v in c.items()} for t, c in counts.items()}, fr,
                              [g[0] for g in cands]) if fr else None
             if got is not None:
-                method = "flight_recorder"
+                methods.add("flight_recorder")
             else:
                 got = _by_timing(int(rank), part, ends, cands)
-                method = "timing" if got else method
+                methods.update(["timing"] if got else [])
             threads[int(rank)] = got
         mapping = pl.DataFrame([(r, t, p) for r, m in threads.items() for t, p in m.items()],
                                schema={"rank": pl.Int32, "tid": pl.Utf8, "_pg": pl.Utf8}, orient="row")
@@ -205,7 +203,8 @@ def assign(collectives: pl.DataFrame, p2p: pl.DataFrame, events: pl.DataFrame, g
         out_p2p, p_lab, p_left = p2p, 0, int(p2p.filter(pl.col("peer").is_null()).height)
     consistency = _consistency(out_coll)
     left = int(labelled.filter(pl.col("pg_name").is_null()).height)
-    return out_coll, out_p2p, Assignment(labelled.height - left, left, p_lab, p_left, method, threads, consistency)
+    return out_coll, out_p2p, Assignment(labelled.height - left, left, p_lab, p_left,
+                                 "+".join(sorted(methods)) or "none", threads, consistency)
 
 
 def _consistency(coll: pl.DataFrame) -> float:
