@@ -23,7 +23,9 @@ across ranks. This module fills those in from what a run does hold, when its tab
   tp), the nearer in completion time where both neighbours exist; ``seq`` per (peer, direction).
 
 Not handled: ranks on hosts with skewed clocks and no flight recorder (the time test compares
-completions across ranks as they are), and groups of a dimension the layout does not name.
+completions across ranks as they are); two ops of one group whose worker threads start them out of
+issue order (a thread preempted between taking an op and starting it), which swaps their numbers on
+that rank; middle pipeline stages are told apart by completion time only.
 """
 
 from __future__ import annotations
@@ -120,11 +122,12 @@ def _by_counts(threads: dict[str, dict[str, int]], fr: dict[str, dict[str, int]]
     return best if ties == 1 else None  # groups whose counts agree: the recorder cannot tell them apart
 
 
-def _by_timing(rank: int, spans: pl.DataFrame, others: dict[int, pl.DataFrame],
+def _by_timing(rank: int, spans: pl.DataFrame, others: dict[int, dict[str, np.ndarray]],
                candidates: list[tuple[str, str, tuple[int, ...]]]) -> dict[str, str]:
-    """Each thread's group: the one whose members complete same-kind ops nearest its completions."""
+    """Each thread's group: the one whose members complete same-kind ops nearest its completions
+    (``others``: rank -> op -> sorted completion times). Python loops: O(spans x group members)."""
     out: dict[str, str] = {}
-    for tid, part in spans.group_by("tid"):
+    for tid, part in spans.filter(pl.col("tid").is_not_null()).group_by("tid"):
         tid = tid[0]
         best, best_d = None, None
         for name, _, members in candidates:
@@ -161,8 +164,8 @@ def assign(collectives: pl.DataFrame, p2p: pl.DataFrame, events: pl.DataFrame, g
            ) -> tuple[pl.DataFrame, pl.DataFrame, Assignment]:
     """Collectives and p2p with group, seq and peer filled in where ingest left them NULL.
 
-    ``coords``: rank, dp, pp, cp, tp (RunTables.coords(); None: no layout, peers stay unknown); ``fr_entries``: the store's table of
-    that name, or None. Labelled rows are returned unchanged."""
+    ``coords``: rank, dp, pp, cp, tp (RunTables.coords(); None: no layout, peers stay unknown);
+    ``fr_entries``: the store's table of that name, or None. Labelled rows are returned unchanged."""
     unl = (pl.col("pg_name").is_null() & (pl.col("source") == "gloo"))
     todo = collectives.filter(unl)
     keep = collectives.filter(~unl)
