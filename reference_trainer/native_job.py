@@ -9,8 +9,8 @@ writes it empty, FORMATS.md section 2). ``<out>/manifest.json`` holds the layout
 in the trainer's schema.
 
 A slow rank (``--slow-rank R --slow-factor F``) stretches every aten op it runs, forward and
-backward, to F times its own duration by spinning after it (a dispatch mode), so the slowdown
-lies inside its compute ops as a slow device's would; communication ops are left alone.
+backward, to F times its own duration by spinning after it (a dispatch mode, on every rank), so
+the slowdown lies inside its compute ops as a slow device's would; communication ops are left alone.
 
     python -m reference_trainer.native_job --dp 2 --pp 2 --tp 2 --steps 4 --out DIR \
         [--slow-rank R --slow-factor 1.5] [--seed S]
@@ -128,36 +128,45 @@ def apply_tp(stage: Stage, tp_mesh) -> None:
 
 class SlowOps(TorchDispatchMode):
     """Stretch every aten op to ``factor`` times its duration by spinning after it (a sleep
-    overshoots tens of microseconds, longer than these ops); communication ops run untouched."""
+    overshoots tens of microseconds, longer than these ops); communication ops run untouched.
+
+    Every rank runs under the mode (factor 1: no spin), so that its own cost per op, large beside
+    the tiny ops of this model, is paid alike everywhere and the traces have the same events; the
+    slow rank spins ``factor - 1`` times each op's duration including that cost, measured once on
+    a block's forward and backward."""
 
     def __init__(self, factor: float) -> None:
         super().__init__()
-        self.extra, self.overhead = 0.0, 0.0
-        self.overhead = self._own_overhead()  # the mode's own cost per op, taken off the spin
+        self.extra, self.overhead, self.ops = 0.0, 0.0, 0
+        if factor != 1.0:
+            self.overhead = self._own_overhead()
         self.extra = factor - 1.0
 
     def _own_overhead(self) -> float:
-        x = torch.ones(4)
+        block, x = Block(), torch.randn(BATCH, SEQ, DIM, requires_grad=True)
 
-        def per_op() -> float:
+        def once() -> float:
             t0 = time.perf_counter()
-            for _ in range(200):
-                torch.add(x, 1)
-            return (time.perf_counter() - t0) / 200
-        plain = min(per_op() for _ in range(3))
+            block(x).sum().backward()
+            return time.perf_counter() - t0
+        once()
+        plain = min(once() for _ in range(5))
+        self.ops = 0
         with self:
-            moded = min(per_op() for _ in range(3))
-        return max(0.0, moded - plain)
+            moded = min(once() for _ in range(5))
+        return max(0.0, (moded - plain) / max(1, self.ops / 5))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace != "aten":
             return func(*args, **(kwargs or {}))
+        self.ops += 1
         t0 = time.perf_counter()
         out = func(*args, **(kwargs or {}))
-        t1 = time.perf_counter()
-        until = t1 + self.extra * (t1 - t0) - self.overhead
-        while time.perf_counter() < until:
-            pass
+        if self.extra > 0:
+            t1 = time.perf_counter()
+            until = t1 + self.extra * (t1 - t0 + self.overhead)
+            while time.perf_counter() < until:
+                pass
         return out
 
 
@@ -212,7 +221,7 @@ def _train(rank: int, args: argparse.Namespace) -> None:
     if args.pp > 1:
         stage = PipelineStage(model, pp_rank, args.pp, torch.device("cpu"), group=mesh["pp"].get_group())
         schedule = ScheduleGPipe(stage, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
-    slow = SlowOps(args.slow_factor) if rank == args.slow_rank else None
+    stretch = SlowOps(args.slow_factor if rank == args.slow_rank else 1.0)
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler import schedule as profiler_schedule
     # one warm-up step (the pipeline's shape exchange, first-call setup) outside the trace; the
@@ -222,8 +231,7 @@ def _train(rank: int, args: argparse.Namespace) -> None:
         for _ in range(args.steps + 1):
             tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
             target = torch.roll(tokens, -1, dims=1)
-            if slow is not None:
-                slow.__enter__()
+            stretch.__enter__()
             try:
                 if schedule is None:
                     loss_fn(model(tokens), target).backward()
@@ -234,8 +242,7 @@ def _train(rank: int, args: argparse.Namespace) -> None:
                 else:
                     schedule.step()
             finally:
-                if slow is not None:
-                    slow.__exit__(None, None, None)
+                stretch.__exit__(None, None, None)
             opt.step()
             opt.zero_grad()
             prof.step()

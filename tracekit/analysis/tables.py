@@ -173,7 +173,8 @@ def cpu_comm(name: pl.Expr = pl.col("name")) -> pl.Expr:
 
 def cpu_compute_spans(events: pl.DataFrame) -> pl.DataFrame:
     """Top-level non-communication ``cpu_op`` spans of each rank's main thread (the thread with the
-    most ops), with ``nested_comm_ns``: the union of communication events on that thread inside."""
+    most ops), with ``nested_comm_ns``: the union of communication events on that thread inside,
+    and of its waits on worker-thread collectives there (``_hidden_waits``)."""
     ops = events.filter((pl.col("kind") == "cpu_op") & pl.col("ts_ns").is_not_null())
     if not ops.height:
         return events.head(0).with_columns(pl.lit(None, pl.Int64).alias("nested_comm_ns"))
@@ -187,6 +188,9 @@ def cpu_compute_spans(events: pl.DataFrame) -> pl.DataFrame:
     comp = top.filter(~cpu_comm()).with_row_index("_sid")
     comm = events.join(main, on=["rank", "tid"]).filter(cpu_comm()).select(
         "rank", pl.col("ts_ns").cast(pl.Int64).alias("s"), (pl.col("ts_ns") + pl.col("dur_ns")).cast(pl.Int64).alias("e"))
+    # leaves: ops with no op inside (the next op by start begins after their end)
+    leaves = ops.filter(pl.col("ts_ns").shift(-1).over("rank").fill_null(pl.col("_end")) >= pl.col("_end"))
+    comm = pl.concat([comm, _hidden_waits(comp, leaves, events, main)])
     nested = pl.DataFrame(schema={"_sid": pl.UInt32, "nested_comm_ns": pl.Int64})
     if comm.height and comp.height:
         hit = comm.drop_nulls().sort("rank", "s").join_asof(
@@ -200,3 +204,37 @@ def cpu_compute_spans(events: pl.DataFrame) -> pl.DataFrame:
         nested = hit.group_by("_sid").agg(pl.col("c").sum().cast(pl.Int64).alias("nested_comm_ns"))
     return comp.join(nested, on="_sid", how="left").with_columns(pl.col("nested_comm_ns").fill_null(0)) \
         .drop("_sid", "_end", "_outer")
+
+
+WAKE_NS = 1_000_000  # a waiting main thread resumes within this of its collective's end
+
+
+def _hidden_waits(comp: pl.DataFrame, leaves: pl.DataFrame, events: pl.DataFrame, main: pl.DataFrame
+                  ) -> pl.DataFrame:
+    """(rank, s, e): stretches of a compute span where the main thread ran no leaf op and waited on
+    a collective of a gloo worker thread: ``Work.wait()`` (FSDP's reduce-scatter, a blocking
+    collective) leaves no event, so the wait would count as the span's compute, and a rank waiting
+    on a slow peer would look slow itself. A gap between leaf ops counts when a worker collective
+    in flight during it ends at most ``WAKE_NS`` before the main thread's next op."""
+    spans = comp.select("rank", "_sid", pl.col("ts_ns").alias("s0"), pl.col("_end").alias("e0")).sort("rank", "s0")
+    empty = pl.DataFrame(schema={"rank": comp.schema["rank"], "s": pl.Int64, "e": pl.Int64})
+    worker = events.join(main.rename({"tid": "_main"}), on="rank").filter(
+        pl.col("name").str.starts_with("gloo:") & (pl.col("tid") != pl.col("_main"))).select(
+        "rank", pl.col("ts_ns").cast(pl.Int64).alias("ws"), (pl.col("ts_ns") + pl.col("dur_ns")).cast(pl.Int64).alias("we"))
+    if not spans.height or not worker.height:
+        return empty
+    k = leaves.select("rank", pl.col("ts_ns").alias("s"), pl.col("_end").alias("e")).sort("rank", "s").join_asof(
+        spans, left_on="s", right_on="s0", by="rank", strategy="backward", check_sortedness=False)
+    k = k.filter(pl.col("s") < pl.col("e0")).sort("_sid", "s").with_columns(
+        pl.col("e").cum_max().shift(1).over("_sid").fill_null(pl.col("s0")).alias("g0"))
+    inner = k.select("rank", "g0", pl.col("s").alias("g1"))
+    tail = k.group_by("rank", "_sid").agg(pl.col("e").max().alias("g0"), pl.col("e0").first().alias("g1"))
+    bare = spans.join(k.select("_sid").unique(), on="_sid", how="anti").select("rank", pl.col("s0").alias("g0"),
+                                                                              pl.col("e0").alias("g1"))
+    gaps = pl.concat([inner, tail.select("rank", "g0", "g1"), bare]).filter(pl.col("g1") > pl.col("g0"))
+    hit = gaps.sort("rank", "g1").join_asof(worker.sort("rank", "we"), left_on="g1", right_on="we", by="rank",
+                                            strategy="backward", check_sortedness=False)
+    hit = hit.filter(pl.col("we").is_not_null() & (pl.col("we") > pl.col("g0"))
+                     & (pl.col("g1") - pl.col("we") <= WAKE_NS) & (pl.col("ws") < pl.col("g1")))
+    return hit.select("rank", pl.max_horizontal("g0", "ws").alias("s"), pl.col("g1").alias("e")).cast(
+        {"s": pl.Int64, "e": pl.Int64})
