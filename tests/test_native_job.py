@@ -125,9 +125,9 @@ def test_nothing_missing_and_a_stripped_run_says_what_to_turn_on(run: dict) -> N
     assert groups and "TORCH_FR_BUFFER_SIZE" in groups[0].turn_on and "collectives have no process group" in groups[0].detail
 
 
-def test_stragglers_cli_has_data_to_localize_with(run: dict) -> None:
-    """What the current localizer makes of it: it must at least have records to compare."""
+def test_stragglers_cli_names_the_slow_rank_and_its_coordinates(run: dict) -> None:
     res = CliRunner().invoke(main, ["stragglers", str(run["store"]), "--json"])
     assert res.exit_code in (0, 1), res.output
     loc = json.loads(res.output)["stragglers"]["localization"]
-    assert loc["verdict"] != "no_data", loc
+    assert loc["verdict"] == "straggler" and loc["culprit_rank"] == SLOW, loc
+    assert loc["coords"] == {"dp": 1, "pp": 0, "cp": 0, "tp": 1}
