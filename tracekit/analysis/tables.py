@@ -52,7 +52,9 @@ class RunTables:
 
     @classmethod
     def from_mapping(cls, tables: Mapping[str, pl.DataFrame], run_id: str | None = None) -> "RunTables":
-        """Check that every table is present with the schema's columns and holds one run."""
+        """Check that every table is present with the schema's columns and holds one run; label
+        unlabelled gloo communication (``assign_groups``, with ``fr_entries`` when the mapping
+        has it), recording how in ``labelling``."""
         missing = [t for t in TABLE_NAMES if t not in tables]
         if missing:
             raise TablesError(f"missing tables {missing}")
