@@ -25,7 +25,8 @@ def _job(n_tp: int = 6, n_dp: int = 6, seed: int = 0) -> dict[str, pl.DataFrame]
         n = n_tp if dim == "tp" else n_dp
         for k in range(n):
             # instances of different groups interleave, 150-400 us apart
-            end = 10_000 * US + k * 1000 * US + (0 if dim == "tp" else 500 * US) + (150 * US if name[1] == "1" else 0)
+            end = (10_000 * US + k * 1000 * US + (0 if dim == "tp" else 500 * US)
+                   + (150 * US if name[1] == "1" else 0))
             for r in members:
                 e = end + rnd.randint(0, 5) * US
                 s = e - rnd.randint(50, 300) * US

@@ -189,7 +189,8 @@ def cpu_compute_spans(events: pl.DataFrame) -> pl.DataFrame:
     top = ops.filter(pl.col("_outer").is_null() | (pl.col("ts_ns") >= pl.col("_outer")))
     comp = top.filter(~cpu_comm()).with_row_index("_sid")
     comm = events.join(main, on=["rank", "tid"]).filter(cpu_comm()).select(
-        "rank", pl.col("ts_ns").cast(pl.Int64).alias("s"), (pl.col("ts_ns") + pl.col("dur_ns")).cast(pl.Int64).alias("e"))
+        "rank", pl.col("ts_ns").cast(pl.Int64).alias("s"),
+        (pl.col("ts_ns") + pl.col("dur_ns")).cast(pl.Int64).alias("e"))
     # leaves: ops with no op inside (the next op by start begins after their end)
     leaves = ops.filter(pl.col("ts_ns").shift(-1).over("rank").fill_null(pl.col("_end")) >= pl.col("_end"))
     comm = pl.concat([comm, _hidden_waits(comp, leaves, events, main)])
@@ -222,7 +223,8 @@ def _hidden_waits(comp: pl.DataFrame, leaves: pl.DataFrame, events: pl.DataFrame
     empty = pl.DataFrame(schema={"rank": comp.schema["rank"], "s": pl.Int64, "e": pl.Int64})
     worker = events.join(main.rename({"tid": "_main"}), on="rank").filter(
         pl.col("name").str.starts_with("gloo:") & (pl.col("tid") != pl.col("_main"))).select(
-        "rank", pl.col("ts_ns").cast(pl.Int64).alias("ws"), (pl.col("ts_ns") + pl.col("dur_ns")).cast(pl.Int64).alias("we"))
+        "rank", pl.col("ts_ns").cast(pl.Int64).alias("ws"),
+        (pl.col("ts_ns") + pl.col("dur_ns")).cast(pl.Int64).alias("we"))
     if not spans.height or not worker.height:
         return empty
     k = leaves.select("rank", pl.col("ts_ns").alias("s"), pl.col("_end").alias("e")).sort("rank", "s").join_asof(
