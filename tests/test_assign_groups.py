@@ -41,7 +41,8 @@ def _job(n_tp: int = 6, n_dp: int = 6, seed: int = 0) -> dict[str, pl.DataFrame]
     steps = pl.DataFrame([{"run_id": "x", "rank": r, "step": 1, "start_ns": 0, "end_ns": 10**12} for r in range(4)])
     coords = pl.DataFrame({"rank": [0, 1, 2, 3], "dp": [0, 0, 1, 1], "pp": [0] * 4, "cp": [0] * 4, "tp": [0, 1, 0, 1]},
                           schema={"rank": pl.Int32, "dp": pl.Int64, "pp": pl.Int64, "cp": pl.Int64, "tp": pl.Int64})
-    return {"collectives": conform(pl.DataFrame(coll), "collectives"), "events": conform(pl.DataFrame(events), "events"),
+    return {"collectives": conform(pl.DataFrame(coll), "collectives"),
+            "events": conform(pl.DataFrame(events), "events"),
             "groups": conform(groups, "groups"), "steps": conform(steps, "steps"), "coords": coords,
             "p2p": conform(pl.DataFrame(schema={"rank": pl.Int32}), "p2p"),
             "truth": pl.DataFrame(truth, schema={"rank": pl.Int32, "start_ns": pl.Int64, "want_pg": pl.Utf8,
