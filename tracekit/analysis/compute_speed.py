@@ -10,7 +10,8 @@ Each rank's per-step speed is the median over its spans of log(own / peers' medi
 preempted span moves nothing; a culprit must then stand out over the steps, the step being the unit
 of independent evidence (spans within a step share the machine's state).
 
-Kernels of GPU traces without annotations are matched by (step, kernel name, occurrence) instead.
+Kernels of GPU traces without annotations, and the top-level CPU ops of CPU traces without them
+(``tables.compute_events``), are matched by (step, name, occurrence) instead.
 """
 
 from __future__ import annotations
@@ -60,9 +61,11 @@ def own_compute_spans(tables: RunTables) -> pl.DataFrame:
                       pl.col("end_ns").cast(pl.Int64).alias("e")).drop_nulls().sort("rank", "s")
     nested = pl.DataFrame(schema={"sid": pl.UInt32, "nested": pl.Int64})
     if ops.height:
-        hit = ops.join_asof(comp.select("rank", "sid", "s0", "e0").sort("rank", "s0"), left_on="s", right_on="s0",
+        hit = ops.join_asof(comp.select("rank", "sid", "s0", "e0", pl.col("nested_comm_ns").is_not_null().alias("own"))
+                            .sort("rank", "s0"), left_on="s", right_on="s0",
                             by="rank", strategy="backward", check_sortedness=False)
-        hit = hit.filter(pl.col("e0").is_not_null() & (pl.col("s") >= pl.col("s0")) & (pl.col("e") <= pl.col("e0")))
+        hit = hit.filter(pl.col("e0").is_not_null() & (pl.col("s") >= pl.col("s0")) & (pl.col("e") <= pl.col("e0"))
+                         & pl.col("own").not_())
         # overlapping ops (a comm span and its nested transport op) count once: merge per span
         hit = hit.sort("sid", "s").with_columns(pl.col("e").cum_max().shift(1).over("sid").alias("prev"))
         hit = hit.with_columns((pl.col("e") - pl.max_horizontal("s", pl.col("prev").fill_null(pl.col("s"))))
@@ -71,7 +74,9 @@ def own_compute_spans(tables: RunTables) -> pl.DataFrame:
     annotated = pl.col("phase").is_not_null()
     base = pl.when(annotated).then(pl.format("{}|{}|{}", pl.col("phase"), pl.col("vstage").fill_null(-1),
                                              pl.col("microbatch").fill_null(-1))).otherwise(pl.col("name"))
-    comp = comp.join(nested, on="sid", how="left").with_columns(base.alias("base"))
+    # CPU op spans come with their nested communication (same thread) already measured
+    comp = comp.join(nested, on="sid", how="left").with_columns(
+        pl.coalesce("nested_comm_ns", "nested").alias("nested"), base.alias("base"))
     comp = comp.with_columns(pl.int_range(pl.len()).over("rank", "step", "base").alias("occ"))
     return comp.select("rank", "step", pl.format("{}#{}", "base", "occ").alias("key"),
                        (pl.col("dur_ns") - pl.col("nested").fill_null(0)).clip(lower_bound=0)

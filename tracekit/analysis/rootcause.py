@@ -53,10 +53,15 @@ def rank_step_metrics(tables: RunTables) -> pl.DataFrame:
     compute_ns excludes communication nested in a compute span (the trainer's fwd/bwd spans hold
     their TP and CP collectives): a peer waiting inside such a span is not computing."""
     comp = compute_events(tables.events)
-    compute = comp.group_by("rank", "step").agg(pl.col("dur_ns").sum().alias("compute_ns"))
-    nested = _nested_comm(comp, pl.concat([
+    # CPU-op compute (a job we did not annotate) carries its own nested communication; the other
+    # rows' is the rank's collectives and p2p inside them
+    own = comp.filter(pl.col("nested_comm_ns").is_not_null())
+    compute = comp.group_by("rank", "step").agg(
+        (pl.col("dur_ns") - pl.col("nested_comm_ns").fill_null(0)).sum().alias("compute_ns"))
+    nested = _nested_comm(comp.filter(pl.col("nested_comm_ns").is_null()), pl.concat([
         tables.collectives.select("rank", pl.col("start_ns").alias("s"), pl.col("end_ns").alias("e")),
-        tables.p2p.select("rank", pl.col("start_ns").alias("s"), pl.col("end_ns").alias("e"))]))
+        tables.p2p.select("rank", pl.col("start_ns").alias("s"), pl.col("end_ns").alias("e"))])) \
+        if comp.height > own.height else pl.DataFrame(schema={"rank": pl.Int32, "step": pl.Int64, "nested_ns": pl.Int64})
     compute = compute.with_columns(pl.col("rank").cast(pl.Int32), pl.col("step").cast(pl.Int64)).join(
         nested, on=["rank", "step"], how="left").with_columns(
         (pl.col("compute_ns") - pl.col("nested_ns").fill_null(0)).clip(lower_bound=0)).drop("nested_ns")
