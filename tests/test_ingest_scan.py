@@ -23,7 +23,7 @@ from tracekit.ingest.common import IngestError
 from tracekit.ingest.pipeline import ingest
 
 ROOT = Path(__file__).resolve().parents[1]
-HTA = ROOT.parent / "shared" / "fixtures" / "real" / "hta"
+HTA = ROOT / "tests" / "fixtures" / "real" / "hta"
 REAL = sorted(HTA.glob("*/*.json.gz"))
 SAMPLE = sorted((ROOT / "sample_traces" / "slow_rank_8" / "traces").glob("rank*.json.gz"))[:2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
