@@ -44,7 +44,7 @@ def ingest_cmd(paths: tuple[Path, ...], store_path: Path, run_id: str | None, wo
         click.echo(json.dumps({
             "files": [{"path": str(f.path), "run_id": f.run_id, "format": f.format, "rank": f.rank,
                        "status": f.status, "error": f.error, "rows": f.rows} for f in report.files],
-            "missing_ranks": missing, "runs": report.runs, "ignored": [str(p) for p in report.ignored],
+            "missing_ranks": missing, "warnings": report.warnings, "runs": report.runs, "ignored": [str(p) for p in report.ignored],
             "seconds": round(report.seconds, 3), "bytes": report.bytes_ingested},
             indent=2))
     else:
@@ -75,6 +75,8 @@ def _render(report: object, missing: dict[str, list[int]]) -> None:
               + (f" ({mb / sec:,.0f} MB/s)" if n and sec > 0 else ""), highlight=False)
     for key, ranks in missing.items():
         out.print(f"[yellow]warning:[/yellow] {key}: ranks missing: {ranges_text(ranks)} ({len(ranks)})")
+    for w in report.warnings:  # type: ignore[attr-defined]
+        out.print(f"[yellow]warning:[/yellow] {escape(w)}", soft_wrap=True, highlight=False)
     for f in report.failed:  # type: ignore[attr-defined]
         out.print(f"[red]failed:[/red] {escape(f.error or '')}", soft_wrap=True, highlight=False)
     ignored = report.ignored  # type: ignore[attr-defined]

@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from tracekit import schema
 from tracekit.ingest import parse as parse_mod
-from tracekit.ingest import rundir, topo
+from tracekit.ingest import limits, rundir, topo
 from tracekit.ingest.common import IngestError, Parsed, RankDependent
 from tracekit.ingest.ledger import Claim, Ledger, SameContent
 
@@ -95,6 +95,7 @@ def apply(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcom
         if unknown:
             raise IngestError(f"{job.path}: parser produced unknown table {unknown[0]!r}")
         rank = None if parsed.multi_rank else _resolve_rank(parsed, job)
+        check_ranks(job.path, parsed, rank)
         claim = ledger.claim(job.run_id, job.path, parsed.format, rank, out.content_hash, parsed.groups)
     except SameContent as e:
         return _skipped(con, job, out, e.format, e.rank, str(e))
@@ -164,6 +165,29 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, src: pa.Table | RankDepe
         con.execute(f"INSERT INTO main.{table} ({', '.join(fill + cols)}) SELECT {select} FROM _tk_incoming", params)
     finally:
         con.unregister("_tk_incoming")
+
+
+def check_ranks(path: Path, parsed: Parsed, rank: int | None) -> None:
+    """A file's rank, world size and group members: never negative, the world within the limit
+    max_world_size (a claimed world of a million ranks would make the run's topology a million
+    rows), and no group larger than that world."""
+    if rank is not None and rank < 0:
+        raise IngestError(f"{path}: rank {rank} is negative")
+    world = parsed.world_size
+    if world is not None:
+        if world <= 0:
+            raise IngestError(f"{path}: world size {world} is not positive")
+        limits.check(path, "max_world_size", world, f"the file claims a world of {world:,} ranks")
+    bound = world or limits.get("max_world_size")
+    for g in parsed.groups:
+        members = [int(r) for r in g["ranks"]]
+        if members and (min(members) < 0 or max(members) >= bound):
+            raise IngestError(f"{path}: process group {g.get('pg_name')!r} names rank "
+                              f"{min(members) if min(members) < 0 else max(members)}, outside the world of {bound} ranks"
+                              if world else
+                              f"{path}: process group {g.get('pg_name')!r} names rank "
+                              f"{min(members) if min(members) < 0 else max(members)}, negative or over the limit "
+                              f"max_world_size = {bound:,} (raise it with --limit max_world_size=...)")
 
 
 def _resolve_rank(parsed: Parsed, job: rundir.Job) -> int:

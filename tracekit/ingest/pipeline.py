@@ -55,6 +55,7 @@ PROCESSES_FROM_BYTES = 1 << 30
 class IngestReport:
     files: list[FileResult] = field(default_factory=list)  # in the order the files were given
     missing: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (run, format) -> ranks
+    warnings: list[str] = field(default_factory=list)  # "<run>: what is wrong with it" (world sizes disagree)
     runs: list[str] = field(default_factory=list)
     # files of a directory walk passed over as not traces (a README, a result.json), as given
     ignored: list[Path] = field(default_factory=list)
@@ -126,6 +127,7 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
             for rid, rb in runs.items():
                 if rb.touched:
                     report.missing.update(topo.finalize(con, rb))
+                    report.warnings.extend(f"{rid}: {w}" for w in rb.warnings)
                     report.runs.append(rid)
         finally:
             _close(con, saved)
