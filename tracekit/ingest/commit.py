@@ -119,7 +119,7 @@ def apply(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcom
              out.seconds)
     except (duckdb.Error, pa.ArrowException) as e:
         ledger.release(claim)
-        raise StoreWriteError(f"{job.path}: store write failed ({e})", rank) from e
+        raise StoreWriteError(write_failed(job.path, e), rank) from e
     except BaseException:
         ledger.release(claim)
         raise
@@ -141,7 +141,16 @@ def apply_alone(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.
     except duckdb.Error as e:  # the COMMIT itself
         rollback(con)
         ledger.release(done.claim if done else None)
-        return failed(con, job, out, f"{job.path}: store write failed ({e})")
+        return failed(con, job, out, write_failed(job.path, e))
+
+
+def write_failed(path: Path, e: BaseException) -> str:
+    """The message for a failed store write, saying what ran out where DuckDB's own words hide it."""
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if isinstance(e, (duckdb.OutOfMemoryException, MemoryError, pa.ArrowMemoryError)):
+        return (f"{path}: out of memory while writing it to the store ({first}); ingest it with fewer "
+                "--workers, or on a machine with more memory")
+    return f"{path}: store write failed ({first})"
 
 
 def rollback(con: duckdb.DuckDBPyConnection) -> None:
@@ -164,7 +173,10 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, src: pa.Table | RankDepe
     try:
         con.execute(f"INSERT INTO main.{table} ({', '.join(fill + cols)}) SELECT {select} FROM _tk_incoming", params)
     finally:
-        con.unregister("_tk_incoming")
+        try:
+            con.unregister("_tk_incoming")
+        except duckdb.Error:  # the failed insert aborted the transaction; its error is the one to report
+            pass
 
 
 def check_ranks(path: Path, parsed: Parsed, rank: int | None) -> None:

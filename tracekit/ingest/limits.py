@@ -39,7 +39,7 @@ LIMITS: dict[str, Limit] = {lim.name: lim for lim in (
           True),
     Limit("max_pickle_objects", 20_000_000, "objects a pickle builds"),
     Limit("max_pickle_object_bytes", 256 << 20, "bytes of one str, bytes or bytearray a pickle builds", True),
-    Limit("max_expanded_bytes", 512 << 20,
+    Limit("max_expanded_bytes", 256 << 20,
           "bytes of a flight-recorder dump's entries written out as text (shared references count each time)", True),
     Limit("max_world_size", 1 << 17, "ranks a file's world size may claim"),
 )}

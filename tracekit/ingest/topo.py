@@ -139,7 +139,10 @@ def _insert_ranks(con: duckdb.DuckDBPyConnection, rid: str, ranks: "range | list
         con.execute("INSERT INTO ranks SELECT ?, rank, dp, pp, cp, tp, host, pid, clock_offset_ns FROM _tk_ranks",
                     [rid])
     finally:
-        con.unregister("_tk_ranks")
+        try:
+            con.unregister("_tk_ranks")
+        except duckdb.Error:  # the failed insert aborted the transaction; its error is the one to report
+            pass
 
 
 def finalize(con: duckdb.DuckDBPyConnection, rb: RunBatch) -> dict[tuple[str, str], list[int]]:

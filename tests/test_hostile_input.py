@@ -1,0 +1,140 @@
+"""Hostile input through the real CLI: every case fails its file alone, in bounded memory, with one
+clear line naming the file and the limit, exit code 2, and the store's earlier rows unchanged.
+
+Each case runs `tracekit ingest` in a subprocess; its peak RSS (the subprocess and whatever it
+waited for, from wait4) must stay under 1 GB. The files are generated (tests/_hostile.py): the
+bombs inflate to a gigabyte from about a megabyte of gzip.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import tracekit
+from tracekit.ingest.pipeline import ingest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _hostile as H  # noqa: E402
+from _traces import nccl_trace, write_trace  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PEAK_RSS = 1 << 30
+TABLES = ("events", "collectives", "p2p", "steps", "fr_entries", "memory_events", "groups", "runs", "ranks")
+CLI = "import sys; from tracekit.cli import main; sys.argv[0] = 'tracekit'; main()"
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> tuple[int, str, int]:
+    """(exit code, stdout + stderr, peak RSS in bytes) of `tracekit *args` in a subprocess. The peak
+    is wait4's: the child's, or any of its children's it waited for (the parser processes)."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200", **(env or {})}
+    p = subprocess.Popen([sys.executable, "-c", CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         env=full_env, cwd=ROOT)
+    timer = threading.Timer(timeout, p.kill)  # a hang fails the test instead of stalling the suite
+    timer.start()
+    try:
+        out = p.stdout.read()  # type: ignore[union-attr]
+    finally:
+        timer.cancel()
+        p.stdout.close()  # type: ignore[union-attr]
+    _, status, usage = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    return p.returncode, out.decode(errors="replace"), usage.ru_maxrss * 1024  # kB on Linux
+
+
+def snapshot(db: Path) -> dict[str, list]:
+    """Every table's rows (ingest_log: those not about a failed file), sorted."""
+    with tracekit.open(db) as s:
+        out = {t: sorted(map(repr, s.sql(f"SELECT * EXCLUDE (ingested_at) FROM {t}" if t == "runs"
+                                          else f"SELECT * FROM {t}").rows())) for t in TABLES}
+        out["ingest_log"] = sorted(map(repr, s.sql("SELECT run_id, path, format, rank, content_hash, status, rows "
+                                                   "FROM ingest_log WHERE status <> 'failed'").rows()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def base_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store holding one good 2-rank run."""
+    d = tmp_path_factory.mktemp("base")
+    for r in range(2):
+        write_trace(d / "good" / "traces" / f"rank{r}.json.gz", nccl_trace(r))
+    db = d / "base.duckdb"
+    assert not ingest([d / "good"], db).failed
+    return db
+
+
+@pytest.fixture(scope="module")
+def base_rows(base_store: Path) -> dict[str, list]:
+    return snapshot(base_store)
+
+
+CASES = {  # name -> (writer, file name, the limit (or words) the error line must name)
+    "header_string": (H.header_string, "rank0.json.gz", "max_header_bytes"),
+    "event_string": (H.event_string, "rank0.json.gz", "max_event_bytes"),
+    "whitespace_before_events": (H.whitespace_before, "rank0.json.gz", "max_header_bytes"),
+    "whitespace_inside_events": (H.whitespace_inside, "rank0.json.gz", "max_inflate_ratio"),
+    "ten_million_events": (H.many_events, "rank0.json.gz", "max_inflate_ratio"),
+    "world_of_a_million": (H.world_of, "rank0.json", "max_world_size"),
+    "negative_rank": (H.negative_rank, "rank0.json", "rank -1 is negative"),
+    "shared_frames_pickle": (H.shared_frames_dump, "rank0.pickle", "max_expanded_bytes"),
+    "bytearray_pickle": (H.bytearray_call, "rank0.pickle", "max_pickle_object_bytes"),
+    "bytes8_pickle": (H.long_bytes, "rank0.pickle", "rank0.pickle"),
+    "deep_pickle": (H.nested_lists, "rank0.pickle", "rank0.pickle"),
+}
+
+
+def _fails_alone(base_store: Path, base_rows: dict, tmp_path: Path, bad: Path, must_name: str,
+                 env: dict[str, str] | None = None) -> int:
+    db = tmp_path / "s.duckdb"
+    shutil.copy(base_store, db)
+    code, out, peak = run_cli("ingest", str(bad), "--store", str(db), "--run-id", "hostile", env=env)
+    print(f"{bad.name}: exit {code}, peak RSS {peak / 1e6:.0f} MB")
+    assert "Traceback" not in out, out
+    failed = [line for line in out.splitlines() if line.startswith("failed:")]
+    assert len(failed) == 1 and bad.name in failed[0] and must_name in failed[0], out
+    assert code == 2, out
+    assert 0 < peak < PEAK_RSS, f"peak RSS {peak / 1e6:.0f} MB"
+    assert snapshot(db) == base_rows
+    return peak
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hostile_file_fails_alone_in_bounded_memory(case: str, base_store: Path, base_rows: dict,
+                                                    tmp_path: Path) -> None:
+    write, name, must_name = CASES[case]
+    bad = write(tmp_path / name)
+    assert bad.stat().st_size < 16 << 20  # small on disk
+    _fails_alone(base_store, base_rows, tmp_path, bad, must_name)
+
+
+def test_past_one_limit_the_next_holds(base_store: Path, base_rows: dict, tmp_path: Path) -> None:
+    """Ten million tiny events with the gzip ratio limit raised: the event count stops them."""
+    bad = H.many_events(tmp_path / "rank0.json.gz")
+    _fails_alone(base_store, base_rows, tmp_path, bad, "max_events", env={"TRACEKIT_LIMIT_MAX_INFLATE_RATIO": "100000"})
+
+
+def test_a_raised_limit_lets_the_file_in(tmp_path: Path) -> None:
+    bad = H.header_string(tmp_path / "rank0.json.gz", mb=8)
+    db = tmp_path / "s.duckdb"
+    code, out, _ = run_cli("ingest", str(bad), "--store", str(db), env={"TRACEKIT_LIMIT_MAX_HEADER_BYTES": "4MiB"})
+    assert code == 2 and "max_header_bytes = 4 MiB" in out, out
+    code, out, _ = run_cli("ingest", str(bad), "--store", str(db), env={"TRACEKIT_LIMIT_MAX_HEADER_BYTES": "16MiB"})
+    assert code == 0, out
+
+
+def test_files_disagreeing_on_the_world_size_are_reported(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    H.trace(run / "rank0.json", H._info(0, 2))
+    H.trace(run / "rank1.json", H._info(1, 8))
+    code, out, _ = run_cli("ingest", str(run), "--store", str(tmp_path / "s.duckdb"))
+    assert code == 0, out
+    assert "files disagree on the world size (2, 8); taken as 8" in out, out
+    with tracekit.open(tmp_path / "s.duckdb") as s:
+        assert s.sql("SELECT count(*) FROM ingest_log WHERE status = 'warning' AND error LIKE '%disagree%'").item() == 1
