@@ -180,9 +180,9 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, src: pa.Table | RankDepe
 
 
 def check_ranks(path: Path, parsed: Parsed, rank: int | None) -> None:
-    """A file's rank, world size and group members: never negative, the world within the limit
+    """A file's rank, world size and group members: never negative, and within the limit
     max_world_size (a claimed world of a million ranks would make the run's topology a million
-    rows), and no group larger than that world."""
+    rows). A group member past the file's own world size is left to the run's warnings."""
     if rank is not None and rank < 0:
         raise IngestError(f"{path}: rank {rank} is negative")
     world = parsed.world_size
@@ -190,16 +190,13 @@ def check_ranks(path: Path, parsed: Parsed, rank: int | None) -> None:
         if world <= 0:
             raise IngestError(f"{path}: world size {world} is not positive")
         limits.check(path, "max_world_size", world, f"the file claims a world of {world:,} ranks")
-    bound = world or limits.get("max_world_size")
     for g in parsed.groups:
         members = [int(r) for r in g["ranks"]]
-        if members and (min(members) < 0 or max(members) >= bound):
-            raise IngestError(f"{path}: process group {g.get('pg_name')!r} names rank "
-                              f"{min(members) if min(members) < 0 else max(members)}, outside the world of {bound} ranks"
-                              if world else
-                              f"{path}: process group {g.get('pg_name')!r} names rank "
-                              f"{min(members) if min(members) < 0 else max(members)}, negative or over the limit "
-                              f"max_world_size = {bound:,} (raise it with --limit max_world_size=...)")
+        if members and min(members) < 0:
+            raise IngestError(f"{path}: process group {g.get('pg_name')!r} names rank {min(members)}, negative")
+        if members:
+            limits.check(path, "max_world_size", max(members) + 1,
+                         f"process group {g.get('pg_name')!r} names rank {max(members):,}")
 
 
 def _resolve_rank(parsed: Parsed, job: rundir.Job) -> int:
