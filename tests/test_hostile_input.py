@@ -83,7 +83,7 @@ CASES = {  # name -> (writer, file name, the limit (or words) the error line mus
     "world_of_a_million": (H.world_of, "rank0.json", "max_world_size"),
     "negative_rank": (H.negative_rank, "rank0.json", "rank -1 is negative"),
     "shared_frames_pickle": (H.shared_frames_dump, "rank0.pickle", "max_expanded_bytes"),
-    "bytearray_pickle": (H.bytearray_call, "rank0.pickle", "max_pickle_object_bytes"),
+    "bytearray_pickle": (H.bytearray_call, "rank0.pickle", "bytearray(int)"),
     "bytes8_pickle": (H.long_bytes, "rank0.pickle", "rank0.pickle"),
     "deep_pickle": (H.nested_lists, "rank0.pickle", "rank0.pickle"),
 }
@@ -117,6 +117,11 @@ def test_past_one_limit_the_next_holds(base_store: Path, base_rows: dict, tmp_pa
     """Ten million tiny events with the gzip ratio limit raised: the event count stops them."""
     bad = H.many_events(tmp_path / "rank0.json.gz")
     _fails_alone(base_store, base_rows, tmp_path, bad, "max_events", env={"TRACEKIT_LIMIT_MAX_INFLATE_RATIO": "100000"})
+
+
+def test_a_pickle_over_the_whole_load_limit_fails_alone(base_store: Path, base_rows: dict, tmp_path: Path) -> None:
+    bad = H.shared_frames_dump(tmp_path / "rank0.pickle", entries=100, frames=10)
+    _fails_alone(base_store, base_rows, tmp_path, bad, "max_loaded_bytes", env={"TRACEKIT_LIMIT_MAX_LOADED_BYTES": "100"})
 
 
 def test_a_raised_limit_lets_the_file_in(tmp_path: Path) -> None:

@@ -157,4 +157,6 @@ def _peer(profiling_name: str, group: list[int] | None) -> int | None:
 
 
 def parse(path: Path) -> Parsed:
-    return parse_dump(path, load(path, path.read_bytes()))
+    from tracekit.ingest.parse import read_whole
+
+    return parse_dump(path, load(path, read_whole(path)))

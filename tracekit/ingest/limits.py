@@ -35,10 +35,10 @@ LIMITS: dict[str, Limit] = {lim.name: lim for lim in (
     # A Kineto trace gzips 10-15x (the HTA fixtures: 13-14x). Checked once a file has inflated
     # past INFLATE_RATIO_FROM, so small, very regular files are never refused for it.
     Limit("max_inflate_ratio", 200, "decompressed bytes per compressed byte of a gzip file (past 256 MiB)"),
-    Limit("max_pickle_bytes", 64 << 20, "bytes of a pickle loaded whole (flight-recorder dumps, small snapshots)",
-          True),
-    Limit("max_pickle_objects", 20_000_000, "objects a pickle builds"),
-    Limit("max_pickle_object_bytes", 256 << 20, "bytes of one str, bytes or bytearray a pickle builds", True),
+    # A pickle builds at most one object per byte, and no str or bytes larger than the file: so
+    # this bounds a whole load's objects too (about 60x the file in memory). Larger snapshots stream.
+    Limit("max_loaded_bytes", 16 << 20,
+          "bytes of a file loaded whole (flight-recorder dumps, pickle or JSON; snapshots up to 2 MiB)", True),
     Limit("max_expanded_bytes", 256 << 20,
           "bytes of a flight-recorder dump's entries written out as text (shared references count each time)", True),
     Limit("max_world_size", 1 << 17, "ranks a file's world size may claim"),

@@ -26,9 +26,18 @@ class UnsafePickleError(pickle.UnpicklingError):
 _DATA_CONSTRUCTORS = {
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
-    ("builtins", "bytearray"): bytearray,
+    ("builtins", "bytearray"): lambda *a: _bytearray(*a),
     ("_codecs", "encode"): lambda s, enc="utf-8": s.encode(enc) if enc in ("latin1", "latin-1", "utf-8") else _no(enc),
 }
+
+
+def _bytearray(source: object = b"", *rest: object) -> bytearray:
+    """bytearray of data only (as large as the data, which is in the file): ``bytearray(1_500_000_000)``,
+    36 bytes of pickle, would allocate and zero 1.5 GB before anything could refuse it."""
+    if isinstance(source, (int, float)) or not isinstance(source, (bytes, bytearray, str, list, tuple)):
+        raise UnsafePickleError(f"pickle calls bytearray({type(source).__name__}); only bytearray of data "
+                                "(bytes, str or a list of ints) is accepted")
+    return bytearray(source, *rest)  # type: ignore[arg-type]
 
 
 def _no(enc: str) -> bytes:
@@ -57,8 +66,8 @@ def loads(data: bytes, source: str = "<bytes>") -> Any:
     """Unpickle plain data from ``data``; ``source`` names it in errors."""
     try:
         return _PlainDataUnpickler(io.BytesIO(data), source).load()
-    except UnsafePickleError:
-        raise
+    except UnsafePickleError as e:
+        raise UnsafePickleError(str(e) if str(e).startswith(source) else f"{source}: {e}") from None
     except (pickle.UnpicklingError, EOFError, ValueError, IndexError, TypeError,
             AttributeError, MemoryError, OverflowError, KeyError) as e:
         raise pickle.UnpicklingError(f"{source}: corrupt or truncated pickle ({e})") from None
