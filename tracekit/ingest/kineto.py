@@ -70,7 +70,7 @@ def read_events(con: duckdb.DuckDBPyConnection, path: Path, hasher: Hasher | Non
         nonlocal seen
         seen += batch.num_rows
         if seen > max_events:
-            raise limits.exceeded(path, "max_events", f"more than {seen:,} complete events")
+            raise limits.exceeded(path, "max_events", f"at least {seen:,} complete events")
         on_batch(batch)
 
     try:
