@@ -113,6 +113,20 @@ def test_hostile_file_fails_alone_in_bounded_memory(case: str, base_store: Path,
     _fails_alone(base_store, base_rows, tmp_path, bad, must_name)
 
 
+KINETO_CASES = sorted(c for c, (_, name, _) in CASES.items() if ".json" in name)
+
+
+@pytest.mark.parametrize("case", KINETO_CASES)
+def test_duckdbs_reader_is_held_to_the_limits_too(case: str, base_store: Path, base_rows: dict,
+                                                  tmp_path: Path) -> None:
+    """Without the native scanner the array is copied out for DuckDB's reader: the same cases stop
+    within the same bounds (a huge event may meet the gzip limit before DuckDB sees it)."""
+    write, name, must_name = CASES[case]
+    bad = write(tmp_path / name)
+    _fails_alone(base_store, base_rows, tmp_path, bad, "over the limit" if "max_" in must_name else must_name,
+                 env={"TRACEKIT_KINETO_READER": "duckdb"})
+
+
 def test_past_one_limit_the_next_holds(base_store: Path, base_rows: dict, tmp_path: Path) -> None:
     """Ten million tiny events with the gzip ratio limit raised: the event count stops them."""
     bad = H.many_events(tmp_path / "rank0.json.gz")

@@ -19,7 +19,7 @@ import pyarrow as pa
 from tracekit import schema
 from tracekit.ingest import parse as parse_mod
 from tracekit.ingest import limits, rundir, topo
-from tracekit.ingest.common import IngestError, Parsed, RankDependent
+from tracekit.ingest.common import IngestError, Parsed, RankDependent, crash_point
 from tracekit.ingest.ledger import Claim, Ledger, SameContent
 
 # What a re-ingest of a changed file replaces, per format: table -> extra row filter.
@@ -108,6 +108,7 @@ def apply(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcom
                 con.execute(f"DELETE FROM {t} WHERE run_id = ? AND rank = ? {extra}", [job.run_id, rank])
             con.execute("DELETE FROM ingest_log WHERE run_id = ? AND path = ? AND status = 'ok'",
                         [job.run_id, str(job.path)])
+            con.execute("DELETE FROM file_meta WHERE run_id = ? AND path = ?", [job.run_id, str(job.path)])
         if parsed.multi_rank:
             for t in parsed.tables:
                 con.execute(f"DELETE FROM {t} WHERE run_id = ?", [job.run_id])
@@ -115,6 +116,7 @@ def apply(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcom
             _insert(con, t, tbl, job.run_id, rank)
         for g in claim.new_groups:
             topo.insert_group(con, job.run_id, g)
+        topo.insert_file_meta(con, job.run_id, job.path, parsed, rank)
         _log(con, job.run_id, job.path, parsed.format, rank, out.content_hash, "ok", None, parsed.rows,
              out.seconds)
     except (duckdb.Error, pa.ArrowException) as e:
@@ -133,7 +135,9 @@ def apply_alone(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.
     done = None
     try:
         done = apply(con, job, out, ledger)
+        crash_point("commit")
         con.execute("COMMIT")
+        crash_point("committed")
         return done
     except StoreWriteError as e:
         rollback(con)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -9,6 +13,23 @@ import pyarrow as pa
 
 from tracekit import schema
 from tracekit.ingest import columns
+
+# Tests only (tests/test_ingest_crash.py): "<point>[:<n>]" kills this process with SIGKILL the n-th
+# time it passes crash_point(<point>), to check that a re-run after any crash gives the clean store.
+CRASH_ENV = "TRACEKIT_TEST_CRASH_AT"
+_passes: Counter = Counter()
+_passes_lock = threading.Lock()
+
+
+def crash_point(point: str) -> None:
+    want = os.environ.get(CRASH_ENV)
+    if not want or want.partition(":")[0] != point:
+        return
+    with _passes_lock:
+        _passes[point] += 1
+        if _passes[point] == int(want.partition(":")[2] or 1):
+            os.kill(os.getpid(), signal.SIGKILL)
+
 
 class IngestError(ValueError):
     """A file that cannot be ingested; the message names the file and what is wrong with it."""

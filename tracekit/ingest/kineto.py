@@ -12,7 +12,6 @@ event: Python sees only the distinct names, categories and threads.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -101,7 +100,9 @@ def _read_duckdb(con: duckdb.DuckDBPyConnection, path: Path, hasher: Hasher | No
     """The array copied to a temporary file, hashed on the way, which DuckDB's JSON reader then
     parses: from a regular file it needs about 60 MiB less memory and less CPU than from a pipe."""
     schema = kineto_scan.schema(COLUMNS)
-    with tempfile.TemporaryDirectory(prefix="tk-kineto-") as tmp:
+    from tracekit.ingest.procs import temporary_folder
+
+    with temporary_folder("tk-kineto-") as tmp:
         array = os.path.join(tmp, "events.json")
         try:
             with open(array, "wb") as out:
