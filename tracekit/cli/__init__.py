@@ -3,17 +3,22 @@
 returns; this file wires them (``train`` and ``numerics`` are the trainer's and the numerics' own).
 
 Exit codes: 0 ok; 1 a finding in check modes (e.g. a straggler or mismatch where one was asked
-not to exist); 2 bad input (unreadable or invalid files, impossible configs).
+not to exist); 2 bad input (unreadable or invalid files, impossible configs); 130 interrupted
+(Ctrl-C: one line, no traceback).
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import signal
+import sys
+from typing import NoReturn
 
 import click
 
 from tracekit import __version__
+from tracekit.cli._common import EXIT_INTERRUPTED
 
 # (module, attribute, summary) of each subcommand, imported lazily so that `tracekit --help` stays
 # fast (the summaries are here, not read from the commands: listing them imported torch, DuckDB and
@@ -73,6 +78,29 @@ class LazyGroup(click.Group):
         for var, value in PROCESS_DEFAULTS.items():  # before pyarrow and numpy load; the user's own win
             os.environ.setdefault(var, value)
         return getattr(importlib.import_module(module), attr)
+
+    def invoke(self, ctx: click.Context) -> object:
+        """Ctrl-C anywhere in a command (an import, an ingest, an analysis, the dashboard's server):
+        one line and exit code 130, not click's "Aborted!" with exit code 1, which means a finding.
+        Ingest's own cleanup (workers stopped, whole files only) has run by the time it arrives here."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            interrupted()
+
+
+def interrupted() -> NoReturn:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the exit
+    sys.stderr.write("interrupted\n")
+    sys.stderr.flush()
+    os._exit(EXIT_INTERRUPTED) if _threads_left() else sys.exit(EXIT_INTERRUPTED)
+
+
+def _threads_left() -> bool:
+    """Threads other than this one still running (a server's): exit without waiting for them."""
+    import threading
+
+    return any(t is not threading.current_thread() and t.is_alive() and not t.daemon for t in threading.enumerate())
 
 
 @click.group(cls=LazyGroup)

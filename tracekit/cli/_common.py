@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Callable, Iterator, NoReturn
 
 EXIT_OK, EXIT_FINDING, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it
 
 Progress = Callable[[int, int, Path, str], None]  # (done, total, file, status), as ingest() calls it
 

@@ -14,9 +14,11 @@ import pyarrow as pa
 from tracekit import schema
 from tracekit.ingest import columns
 
-# Tests only (tests/test_ingest_crash.py): "<point>[:<n>]" kills this process with SIGKILL the n-th
-# time it passes crash_point(<point>), to check that a re-run after any crash gives the clean store.
+# Tests only (tests/test_ingest_crash.py, test_interrupts.py): "<point>[:<n>]" sends this process
+# SIGKILL (or the signal named by CRASH_SIGNAL_ENV, e.g. INT) the n-th time it passes
+# crash_point(<point>), to check what a crash or a Ctrl-C there leaves behind.
 CRASH_ENV = "TRACEKIT_TEST_CRASH_AT"
+CRASH_SIGNAL_ENV = "TRACEKIT_TEST_CRASH_SIGNAL"
 _passes: Counter = Counter()
 _passes_lock = threading.Lock()
 
@@ -28,7 +30,7 @@ def crash_point(point: str) -> None:
     with _passes_lock:
         _passes[point] += 1
         if _passes[point] == int(want.partition(":")[2] or 1):
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get(CRASH_SIGNAL_ENV, "KILL")))
 
 
 class IngestError(ValueError):
