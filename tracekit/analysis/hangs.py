@@ -14,8 +14,11 @@ entries, so only the maximum sequence per rank is used.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import polars as pl
+
+from tracekit.analysis.damaged import describe
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,9 @@ class StuckCollective:
 class HangReport:
     ranks_with_records: tuple[int, ...]
     stuck: list[StuckCollective] = field(default_factory=list)
+    # ranks without flight-recorder data (none recorded, or their dump failed to ingest) -> why:
+    # named as such, never taken for culprits (a rank that holds the job may be one of them)
+    damaged: dict[int, str] = field(default_factory=dict)
 
     @property
     def hung(self) -> bool:
@@ -50,22 +56,30 @@ class HangReport:
         """Ranks that never joined a collective others wait in, and are not themselves waiting in a
         stuck one: the ones holding the job (a rank waiting in one group can be why another stalls)."""
         waiting = {r for s in self.stuck for r in s.joined}
-        absent = {r for s in self.stuck for r in (*s.missing, *s.no_record)}
+        absent = {r for s in self.stuck for r in (*s.missing, *s.no_record)} - set(self.damaged)
         return tuple(sorted(absent - waiting)) or tuple(sorted(absent))
 
     @property
     def headline(self) -> str:
+        return self._verdict() + (f"; without data: {describe(self.damaged)}" if self.damaged else "")
+
+    def _verdict(self) -> str:
         if not self.ranks_with_records:
             return "no flight-recorder entries: nothing to say about hangs"
         if not self.stuck:
             return f"no hang: every group's members reached the same collective ({len(self.ranks_with_records)} ranks)"
         s = self.stuck[0]
-        never = sorted({*s.missing, *s.no_record})
+        never = sorted({*s.missing, *s.no_record} - set(self.damaged))
+        nodata = sorted({*s.missing, *s.no_record} & set(self.damaged))
         return (f"hang in {s.op} #{s.seq} of group {s.pg_desc or s.pg_name}: ranks {list(s.joined)} wait, "
-                f"ranks {never} never joined; likely culprit(s): {list(self.culprits)}")
+                + (f"ranks {never} never joined" if never else "no rank with data is absent")
+                + (f", ranks {nodata} have no data" if nodata else "")
+                + (f"; likely culprit(s): {list(self.culprits)}" if self.culprits else
+                   "; the culprit is among the ranks without data"))
 
     def to_dict(self) -> dict:
         return {"headline": self.headline, "hung": self.hung, "culprits": list(self.culprits),
+                "damaged": {str(r): why for r, why in self.damaged.items()},
                 "ranks_with_records": list(self.ranks_with_records), "stuck": [s.to_dict() for s in self.stuck]}
 
 
@@ -75,11 +89,14 @@ def _op(profiling_name: str | None) -> str:
     return name.split(" ", 1)[0]
 
 
-def diagnose_hang(fr_entries: pl.DataFrame, groups: pl.DataFrame) -> HangReport:
+def diagnose_hang(fr_entries: pl.DataFrame, groups: pl.DataFrame,
+                  damaged: Mapping[int, str] | None = None) -> HangReport:
     """The collectives where ranks stopped. ``groups`` (pg_name, pg_desc, ranks) gives membership;
-    a group it lacks gets the ranks that recorded it."""
+    a group it lacks gets the ranks that recorded it. ``damaged``: ranks without usable
+    flight-recorder data and why (tracekit.analysis.damaged), named and never taken for culprits."""
+    damaged = dict(damaged or {})
     if not fr_entries.height:
-        return HangReport(())
+        return HangReport((), damaged=damaged)
     fr = fr_entries.with_columns(
         pl.col("rank").cast(pl.Int64),
         pl.when(pl.col("is_p2p").fill_null(False)).then(pl.col("p2p_seq_id")).otherwise(
@@ -122,7 +139,7 @@ def diagnose_hang(fr_entries: pl.DataFrame, groups: pl.DataFrame) -> HangReport:
         desc = descs.get(pg) or (row["pg_desc"][0] if row.height else None)
         stuck.append(StuckCollective(pg, desc, int(seq), op, tuple(mem), joined, missing, no_record,
                                      {int(r): int(v) for r, v in last.items()}))
-    report = HangReport(tuple(sorted(fr["rank"].unique().to_list())), stuck)
+    report = HangReport(tuple(sorted(fr["rank"].unique().to_list())), stuck, damaged)
     culprits = set(report.culprits)
     # the collective the culprits are absent from first: it is where the job stopped; the others
     # stalled behind it (their absent members wait in it)
