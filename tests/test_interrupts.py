@@ -37,12 +37,16 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
     return tables(store)
 
 
-@pytest.mark.parametrize("point", ["start", "commit:1", "committed:2", "finalize"])
-def test_ctrl_c_in_ingest(point: str, clean: dict, tmp_path: Path) -> None:
+@pytest.mark.parametrize("point,mode", [("start", "--threads"), ("commit:1", "--threads"), ("committed:2", "--threads"),
+                                        ("finalize", "--threads"), ("commit:1", "--processes"),
+                                        ("committed:1", "--processes")])
+def test_ctrl_c_in_ingest(point: str, mode: str, clean: dict, tmp_path: Path) -> None:
     store = tmp_path / "s.duckdb"
-    done = ingest_cli(store, env={"TRACEKIT_TEST_CRASH_AT": point, "TRACEKIT_TEST_CRASH_SIGNAL": "INT"})
+    done = ingest_cli(store, mode, env={"TRACEKIT_TEST_CRASH_AT": point, "TRACEKIT_TEST_CRASH_SIGNAL": "INT",
+                                        "TMPDIR": str(tmp_path)})
     assert done.returncode == 130, done.stdout + done.stderr
     _interrupted(done.stderr)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("tk-")]  # its parsers' spool removed
     again = ingest_cli(store)
     assert again.returncode == 0, again.stdout + again.stderr
     assert tables(store) == clean
