@@ -101,7 +101,8 @@ class EventSink:
         del self.buf[:used]  # bytearray drops a prefix without moving the rest
         if len(self.buf) > self.max_event_bytes:
             raise limits.exceeded(self.path, "max_event_bytes",
-                                  f"event {self.scanner.events} is still incomplete after {len(self.buf):,} bytes")
+                                  f"event {self.scanner.events} is still incomplete after {len(self.buf):,} bytes",
+                                  self.max_event_bytes)
         if self.scanner.rows >= BATCH_ROWS:
             self._emit()
 

@@ -91,9 +91,10 @@ def shown(name: str, value: int) -> str:
     return f"{value:,} bytes"
 
 
-def exceeded(source: object, name: str, detail: str) -> LimitExceeded:
-    """The error for ``source`` (a path) passing limit ``name``; ``detail`` says by how much."""
-    value = get(name)
+def exceeded(source: object, name: str, detail: str, value: int | None = None) -> LimitExceeded:
+    """The error for ``source`` (a path) passing limit ``name`` (in force, unless ``value`` says
+    which the caller used); ``detail`` says by how much."""
+    value = get(name) if value is None else value
     return LimitExceeded(f"{source}: {detail}: over the limit {name} = {shown(name, value)} "
                          f"(raise it with --limit {name}=...)")
 
