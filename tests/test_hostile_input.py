@@ -165,3 +165,15 @@ def test_files_disagreeing_on_the_world_size_are_reported(tmp_path: Path) -> Non
     assert "files disagree on the world size (2, 8); taken as 8" in out, out
     with tracekit.open(tmp_path / "s.duckdb") as s:
         assert s.sql("SELECT count(*) FROM ingest_log WHERE status = 'warning' AND error LIKE '%disagree%'").item() == 1
+
+
+@pytest.mark.parametrize("mb", [1, 2])
+def test_a_store_write_out_of_memory_says_so(mb: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DuckDB's memory limit too small for a trace: at the insert (1 MB) or at the COMMIT (2 MB, where
+    DuckDB reports a "TransactionContext Error"), the file's error says it ran out of memory."""
+    from tracekit.ingest import pipeline
+
+    monkeypatch.setattr(pipeline, "MEMORY_PER_WORKER_MB", mb)
+    rep = ingest([ROOT / "tests" / "fixtures" / "real" / "hta" / "single_rank_nccl"], tmp_path / "s.duckdb", workers=1)
+    (f,) = rep.files
+    assert f.status == "failed" and "nccl_data.json.gz: out of memory while writing it to the store" in (f.error or "")

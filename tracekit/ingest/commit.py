@@ -151,7 +151,8 @@ def apply_alone(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.
 def write_failed(path: Path, e: BaseException) -> str:
     """The message for a failed store write, saying what ran out where DuckDB's own words hide it."""
     first = str(e).splitlines()[0] if str(e) else type(e).__name__
-    if isinstance(e, (duckdb.OutOfMemoryException, MemoryError, pa.ArrowMemoryError)):
+    if isinstance(e, (duckdb.OutOfMemoryException, MemoryError, pa.ArrowMemoryError)) or \
+            any(w in str(e) for w in ("Out of Memory", "failed to pin block", "could not allocate block")):
         return (f"{path}: out of memory while writing it to the store ({first}); ingest it with fewer "
                 "--workers, or on a machine with more memory")
     return f"{path}: store write failed ({first})"
