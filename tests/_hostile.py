@@ -115,3 +115,40 @@ def nested_lists(path: Path, depth: int = 200_000) -> Path:
     """A pickle of lists nested ``depth`` deep (EMPTY_LIST, then APPEND each into the one before)."""
     path.write_bytes(b"\x80\x04" + b"]" * depth + b"a" * (depth - 1) + b".")
     return path
+
+
+class _Call:
+    """Pickles as a call of ``fn(*args)`` (GLOBAL/STACK_GLOBAL then REDUCE)."""
+
+    def __init__(self, fn: object, *args: object) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self) -> tuple:
+        return self.fn, self.args
+
+
+def _snapshot_head(n: int = 120_000) -> dict:
+    """A snapshot's opening (segments first) of distinct strings: over 2 MiB, so it is streamed."""
+    return {"segments": [{"address": i, "total_size": 512, "stream": 0, "blocks": [],
+                          "frames_note": f"segment {i:08d}"} for i in range(n)]}
+
+
+def streamed_call(path: Path) -> Path:
+    """A snapshot past the streaming threshold that calls os.system at its end."""
+    import os
+
+    snap = _snapshot_head()
+    snap["device_traces"] = [[_Call(os.system, "echo pwned > /dev/null")]]
+    path.write_bytes(pickle.dumps(snap, protocol=4))
+    return path
+
+
+def streamed_bytes8(path: Path, claimed: int = 1 << 40) -> Path:
+    """A streamed snapshot whose last value is a BINBYTES8 claiming ``claimed`` bytes it lacks."""
+    snap = _snapshot_head()
+    snap["extra"] = b"PLACEHOLDER"
+    body = pickle.dumps(snap, protocol=4)
+    short = b"C" + bytes([len(b"PLACEHOLDER")]) + b"PLACEHOLDER"  # SHORT_BINBYTES
+    assert body.count(short) == 1
+    path.write_bytes(body.replace(short, b"\x8e" + struct.pack("<Q", claimed)))
+    return path

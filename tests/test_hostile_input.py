@@ -101,7 +101,7 @@ def _fails_alone(base_store: Path, base_rows: dict, tmp_path: Path, bad: Path, m
     db = tmp_path / "s.duckdb"
     shutil.copy(base_store, db)
     code, out, peak = run_cli("ingest", str(bad), "--store", str(db), "--run-id", "hostile", env=env)
-    print(f"\n{os.environ.get('PYTEST_CURRENT_TEST', '').split('::')[-1].split(' ')[0]}: exit {code}, "
+    print(f"\n{os.environ.get('PYTEST_CURRENT_TEST', '').split('::')[-1].rsplit(' ', 1)[0]}: exit {code}, "
           f"peak RSS {peak / 1e6:.0f} MB")
     assert "Traceback" not in out, out
     failed = [line for line in out.splitlines() if line.startswith("failed:")]
@@ -133,6 +133,17 @@ def test_duckdbs_reader_is_held_to_the_limits_too(case: str, base_store: Path, b
     bad = write(tmp_path / name)
     _fails_alone(base_store, base_rows, tmp_path, bad, "over the limit" if "max_" in must_name else must_name,
                  env={"TRACEKIT_KINETO_READER": "duckdb"})
+
+
+@pytest.mark.parametrize("machine", ["native", "python"])
+@pytest.mark.parametrize("case,write,must_name", [("call", H.streamed_call, "pickle uses STACK_GLOBAL"),
+                                                  ("bytes8", H.streamed_bytes8, "corrupt or truncated pickle")])
+def test_streamed_snapshots_on_both_machines(machine: str, case: str, write, must_name: str,  # type: ignore[no-untyped-def]
+                                             base_store: Path, base_rows: dict, tmp_path: Path) -> None:
+    """Snapshots past 2 MiB are streamed by the pickle machine (C or Python): refused alike."""
+    bad = write(tmp_path / "rank0.pickle")
+    assert 2 << 20 < bad.stat().st_size < 16 << 20
+    _fails_alone(base_store, base_rows, tmp_path, bad, must_name, env={"TRACEKIT_PICKLE_READER": machine})
 
 
 def test_past_one_limit_the_next_holds(base_store: Path, base_rows: dict, tmp_path: Path) -> None:
