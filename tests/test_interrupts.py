@@ -52,14 +52,23 @@ def test_ctrl_c_in_ingest(point: str, mode: str, clean: dict, tmp_path: Path) ->
     assert tables(store) == clean
 
 
-def _signal_when(args: list[str], ready: str, tmp_path: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run `tracekit *args`, send SIGINT once ``ready`` appears in its stderr, and wait."""
+def _answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _signal_when(args: list[str], ready: str, tmp_path: Path, timeout: float = 120,
+                 until=None) -> subprocess.CompletedProcess:  # type: ignore[no-untyped-def]
+    """Run `tracekit *args`, send SIGINT once ``ready`` appears in its stderr (and ``until()`` holds), and wait."""
     log = tmp_path / "err.txt"
     with open(log, "wb") as err:
         p = subprocess.Popen([sys.executable, "-c", CLI, *args], stdout=subprocess.PIPE, stderr=err,
                              env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
         deadline = time.monotonic() + timeout
-        while ready not in log.read_text(errors="replace"):
+        while ready not in log.read_text(errors="replace") or (until is not None and not until()):
             assert p.poll() is None, log.read_text()
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
@@ -75,13 +84,24 @@ def _free_port() -> int:
 
 
 def test_ctrl_c_in_the_dashboard(clean: dict, tmp_path: Path) -> None:
+    """Once its server answers (Panel's server handles the signal itself, and returns)."""
     store = tmp_path / "s.duckdb"
     assert ingest_cli(store).returncode == 0
-    done = _signal_when(["dashboard", str(store), "--port", str(_free_port()), "--address", "127.0.0.1"],
-                        "http://", tmp_path)
+    port = _free_port()
+    done = _signal_when(["dashboard", str(store), "--port", str(port), "--address", "127.0.0.1"],
+                        "tracekit dashboard: http://", tmp_path, until=lambda: _answers(port))
     assert done.returncode == 130, done.stdout + done.stderr
     _interrupted(done.stderr)
     assert tables(store) == clean
+
+
+def test_ctrl_c_while_the_dashboard_ingests(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", CLI, "dashboard", str(SAMPLE), "--store", str(tmp_path / "s.duckdb"),
+                           "--port", str(_free_port())], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "TRACEKIT_TEST_CRASH_AT": "committed:1",
+                               "TRACEKIT_TEST_CRASH_SIGNAL": "INT"})
+    assert done.returncode == 130, done.stdout + done.stderr
+    _interrupted(done.stderr)
 
 
 def test_ctrl_c_in_an_analysis(tmp_path: Path) -> None:

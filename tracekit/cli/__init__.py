@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import importlib
 import os
-import signal
-import sys
-from typing import NoReturn
 
 import click
 
 from tracekit import __version__
-from tracekit.cli._common import EXIT_INTERRUPTED
+from tracekit.cli._common import interrupted
 
 # (module, attribute, summary) of each subcommand, imported lazily so that `tracekit --help` stays
 # fast (the summaries are here, not read from the commands: listing them imported torch, DuckDB and
@@ -87,20 +84,6 @@ class LazyGroup(click.Group):
             return super().invoke(ctx)
         except KeyboardInterrupt:
             interrupted()
-
-
-def interrupted() -> NoReturn:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the exit
-    sys.stderr.write("interrupted\n")
-    sys.stderr.flush()
-    os._exit(EXIT_INTERRUPTED) if _threads_left() else sys.exit(EXIT_INTERRUPTED)
-
-
-def _threads_left() -> bool:
-    """Threads other than this one still running (a server's): exit without waiting for them."""
-    import threading
-
-    return any(t is not threading.current_thread() and t.is_alive() and not t.daemon for t in threading.enumerate())
 
 
 @click.group(cls=LazyGroup)

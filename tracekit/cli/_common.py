@@ -1,7 +1,10 @@
-"""What every command shares: the exit codes, the one-line error, and the ingest progress bar."""
+"""What every command shares: the exit codes, the one-line error, Ctrl-C, the ingest progress bar and
+the store behind a store-or-run-directory argument."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,6 +14,23 @@ EXIT_OK, EXIT_FINDING, EXIT_BAD_INPUT = 0, 1, 2
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it
 
 Progress = Callable[[int, int, Path, str], None]  # (done, total, file, status), as ingest() calls it
+
+
+def interrupted() -> NoReturn:
+    """Ctrl-C: one line, exit code 130 (what a shell reports), no traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the exit
+    sys.stderr.write("interrupted\n")
+    sys.stderr.flush()
+    if _threads_left():
+        os._exit(EXIT_INTERRUPTED)
+    sys.exit(EXIT_INTERRUPTED)
+
+
+def _threads_left() -> bool:
+    """Threads other than this one still running (a server's): exit without waiting for them."""
+    import threading
+
+    return any(t is not threading.current_thread() and t.is_alive() and not t.daemon for t in threading.enumerate())
 
 
 def fail(message: str) -> NoReturn:

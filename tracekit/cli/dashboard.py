@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from tracekit.cli._common import fail, store_of
+from tracekit.cli._common import fail, interrupted, store_of
 
 
 @click.command("dashboard")
@@ -53,6 +53,7 @@ def dashboard_command(path: Path, store_path: Path | None, port: int, address: s
             err.print(f"[yellow]warning:[/yellow] run {escape(str(newest))}: {escape(str(e))}", soft_wrap=True)
     err.print(f"tracekit dashboard: http://{address}:{port}/dashboard  (store {store})")
     serve(store, port=port, address=address, show=show, data=data)
+    interrupted()  # Panel's server returns only when Ctrl-C stopped it (it handles the signal itself)
 
 
 def _port(address: str, port: int, chosen: bool, warn) -> int:  # type: ignore[no-untyped-def]
