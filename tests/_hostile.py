@@ -152,3 +152,16 @@ def streamed_bytes8(path: Path, claimed: int = 1 << 40) -> Path:
     assert body.count(short) == 1
     path.write_bytes(body.replace(short, b"\x8e" + struct.pack("<Q", claimed)))
     return path
+
+
+def streamed_many_objects(path: Path, mb: int = 15) -> Path:
+    """A snapshot (segments first) whose other key holds a list of distinct empty dicts, two bytes
+    each (EMPTY_DICT, MEMOIZE): the most objects a pickle of ``mb`` MiB can keep alive."""
+    n = mb * (1 << 20) // 2
+    head = pickle.dumps({"segments": []}, protocol=4)
+    assert head.endswith(b"s.") or head.endswith(b"u.")
+    # before the closing SETITEM(S) and STOP: key "other", then EMPTY_LIST, MARK, n x (EMPTY_DICT,
+    # MEMOIZE), APPENDS, SETITEM
+    other = b"\x8c\x05other\x94]\x94(" + b"}\x94" * n + b"e"
+    path.write_bytes(head[:-1] + other + b"s.")
+    return path
