@@ -192,3 +192,20 @@ def test_a_store_write_out_of_memory_says_so(mb: int, tmp_path: Path, monkeypatc
     rep = ingest([ROOT / "tests" / "fixtures" / "real" / "hta" / "single_rank_nccl"], tmp_path / "s.duckdb", workers=1)
     (f,) = rep.files
     assert f.status == "failed" and "nccl_data.json.gz: out of memory while writing it to the store" in (f.error or "")
+
+
+def test_the_other_files_go_on(tmp_path: Path) -> None:
+    """A bomb among good files of one run: it fails alone, the good ones go in."""
+    run = tmp_path / "run"
+    for r in range(2):
+        write_trace(run / "traces" / f"rank{r}.json.gz", nccl_trace(r, world=3))
+    H.event_string(run / "traces" / "rank2.json.gz")
+    db = tmp_path / "s.duckdb"
+    code, out, peak = run_cli("ingest", str(run), "--store", str(db))
+    assert code == 2 and peak < PEAK_RSS, out
+    failed = [line for line in out.splitlines() if line.startswith("failed:")]
+    assert len(failed) == 1 and "rank2.json.gz" in failed[0] and "max_event_bytes" in failed[0], out
+    with tracekit.open(db) as s:
+        assert s.sql("SELECT rank, status FROM ingest_log WHERE status <> 'warning' ORDER BY path").rows() == \
+            [(0, "ok"), (1, "ok"), (None, "failed")]
+        assert s.sql("SELECT DISTINCT rank FROM events ORDER BY rank")["rank"].to_list() == [0, 1]
