@@ -12,8 +12,7 @@ from tracekit.analysis.diagnosis import diagnose
 from tracekit.analysis.tables import RunTables
 from tracekit.ingest.optable import read_optable
 
-WIA = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "real" / "wia"
-pytestmark = pytest.mark.skipif(not (WIA / "AR").is_dir(), reason=f"real WIA traces not found at {WIA}")
+WIA = Path(__file__).resolve().parent / "fixtures" / "real" / "wia"
 
 
 def load(trial: str):

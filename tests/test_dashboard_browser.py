@@ -16,10 +16,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _dashboard as D  # noqa: E402
 
-WIA = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "real" / "wia"
+WIA = Path(__file__).resolve().parent / "fixtures" / "real" / "wia"
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_traces" / "slow_rank_8"
 pytestmark = pytest.mark.skipif(D.browser_missing() is not None, reason=str(D.browser_missing()))
-needs_wia = pytest.mark.skipif(not (WIA / "AR").is_dir(), reason=f"real WIA traces not found at {WIA}")
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +57,6 @@ def _colours(png: bytes) -> int:
     return len(set(Image.open(io.BytesIO(png)).convert("RGB").get_flattened_data()))
 
 
-@needs_wia
 def test_opens_on_the_newest_run_and_the_verdict_names_the_injected_culprit(page, shots):
     page.screenshot(path=str(shots / "01-open.png"), full_page=True)
     verdict = D.text(page, ".tk-verdict")
@@ -71,7 +69,6 @@ def test_opens_on_the_newest_run_and_the_verdict_names_the_injected_culprit(page
     assert peer in (4, 8, 12)  # the same pipeline stage in another data-parallel replica
 
 
-@needs_wia
 def test_each_view_renders_real_data(page, shots):
     overview = D.text(page, ".tk-overview")
     assert "world size 16" in overview and "dp 4 x pp 4 x cp 1 x tp 1" in overview
@@ -93,7 +90,6 @@ def test_each_view_renders_real_data(page, shots):
     assert "no numerics report" in D.text(page, ".tk-numerics")
 
 
-@needs_wia
 def test_a_click_on_a_heatmap_cell_updates_the_timeline(page, shots):
     before = D.timeline_title(page)
     (rank, step), _ = D.click_heatmap(page, 30, 13)  # ranks run top to bottom in [dp, pp, cp, tp] order
@@ -105,7 +101,6 @@ def test_a_click_on_a_heatmap_cell_updates_the_timeline(page, shots):
     assert rank2 == 6 and step2 < step  # the left column is an earlier step
 
 
-@needs_wia
 def test_a_click_on_the_step_time_plot_selects_that_step_everywhere(page, store, shots):
     import duckdb
 
@@ -118,7 +113,6 @@ def test_a_click_on_the_step_time_plot_selects_that_step_everywhere(page, store,
     page.screenshot(path=str(shots / "05-after-step-click.png"), full_page=True)
 
 
-@needs_wia
 def test_switching_runs(page, shots):
     page.locator("select").first.select_option("ST")
     D.wait_for(lambda: "pipeline stage 3" in D.text(page, ".tk-verdict"), "the verdict never switched to ST")
