@@ -132,7 +132,8 @@ class Store:
         from tracekit.analysis.tunables import Tunables
 
         tables = self.run_tables(run_id)
-        return diagnose(tables, tunables or Tunables(), self.attention_work(tables.run_id), self.hangs(tables.run_id))
+        return diagnose(tables, tunables or Tunables(), self.attention_work(tables.run_id), self.hangs(tables.run_id),
+                        self.damaged_ranks(tables.run_id, formats=("kineto",)))
 
     def cp_wait(self, run_id: str | None = None, tunables: Tunables | None = None) -> CPWait:
         """Exposed CP communication split into wait and transfer, and what the waiting is due to."""

@@ -70,9 +70,16 @@ class Diagnosis:
     cause: Cause
     findings: list[Finding] = field(default_factory=list)
     compute: ComputeCulprits | None = None
+    damaged: dict[int, str] = field(default_factory=dict)  # ranks without data: named, never judged
 
     @property
     def headline(self) -> str:
+        text = self._verdict()
+        if self.damaged:
+            text += "; not judged (no data): " + ", ".join(f"rank {r}: {why}" for r, why in sorted(self.damaged.items()))
+        return text
+
+    def _verdict(self) -> str:
         loc = self.localization
         if loc.verdict == "hang":
             return f"no performance verdict: the run hung ({self.cause.summary}); see `tracekit hangs`"
@@ -88,6 +95,7 @@ class Diagnosis:
     def to_dict(self) -> dict:
         return {"headline": self.headline, "localization": self.localization.to_dict(), "cause": self.cause.to_dict(),
                 "findings": [f.to_dict() for f in self.findings],
+                "damaged": {str(r): why for r, why in self.damaged.items()},
                 "compute_culprits": self.compute.to_dict() if self.compute else None}
 
 
@@ -108,7 +116,7 @@ def _where(tables: RunTables, ranks: tuple[int, ...]) -> str:
     return f"ranks {list(ranks)}" + (f" (all {', '.join(shared)})" if shared else "")
 
 
-def _hung(hang: HangReport | None, tables: RunTables) -> str | None:
+def _hung(hang: HangReport | None, tables: RunTables, damaged: dict[int, str]) -> str | None:
     """Why the run has no performance verdict (it hung), or None."""
     if hang is not None and hang.hung:
         return hang.headline
@@ -117,7 +125,10 @@ def _hung(hang: HangReport | None, tables: RunTables) -> str | None:
         return None
     # the traces end inside collectives some members never recorded (a hang before the dump)
     last = c.drop_nulls("pg_name").group_by("pg_name", "seq").agg(pl.col("rank").n_unique().alias("n"))
-    sizes = tables.groups.select("pg_name", pl.col("size").alias("size")).unique("pg_name")
+    # a group's expected members are those with data: a rank whose trace failed is not a hang
+    gone = list(damaged)
+    sizes = tables.groups.select("pg_name", (pl.col("size") - pl.col("ranks").list.set_intersection(
+        pl.lit(gone, pl.List(pl.Int32))).list.len()).alias("size")).unique("pg_name")
     top = last.join(last.group_by("pg_name").agg(pl.col("seq").max().alias("top")), on="pg_name")
     top = top.filter(pl.col("seq") == pl.col("top")).join(sizes, on="pg_name")
     short = top.filter(pl.col("n") < pl.col("size"))
@@ -197,17 +208,19 @@ def _stage_findings(tables: RunTables, metrics: pl.DataFrame, tun: Tunables, ste
 
 
 def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFrame | None = None,
-             hang: HangReport | None = None) -> Diagnosis:
-    """Which ranks or links made this job slow, why, and what each costs."""
+             hang: HangReport | None = None, damaged: dict[int, str] | None = None) -> Diagnosis:
+    """Which ranks or links made this job slow, why, and what each costs. ``damaged``: ranks whose
+    data failed to ingest or is missing (``Store.damaged_ranks``): named, never blamed."""
     tun = tunables
+    damaged = dict(damaged or {})
     loc = localize(tables, tun)
     step_ns = loc.step_time_ns or 1.0
-    why_hung = _hung(hang, tables)
+    why_hung = _hung(hang, tables, damaged)
     if why_hung:
         culprits = tuple(hang.culprits) if hang is not None and hang.hung else ()
         quiet = replace(loc, verdict="hang", culprit_rank=None, culprit_ranks=culprits, coords={}, confidence=0.0)
         cause = Cause("hang", culprits, why_hung, {})
-        return Diagnosis(quiet, cause, [])
+        return Diagnosis(quiet, cause, [], damaged=damaged)
     compute = find_culprits(compute_speed(tables), tun)
     metrics = rank_step_metrics(tables)
     findings: list[Finding] = [_rank_finding(tables, f, loc, tun, work, step_ns) for f in compute.findings]
@@ -225,7 +238,10 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
         if cause.kind == "cpu_bound":  # late without computing more: launch gaps on its host
             findings.append(_waits_finding(tables, loc, cause, step_ns))
     findings = _merge_data_imbalance(findings, tables)
-    return Diagnosis(_primary(loc, findings, tables), _primary_cause(findings, loc), findings, compute)
+    # a rank without data is never blamed (its peers' waits on it say nothing of its speed)
+    findings = [f for f in findings if not set(f.ranks) & set(damaged) or f.kind == "slow_link"
+                and not set(f.ranks) <= set(damaged)]
+    return Diagnosis(_primary(loc, findings, tables), _primary_cause(findings, loc), findings, compute, damaged)
 
 
 def _data_or_device(tables: RunTables, loc: Localization, findings: list[Finding], tun: Tunables, work,
