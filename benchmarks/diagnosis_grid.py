@@ -186,7 +186,15 @@ def run_case(case: Case, work: Path, cache: Path | None, hta_python: Path | None
     keep = cache / key if cache else work / "case"
     store, truth = keep / "s.duckdb", keep / "truth.json"
     want_traces = hta_python is not None and case.kind in HTA_KINDS
-    if not (cache and store.exists() and truth.exists()) or (want_traces and not (keep / "run").exists()):
+    from tracekit.store import StoreError
+
+    fresh = cache and store.exists() and truth.exists() and not (want_traces and not (keep / "run").exists())
+    if fresh:
+        try:
+            tracekit.open(store).close()
+        except StoreError:  # written by an older tracekit: simulate and ingest again
+            fresh = False
+    if not fresh:
         shutil.rmtree(keep, ignore_errors=True)
         out = keep / "run"
         cfg = SimConfig(tp=tp, cp=cp, pp=pp, dp=dp, steps=8, seed=case.seed, faults=case.faults, names=case.names,

@@ -23,6 +23,7 @@ import polars as pl
 
 from tracekit.analysis.compute_speed import attention_split, compute_speed
 from tracekit.analysis.culprits import ComputeCulprits, RankFinding, find_culprits
+from tracekit.analysis.data_needs import missing_data
 from tracekit.analysis.hangs import HangReport
 from tracekit.analysis.links import link_transfers
 from tracekit.analysis.localize import Localization, localize
@@ -241,7 +242,7 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
     # a rank without data is never blamed (its peers' waits on it say nothing of its speed)
     findings = [f for f in findings if not set(f.ranks) & set(damaged) or f.kind == "slow_link"
                 and not set(f.ranks) <= set(damaged)]
-    return Diagnosis(_primary(loc, findings, tables), _primary_cause(findings, loc), findings, compute, damaged)
+    return Diagnosis(_primary(loc, findings, tables), _primary_cause(findings, loc, tables), findings, compute, damaged)
 
 
 def _data_or_device(tables: RunTables, loc: Localization, findings: list[Finding], tun: Tunables, work,
@@ -299,6 +300,16 @@ def _merge_data_imbalance(findings: list[Finding], tables: RunTables) -> list[Fi
                     NEXT_STEP["data_imbalance"], {"ranks_merged": len(moving)})] + rest
 
 
+def _no_data_reason(tables: RunTables) -> str:
+    """Why nothing could be compared, and what to turn on (``data_needs``), never a bare 'no data'."""
+    if (tables.runs["world_size"][0] or 0) == 1:
+        return "the run has one rank: there are no peers to compare it with"
+    missing = missing_data(tables)
+    if not missing:
+        return "no collectives across ranks and no p2p records: nothing to compare"
+    return "; ".join(m.text() for m in missing)
+
+
 def _primary(loc: Localization, findings: list[Finding], tables: RunTables) -> Localization:
     """The Localization the findings amount to (the costliest rank finding leads)."""
     if not findings:
@@ -326,11 +337,10 @@ def _primary(loc: Localization, findings: list[Finding], tables: RunTables) -> L
                    confidence=lead.confidence)
 
 
-def _primary_cause(findings: list[Finding], loc: Localization) -> Cause:
+def _primary_cause(findings: list[Finding], loc: Localization, tables: RunTables) -> Cause:
     if not findings:
         if loc.verdict == "no_data":
-            return Cause("insufficient_data", (), "no collectives across ranks and no p2p records: nothing to compare",
-                         {})
+            return Cause("insufficient_data", (), _no_data_reason(tables), {})
         return Cause("none", (), "no rank, stage or link stands out beyond noise", {})
     lead = max(findings, key=lambda f: (f.kind == "straggler", f.cost_ns))
     return Cause(lead.cause, lead.ranks, lead.summary,
