@@ -227,8 +227,7 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
     findings: list[Finding] = [_rank_finding(tables, f, loc, tun, work, step_ns) for f in compute.findings]
     findings += _stage_findings(tables, metrics, tun, step_ns)
     links = link_transfers(tables, step_ns, tun)
-    findings += [f for f in _link_findings(tables, links, step_ns, metrics)
-                 if not any(set(f.ranks) <= set(g.ranks) for g in findings if g.kind == "slow_link")]
+    findings += _link_findings(tables, links, step_ns, metrics)
     findings = _data_or_device(tables, loc, findings, tun, work, metrics, step_ns)
     if not compute.has_data and loc.verdict in ("straggler", "group", "transient", "stage", "moving"):
         cause = explain(tables, loc, tun, work)
