@@ -7,8 +7,8 @@ pipeline stage). So each (step, rank) gets an excess e = its log compute ratio m
 median over ranks; the noise unit sigma is the step-to-step scatter pooled over all ranks (rank and
 step effects removed, so neither a culprit nor a busy step inflates it). Then, per rank:
 - persistent: its mean excess over the steps (the two extreme steps left out) clears
-  ``compute_margin_min`` standard errors (a bar rising with the ranks compared), at least
-  ``compute_effect_min_ratio``, in ``persist_min`` of the steps. Each rank is judged on its own, so two culprits are two findings;
+  ``compute_margin_min`` standard errors (a bar rising with the ranks compared) and at least
+  ``compute_effect_min_ratio``, with more than half of it in ``persist_min`` of the steps. Each rank is judged on its own, so two culprits are two findings;
 - episode cells: (step, rank) cells whose excess clears a Bonferroni bar over all cells (the
   largest of T x n noisy cells is large by chance) and ``episode_min_ratio``. Cells of ranks that
   are not persistent make a *moving* straggler when they fill ``moving_min_share`` of the steps over
@@ -111,7 +111,9 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables()) -> ComputeCul
             noise = max(sigma / math.sqrt(kept.size), spread(others[np.isfinite(others)]), tun.compute_noise_floor)
             effect = float(np.mean(kept)) if col.size >= 6 else float(np.median(col))
             margin = effect / noise
-            slower = float((col > 0).mean())
+            # persistent means most steps carry it: more than half the effect in persist_min of them
+            # (a straggler that moves leaves a mean excess too, but only in its own steps)
+            slower = float((col > effect / 2).mean())
             if margin >= bar and effect >= math.log(tun.compute_effect_min_ratio) and slower >= tun.persist_min:
                 persistent.add(j)
                 cost = (math.exp(effect) - 1) * float(np.median([ref_ns.get((int(t), r), 0.0) for t in steps]))
