@@ -89,7 +89,7 @@ class Diagnosis:
                 return f"not enough cross-rank records to localize: {self.cause.summary}"
             return f"no straggler (confidence {loc.confidence:.2f}): {self.cause.summary}"
         parts = [f"{f.summary}; costs {f.cost_ns / 1e6:.1f} ms per step ({f.cost_share:.1%})"
-                 f"{_steps_text(f)} (confidence {f.confidence:.2f})" for f in self.findings]
+                 f"{_steps_text(f)} (cause {f.cause}, confidence {f.confidence:.2f})" for f in self.findings]
         lead = f"{len(self.findings)} findings: " if len(self.findings) > 1 else ""
         return lead + " | ".join(parts)
 
