@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 import _dashboard as D  # noqa: E402
 
-WIA = ROOT.parent / "shared" / "fixtures" / "real" / "wia" / "AR"
+WIA = ROOT / "tests" / "fixtures" / "real" / "wia" / "AR"
 
 
 def synthetic_store(path: Path) -> Path:
