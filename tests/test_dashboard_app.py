@@ -154,3 +154,22 @@ def test_the_perfetto_button_serves_the_export_of_the_selected_scope(session, tm
     spans = [e for e in some["traceEvents"] if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == set(LAYOUT.group(dash.sel.rank, "tp"))
     assert {e["args"]["step"] for e in spans} == {dash.sel.step}
+
+
+def test_the_whole_job_timeline_marks_the_culprit_and_follows_and_sets_the_selection(session, data):
+    from apps.data.jobtimeline import step_window
+
+    dash, _ = session
+    job = dash.job
+    first = data.diagnosis("slow").findings[0]
+    assert first.ranks == (SLOW,) and job.culprit_rows.data == [(SLOW - 0.5, SLOW + 0.5)]
+    assert f"culprit rank {SLOW} in red" in job.title.object
+    assert job.job.ranks == LAYOUT.world_size and job.job.spans == len(job.job.rects)
+    steps = sorted(job.job.steps["step"].unique().to_list())
+    lo, hi = step_window(job.job, 2, steps[3])
+    job._tapped(x=(lo + hi) / 2, y=2.2)  # what the Tap stream hands over: data coordinates
+    assert (dash.sel.rank, dash.sel.step) == (2, steps[3])
+    assert (job.box.left, job.box.right, job.box.bottom, job.box.top) == (lo, hi, 1.5, 2.5) and job.box.visible
+    dash.heatmap._tap(_tap(dash.heatmap.fig, 1, 6))  # another view's click moves the outline
+    lo, hi = step_window(job.job, 6, steps[1])
+    assert (job.box.left, job.box.bottom) == (lo, 5.5)
