@@ -67,6 +67,10 @@ class Dashboard:
                                sizing_mode="stretch_width", css_classes=["tk-app"])
         self._loading, self._run_errors = False, []
         self._load_run(sel.run_id)
+        if pn.state.curdoc is not None and pn.state.curdoc.session_context is not None:
+            pn.state.onload(self.job.attach)  # in a browser session: after the first render
+        else:
+            self.job.attach()
         sel.param.watch(lambda e: self._held(self._load_run, e.new), "run_id")
         sel.param.watch(lambda *e: self._loading or self._held(self._follow, sel.rank, sel.step), ["rank", "step"])
 

@@ -6,8 +6,9 @@ Serves `tracekit dashboard` on a store and drives Debian's headless Chromium (Pl
   slowed 1.3x; written once into --cache (the 1,024-rank ingest takes minutes) and reused;
 - with --legacy also: the job model at 64 ranks x 20 steps, a crowded 16-rank store (GPU-kernel-
   sized spans, 1.5 M events) and ByteDance's real what-if-analysis traces AR, when present.
-First render: page load until the verdict, the heatmap canvas, the timeline title and the whole-job
-raster are on the page. Click: mouse click on a heatmap cell until the step timeline's title and
+First render: page load until the verdict, the heatmap canvas and the step timeline's title are on
+the page; "job raster": until the whole-job raster is drawn too (it joins the page after the first
+render). Click: mouse click on a heatmap cell until the step timeline's title and
 the selection line name the new cell ("heatmap"), and on the whole-job raster until the selection
 line names the rank under it ("job"); "kB/click" is what the server sent the browser for a heatmap
 click (websocket frames).
@@ -113,6 +114,7 @@ def measure(store: Path, clicks: int, shots: Path, root: Path = D.ROOT, tag: str
         page.goto(url)
         D.wait_rendered(page)
         first = time.perf_counter() - t0
+        raster = time.perf_counter() - t0 if D.wait_job_raster(page) else None
         page.wait_for_timeout(500)  # let the page settle (late layout messages) before clicking
         page.screenshot(path=str(shots / f"{store.stem}{tag}-open.png"), full_page=True)
         updates, sent, job = [], [], []
@@ -133,13 +135,16 @@ def measure(store: Path, clicks: int, shots: Path, root: Path = D.ROOT, tag: str
                 job.append(D.click_and_wait(page, "tk-job-fig", x, rank, lambda: D.focus(page)[0] == rank))
                 page.wait_for_timeout(300)
         page.screenshot(path=str(shots / f"{store.stem}{tag}-clicked.png"), full_page=True)
-    return {"first_render_s": first, "click_update_s": updates, "kb_per_click": sent, "job_click_s": job}
+    return {"first_render_s": first, "job_raster_s": raster, "click_update_s": updates, "kb_per_click": sent,
+            "job_click_s": job}
 
 
 def _row(name: str, r: dict) -> str:
     def spread(u: list[float]) -> str:
         return f"{statistics.median(u):.2f} [{min(u):.2f}..{max(u):.2f}]" if u else "-"
-    return (f"{name:<27} {r['first_render_s']:>16.2f} {spread(r['click_update_s']):>26} {spread(r['job_click_s']):>26} "
+    raster = "-" if r["job_raster_s"] is None else f"{r['job_raster_s']:.2f}"
+    return (f"{name:<18} {r['first_render_s']:>12.2f} {raster:>10} {spread(r['click_update_s']):>26} "
+            f"{spread(r['job_click_s']):>26} "
             f"{statistics.median(r['kb_per_click']):>9.1f} {os.getloadavg()[0]:>6.2f}")
 
 
@@ -163,7 +168,7 @@ def main() -> None:
         stores += [synthetic_store(args.out / "synthetic-64x20.duckdb"), crowded_store(args.out / "crowded-16x10.duckdb")]
         if WIA.is_dir():
             stores.append(wia_store(args.out / "wia-AR.duckdb"))
-    print(f"{'store':<27} {'first render (s)':>16} {'heatmap click (s) med [range]':>26} "
+    print(f"{'store':<18} {'first render':>12} {'job raster':>10} {'heatmap click (s) med [range]':>26} "
           f"{'job click (s) med [range]':>26} {'kB/click':>9} {'load':>6}")
     for store in stores:
         now = measure(store, args.clicks, args.out)

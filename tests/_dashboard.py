@@ -183,13 +183,19 @@ def chromium(user_data_dir: Path):
 
 
 def wait_rendered(page, timeout_ms: int = 120_000) -> None:
-    """Until the verdict, a drawn heatmap, the timeline's title and (in versions that have it) the
-    whole-job raster are on the page."""
+    """Until the verdict, a drawn heatmap and the timeline's title are on the page."""
     page.locator(".tk-verdict").first.wait_for(timeout=timeout_ms)
     page.locator(".tk-heatmap canvas").first.wait_for(timeout=timeout_ms)
     page.locator(".tk-timeline-title").first.wait_for(timeout=timeout_ms)
-    if page.locator(".tk-job-timeline").count():
-        page.locator(".tk-job-plot canvas").first.wait_for(timeout=timeout_ms)
+
+
+def wait_job_raster(page, timeout_ms: int = 120_000) -> bool:
+    """Until the whole-job raster is drawn (it joins the page after the first render); False for a
+    version of the dashboard without it."""
+    if not page.locator(".tk-job-timeline").count():
+        return False
+    page.locator(".tk-job-plot canvas").first.wait_for(timeout=timeout_ms)
+    return True
 
 
 FOCUS = re.compile(r"rank (\d+) \(dp (\d+), pp (\d+), cp (\d+), tp (\d+)\), step (\d+)")

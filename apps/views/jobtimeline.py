@@ -55,9 +55,17 @@ class JobTimelineView:
         legend += (" &nbsp; <span style='color:crimson'>&#9632;</span> culprit &nbsp; <span style='color:orange'>"
                    "&#9632;</span> its group &nbsp; <span style='color:%s'>&#9633;</span> selected rank and step"
                    " (zoom for spans; click to select)" % ACCENT)
-        self.pane = pn.pane.HoloViews(plot, sizing_mode="stretch_width", css_classes=["tk-job-plot"])
+        self.plot = plot
+        # the HoloViews pane joins the page once it is up (attach): the page's first message does not
+        # wait for the raster, which arrives a moment later
+        self.pane = pn.Column(pn.pane.Markdown("rasterizing the whole job ..."), sizing_mode="stretch_width",
+                              min_height=420)
         self.panel = pn.Column(self.title, self.pane, pn.pane.HTML(legend), sizing_mode="stretch_width",
                                css_classes=["tk-job-timeline"])
+
+    def attach(self) -> None:
+        """Put the rasterized plot in its place (after the page's first render, in a session)."""
+        self.pane.objects = [pn.pane.HoloViews(self.plot, sizing_mode="stretch_width", css_classes=["tk-job-plot"])]
 
     def _on_figure(self, plot, element) -> None:
         fig = plot.state
