@@ -162,7 +162,8 @@ class CheckReport:
         n_bad = sum(not b.bit_exact for s in self.steps for b in s.comparison.buffers)
         n_all = sum(len(s.comparison.buffers) for s in self.steps)
         head = "BUG" if self.status == "bug" else "ORDER ONLY"
-        what = "first diverging buffer" if bug is None else "first buffer outside the reordering envelope"
+        what = ("first diverging buffer" if bug is None or (step, name) == first
+                else "first buffer outside the reordering envelope")
         return (f"{head}: {what} {name!r} (module {d.module}) at step {step}: "
                 f"{d.mismatches}/{d.numel} elements differ, max {d.max_ulp} ULP ({d.dtype}), normwise rel. error "
                 f"{d.rel_err:.3g}{sc.where(name)}; {n_bad} of {n_all} buffers differ\n{self.diagnosis}")

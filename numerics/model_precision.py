@@ -36,11 +36,12 @@ def load_config(path: str | Path) -> RunConfig:
             data = yaml.safe_load(text)
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise RunConfigError(f"{path}: cannot read a config: {exc}") from None
-    if isinstance(data, dict) and isinstance(data.get("config"), dict):
+    manifest = isinstance(data, dict) and isinstance(data.get("config"), dict)
+    if manifest:
         data = data["config"]
     if not isinstance(data, dict):
         raise RunConfigError(f"{path}: expected a mapping of the trainer's config fields (or a manifest with 'config')")
-    return RunConfig.from_dict(data, str(path))
+    return RunConfig.from_dict(data, str(path), strict=not manifest)
 
 
 def gradient_terms(cfg: RunConfig) -> dict[str, torch.Tensor]:

@@ -15,6 +15,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 
+# The trainer's fields that change no number the reference computes (schedule order within a stage
+# does not change the ascending micro-batch accumulation; the rest is observability and debugging).
+TRAINER_ONLY = frozenset({"consecutive", "schedule", "timeout_s", "dump_state", "plant_bug", "faults",
+                          "device_gflops", "device_gbps", "device_launch_us", "device_jitter", "profile_steps",
+                          "profile_memory", "flight_recorder", "fr_watchdog_s"})
+
+
 class RunConfigError(ValueError):
     """A manifest or config the reference cannot use (missing field, wrong type, impossible sizes)."""
 
@@ -103,9 +110,14 @@ class RunConfig:
 
     # -- reading ---------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> "RunConfig":
+    def from_dict(cls, data: Mapping[str, Any], source: str = "config", strict: bool = False) -> "RunConfig":
+        """``strict``: refuse fields the reference does not know (a hand-written config's typo); a
+        manifest's config carries trainer-only fields (faults, profiling), which are ignored."""
         if not isinstance(data, Mapping):
             raise RunConfigError(f"{source}: expected a mapping of config fields, got {type(data).__name__}")
+        unknown = sorted(set(data) - {f.name for f in fields(cls)} - TRAINER_ONLY)
+        if strict and unknown:
+            raise RunConfigError(f"{source}: unknown config fields {unknown}")
         values = {}
         for f in fields(cls):
             if f.name not in data:
