@@ -47,59 +47,50 @@ def main() -> None:
 
 @main.command()
 @click.option("-m", "--micro-batches", "micro_batches", type=click.IntRange(min=1), multiple=True,
-              default=(1, 4, 8, 16, 64), show_default=True, help="Micro-batches per step (repeatable).")
-@click.option("--dp", type=click.IntRange(min=1), default=1, show_default=True, help="Data-parallel ranks.")
+              help="Micro-batches per step (repeatable; synthetic default 1, 4, 8, 16, 64; with --model-config "
+                   "the run's own).")
+@click.option("--dp", type=click.IntRange(min=1), default=None,
+              help="Data-parallel ranks (synthetic default 1; with --model-config the run's own).")
 @click.option("-n", "--numel", type=click.IntRange(min=1), multiple=True, default=(65536,), show_default=True,
               help="Elements of a synthetic buffer (repeatable).")
 @click.option("--signal", type=float, default=0.0, show_default=True,
               help="Shared gradient direction per term, in units of the per-term noise (0 = pure noise).")
 @click.option("--order", type=click.Choice(sorted(ORDERS)), default="gloo_ring", show_default=True,
-              help="How the DP ranks' buffers are summed.")
+              help="How the DP ranks' buffers are summed (synthetic; a run's config gives its own).")
 @click.option("--threshold", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_THRESHOLD, show_default=True,
-              help="Flag a buffer when its bf16 accumulation error exceeds this many storage floors.")
+              help="Flag a buffer when its bf16 error exceeds this many storage floors.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--model-config", "model_config", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Judge the real gradient buffers of this trainer config (JSON/YAML of its config fields, or a "
-                   "run's manifest.json) instead of synthetic ones; -m sets its micro-batches, --dp its DP size, "
-                   "the order follows its reduce_order.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON rows instead of a table.")
-def precision(micro_batches, dp, numel, signal, order, threshold, seed, model_config, as_json) -> None:
-    """Accumulation error of BF16 vs FP32 gradient buffers against an fp64 exact sum, over
-    k = micro-batches x dp terms, and which buffers need FP32 accumulation: synthetic gradient
-    streams, or (--model-config) every gradient buffer of a real model."""
+              help="Measure the real gradient buffers of this run (its manifest.json, or a JSON/YAML of config "
+                   "fields) over --steps training steps and --seeds seeds: accumulation and reduce apart, "
+                   "bf16 and fp32 against fp64, plus the loss divergence of each dtype pair.")
+@click.option("--steps", type=click.IntRange(min=1), default=3, show_default=True, help="With --model-config: steps.")
+@click.option("--seeds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="With --model-config: seeds (a verdict the seeds disagree on is 'borderline').")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def precision(micro_batches, dp, numel, signal, order, threshold, seed, model_config, steps, seeds, as_json) -> None:
+    """Which gradient buffers need FP32: synthetic gradient streams (k = micro-batches x dp terms,
+    bf16 vs fp32 buffer against the fp64 sum), or (--model-config) a run's own buffers over real
+    training steps, accumulation and reduce measured apart; a summary line first."""
     import torch
 
     torch.set_num_threads(1)  # results must not depend on the machine's thread count
     rows = []
     if model_config is not None:
-        from numerics.model_precision import gradient_terms, load_config
-        from numerics.run_config import RunConfigError
-
-        try:
-            base = load_config(model_config)
-            cfgs = [base.replace(micro_batches=m, dp=dp).validate() for m in micro_batches]
-        except RunConfigError as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(2)
-        order = "canonical" if base.reduce_order == "canonical" else "gloo_ring"
-        with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
-            task = progress.add_task("emulating micro-batches", total=len(cfgs))
-            for cfg in cfgs:
-                for name, terms in gradient_terms(cfg).items():
-                    rows.append(buffer_precision(name, terms, order=order, threshold=threshold))
-                progress.advance(task)
-    else:
-        jobs = [(n, m) for n in numel for m in micro_batches]
-        with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
-            task = progress.add_task("accumulating", total=len(jobs))
-            for i, (n, m) in enumerate(jobs):
-                terms = synthetic_terms(m, dp, n, signal=signal, seed=seed + i)
-                rows.append(buffer_precision(f"synthetic{i}", terms, order=order, threshold=threshold))
-                progress.advance(task)
+        _precision_experiment(model_config, micro_batches, dp, steps, seeds, threshold, as_json)
+        return
+    jobs = [(n, m) for n in numel for m in (micro_batches or (1, 4, 8, 16, 64))]
+    dp = dp or 1
+    with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
+        task = progress.add_task("accumulating", total=len(jobs))
+        for i, (n, m) in enumerate(jobs):
+            terms = synthetic_terms(m, dp, n, signal=signal, seed=seed + i)
+            rows.append(buffer_precision(f"synthetic{i}", terms, order=order, threshold=threshold))
+            progress.advance(task)
     if as_json:
         click.echo(json.dumps([asdict(r) for r in rows], indent=2))
         return
-    source = f"model {model_config}" if model_config is not None else f"signal={signal:g}"
+    source = f"signal={signal:g}"
     table = Table(title=f"accumulation error vs fp64, normwise (dp={dp}, order={order}, {source})")
     for col in ("buffer", "numel", "mb", "k", "bf16 buf", "fp32 buf", "floor", "ratio", "lost", "verdict"):
         table.add_column(col, justify="left" if col in ("buffer", "verdict") else "right", no_wrap=True)
@@ -111,8 +102,41 @@ def precision(micro_batches, dp, numel, signal, order, threshold, seed, model_co
     console = Console()
     console.width = max(console.width, 120)  # a piped/CI log is not 80 columns wide; never truncate numbers
     console.print(table)
-    console.print(f"mb: micro-batches; k: terms (mb x dp{' x cp' if model_config is not None else ''}); floor: error of rounding the exact sum once to bf16; "
+    console.print(f"mb: micro-batches; k: terms (mb x dp); floor: error of rounding the exact sum once to bf16; "
                   f"lost: bf16 additions swallowed whole.\nrule: needs FP32 iff bf16 buffer error > {threshold:g} x floor")
+
+
+def _precision_experiment(path: Path, micro_batches, dp, steps: int, seeds: int, threshold: float, as_json: bool) -> None:
+    from numerics.model_precision import load_config
+    from numerics.precision_experiment import precision_experiment
+    from numerics.run_config import RunConfigError
+
+    try:
+        base = load_config(path)
+        changes = {k: v for k, v in (("dp", dp), ("micro_batches", micro_batches[-1] if micro_batches else None)) if v}
+        cfg = base.replace(**changes).validate(str(path))
+    except RunConfigError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    with Console(stderr=True).status(f"training {steps} steps x {seeds} seeds in fp64 and 4 dtype pairs", ) as _:
+        report = precision_experiment(cfg, steps=steps, seeds=seeds, threshold=threshold)
+    if as_json:
+        click.echo(json.dumps({"summary": report.summary(), "loss_divergence": report.loss_divergence,
+                               "buffers": [asdict(b) for b in report.buffers]}, indent=1))
+        return
+    console = Console()
+    console.width = max(console.width, 150)
+    console.print(report.summary())
+    table = Table(title=f"normwise error vs fp64, median over {steps} steps x {seeds} seeds (k = {report.buffers[0].terms} terms)")
+    for col in ("buffer", "numel", "accum bf16", "accum fp32", "reduce bf16", "reduce fp32", "floor", "growth",
+                "accumulation", "reduce"):
+        table.add_column(col, justify="left" if col in ("buffer", "accumulation", "reduce") else "right", no_wrap=True)
+    for b in report.buffers:
+        table.add_row(b.buffer, str(b.numel), f"{b.accum_bf16:.2e}", f"{b.accum_fp32:.2e}", f"{b.reduce_bf16:.2e}",
+                      f"{b.reduce_fp32:.2e}", f"{b.floor:.2e}", f"{b.accum_growth:.2f}x", b.accumulation, b.reduce)
+    console.print(table)
+    console.print(f"verdict per site: needs FP32 iff its bf16 error > {threshold:g} x floor (bf16 rounding of the exact "
+                  "reduced gradient) on every seed; growth: bf16 accumulation error at the last step / first step")
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

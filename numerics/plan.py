@@ -32,7 +32,7 @@ import torch
 from numerics.reduction_order import ReductionOrder, get_order
 from numerics.run_config import RunConfig
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}  # fp64: precision experiments only
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w1", "w3", "w2")
 
 
