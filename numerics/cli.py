@@ -216,16 +216,15 @@ def _print_check(report, layout: str, first, where) -> None:
     bad = report.table().filter(pl.col("mismatches") > 0)
     table = Table(title=f"mismatching buffers ({bad.height}), comparison order: activations in forward order, "
                         "loss, gradients in backward order, parameters; ULPs in the buffer's own dtype")
-    for col in ("step", "buffer", "mismatches", "max ulp", "dtype", "rel err", "norm ratio", "verdict", "location"):
-        table.add_column(col, justify="left" if col in ("buffer", "verdict", "location", "dtype") else "right",
-                         no_wrap=col != "location")
+    for col in ("step", "buffer", "mismatches", "max ulp", "rel err", "norm ratio", "verdict"):
+        table.add_column(col, justify="left" if col in ("buffer", "verdict") else "right", no_wrap=True)
     for r in bad.head(25).iter_rows(named=True):
-        table.add_row(str(r["step"]), r["buffer"], f"{r['mismatches']}/{r['numel']}", str(r["max_ulp"]), r["dtype"],
-                      f"{r['rel_err']:.3g}", _ratio(r["norm_ratio"]), r["verdict"], escape(r["location"]))
+        table.add_row(str(r["step"]), r["buffer"], f"{r['mismatches']}/{r['numel']}", f"{r['max_ulp']} {r['dtype']}",
+                      f"{r['rel_err']:.3g}", _ratio(r["norm_ratio"]), r["verdict"])
     console.print(table)
-    causes = bad.filter(pl.col("verdict") != "").select("verdict", "cause").unique(maintain_order=True)
-    for r in causes.head(6).iter_rows(named=True):
-        console.print(f"  {r['verdict']}: {escape(r['cause'])}")
+    shown = bad.filter(pl.col("verdict") == "bug").head(3) if report.status == "bug" else bad.head(3)
+    for r in shown.iter_rows(named=True):
+        console.print(f"  {r['verdict']} {r['buffer']} (step {r['step']}): {escape(r['location'])}\n    {escape(r['cause'])}")
     acts = bad.filter(pl.col("buffer").str.starts_with("act/"))
     if acts.height:
         console.print("where the differing activations differ first, in forward order:")

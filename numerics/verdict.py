@@ -101,7 +101,9 @@ def locate_element(plan: AccumulationPlan, name: str, actual: torch.Tensor, expe
         return ""
     index = int(flat[0])
     if name == "loss":
-        return f"step {step}: the loss all-reduce over dp x cp (every rank)"
+        last = (c.n_vstages_total - 1) % c.pp
+        return (f"step {step}: the loss on the last stage (pp rank {last}) of every dp x cp rank: token losses "
+                "summed / tokens per step, then all-reduced over dp x cp")
     vs = _vstage_of(plan, name)
     pp = vs % c.pp
     if name.startswith("act/"):
