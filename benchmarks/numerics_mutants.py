@@ -35,6 +35,9 @@ MUTANTS: list[tuple[str, str, str, str, str, list[str]]] = [
      "        out.append(range(start, start + c - (start + c == n_layers)))", ["--dp", "2"]),
     ("gradient scaled x(1+1e-7)", "bug", "data_parallel.py", "            self.reduced = shard.to(torch.float32, copy=True)",
      "            self.reduced = (shard * (1 + 1e-7)).to(torch.float32, copy=True)", ["--dp", "2"]),
+    ("gradient scaled x(1+1e-7), 3 ranks", "bug", "data_parallel.py",
+     "            self.reduced = shard.to(torch.float32, copy=True)",
+     "            self.reduced = (shard * (1 + 1e-7)).to(torch.float32, copy=True)", ["--dp", "3"]),
     ("gradient averaged over dp", "bug", "data_parallel.py", "            self.reduced = shard.to(torch.float32, copy=True)",
      "            self.reduced = (shard / ctx.dp_cp.size).to(torch.float32, copy=True)", ["--dp", "2"]),
     ("loss normalized off by one token", "bug", "model.py", "return losses.sum() / self.cfg.tokens_per_step",
@@ -115,7 +118,7 @@ MUTANTS: list[tuple[str, str, str, str, str, list[str]]] = [
      "        from .comm import chained_sum\n"
      "        parts = comm._gather_parts(local_loss, self.ctx.dp_cp) if self.ctx.dp_cp.size > 1 else [local_loss]\n"
      "        loss = comm.all_reduce(chained_sum(parts[::-1]), self.ctx.pp)\n",
-     ["--strict-order", "--dp", "3", "--reduce-order", "canonical"]),
+     ["--strict-order", "--dp", "4", "--reduce-order", "canonical"]),
 ]
 
 
