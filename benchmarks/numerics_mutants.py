@@ -70,6 +70,8 @@ MUTANTS: list[tuple[str, str, str, str, str, list[str]]] = [
      "second = 2 * cp - 2 if bugs.active(\"cp-chunk\") else 2 * cp - 1", "second = 2 * cp - 2", ["--cp", "2"]),
     ("tp backward reduce skipped", "bug", "model.py", "bwd_reduce=not bugs.active(\"tp-bwd-reduce\"))",
      "bwd_reduce=False)", ["--tp", "2"]),
+    ("tp backward reduce skipped, pp 2", "bug", "model.py", "bwd_reduce=not bugs.active(\"tp-bwd-reduce\"))",
+     "bwd_reduce=False)", ["--tp", "2", "--pp", "2", "--n-layers", "4"]),
     ("embedding vocab shard off by one", "bug", "model.py",
      "self.vocab_start = tp_rank * (cfg.vocab_size // tp)", "self.vocab_start = tp_rank * (cfg.vocab_size // tp) + tp_rank",
      ["--tp", "2"]),

@@ -125,7 +125,7 @@ def _precision_experiment(path: Path, micro_batches, dp, steps: int, seeds: int,
                                "buffers": [asdict(b) for b in report.buffers]}, indent=1))
         return
     console = Console()
-    console.width = max(console.width, 150)
+    console.width = max(console.width, 170)
     console.print(report.summary())
     table = Table(title=f"normwise error vs fp64, median over {steps} steps x {seeds} seeds (k = {report.buffers[0].terms} terms)")
     for col in ("buffer", "numel", "accum bf16", "accum fp32", "reduce bf16", "reduce fp32", "floor", "growth",

@@ -46,7 +46,7 @@ class BufferVerdict:
     reduce_fp32: float
     floor: float
     accum_growth: float  # bf16 accumulation error, last step / first step (median over seeds)
-    accumulation: str  # "needs FP32", "bf16 ok" or "borderline (n/k seeds need FP32)"
+    accumulation: str  # "needs FP32", "bf16 ok" or "borderline (n/k seeds)": n of k seeds need FP32
     reduce: str
 
 
@@ -123,7 +123,7 @@ def _verdict(ratios: list[float], threshold: float) -> str:
     need = sum(r > threshold for r in ratios)
     if need == len(ratios):
         return "needs FP32"
-    return "bf16 ok" if need == 0 else f"borderline ({need}/{len(ratios)} seeds need FP32)"
+    return "bf16 ok" if need == 0 else f"borderline ({need}/{len(ratios)} seeds)"
 
 
 def precision_experiment(cfg, steps: int = 3, seeds: int = 3, threshold: float = 2.0) -> PrecisionReport:
