@@ -201,8 +201,12 @@ def check(run_dir, out, as_json, activations, strict_order, accept_order, traine
         }, indent=1, default=str))
     else:
         _print_check(report, layout, first, where)
-    status = report.status
-    sys.exit({"match": 0, "bug": 1, "order": 0 if accept_order else 4}[status])
+    sys.exit(check_exit_code(report.status, accept_order))
+
+
+def check_exit_code(status: str, accept_order: bool = False) -> int:
+    """0 match, 1 bug, 4 rounding order only (0 when order differences are accepted)."""
+    return {"match": 0, "bug": 1, "order": 0 if accept_order else 4}[status]
 
 
 def _print_check(report, layout: str, first, where) -> None:

@@ -229,3 +229,23 @@ def test_a_missing_activation_shard_is_named(runs):
     del state["activations"]["layers.1.mlp/dp1/cp0/tp1/mb2"]
     with pytest.raises(RunStateError, match="parallel step 0: no activation record 'layers.1.mlp/dp1/cp0/tp1/mb2'"):
         compare_states([state], reference_states(cfg), plan)
+
+
+def test_an_order_only_difference_exits_4_or_0_when_accepted(runs, tmp_path):
+    """The gloo-ring run with a manifest claiming the canonical order: every mismatch is a reordering."""
+    from click.testing import CliRunner
+
+    from numerics.cli import check_exit_code, main
+
+    cfg, out = runs["dp4_bf16buf_native_2steps"]
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["config"]["reduce_order"] = "canonical"
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    result = CliRunner().invoke(main, ["check", "--run", str(run), "--json"])
+    assert result.exit_code == 4, result.output
+    report = json.loads(result.output)
+    assert report["status"] == "order" and report["first_bug"] is None and report["verdicts"]
+    assert report["summary"].startswith("ORDER ONLY: first diverging buffer")
+    assert check_exit_code("order", accept_order=True) == 0 and check_exit_code("bug", accept_order=True) == 1
