@@ -129,7 +129,8 @@ class CheckReport:
             return text
         if name == "loss":
             if any(b.name.startswith("act/") for b in sc.comparison.buffers):
-                return "forward: every recorded activation matches but the loss differs (the per-token losses match: their normalization by the tokens of the step or the loss reduction over ranks)"
+                return ("forward: every recorded activation matches but the loss differs (the per-token losses "
+                        "match: their normalization by the tokens of the step, or the loss reduction over ranks)")
             return "forward: the loss differs (data sharding, masking or forward compute)"
         if name.startswith("param/"):
             return f"optimizer: gradients match, updated parameter {name[6:]} differs{at}"
