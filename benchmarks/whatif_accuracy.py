@@ -1,0 +1,134 @@
+"""What-if accuracy on paired reference-trainer runs: does healing the fault in the replay predict the
+run without the fault?
+
+    python benchmarks/whatif_accuracy.py                          # the grid below (about 15 runs)
+    python benchmarks/whatif_accuracy.py --out runs/wia --rejudge # re-score kept runs
+
+Every run is a profiled gloo run of the reference trainer with an emulated device (reference_trainer/
+device.py: compute takes the time a device would need, with 2% jitter per span), the same seed and
+config within a layout. Per pair: the faulty run is replayed as recorded (the replay must reproduce
+its measured step) and with the fault healed (``--heal rank=R`` for slow and moving ranks, ``--heal
+link=A,B`` for a slow link); the prediction is compared with the measured step of the clean run of
+the same layout (one clean run per layout, shared by its pairs). The CP-imbalance pair is compared
+with the same data under ``--cp-sharding document`` (per-document CP sharding, WLB-LLM): predicted
+with ``--balance cp``, and as a gain (measured sequence-sharded step minus the prediction, against
+minus the measured document-sharded step).
+Printed: one row per run with measured, replayed, predicted and clean step times (ms) and the errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+LAYOUTS = {
+    "tp2dp2": {"tp": 2, "cp": 1, "pp": 1, "dp": 2},
+    "pp2dp2": {"tp": 1, "cp": 1, "pp": 2, "dp": 2},
+    "cp2dp2": {"tp": 1, "cp": 2, "pp": 1, "dp": 2},
+}
+# name, layout, fault spec, what-if (heal spec, or "balance cp"), the run it is compared with
+PAIRS = [
+    ("slow_r1_x1.5", "tp2dp2", "slow:rank=1,factor=1.5", "rank=1", "clean_tp2dp2"),
+    ("slow_r3_x2", "tp2dp2", "slow:rank=3,factor=2", "rank=3", "clean_tp2dp2"),
+    ("slow_r0_x1.25", "tp2dp2", "slow:rank=0,factor=1.25", "rank=0", "clean_tp2dp2"),
+    ("moving_r1+2_x2", "tp2dp2", "moving:ranks=1+2,factor=2", "rank=1+2", "clean_tp2dp2"),
+    ("link_0-2_30ms", "tp2dp2", "link:a=0,b=2,delay_ms=30", "link=0,2", "clean_tp2dp2"),
+    ("link_0-1_20ms", "tp2dp2", "link:a=0,b=1,delay_ms=20", "link=0,1", "clean_tp2dp2"),
+    ("pp_slow_r0_x1.5", "pp2dp2", "slow:rank=0,factor=1.5", "rank=0", "clean_pp2dp2"),
+    ("pp_slow_r3_x2", "pp2dp2", "slow:rank=3,factor=2", "rank=3", "clean_pp2dp2"),
+    ("pp_link_0-1_30ms", "pp2dp2", "link:a=0,b=1,delay_ms=30", "link=0,1", "clean_pp2dp2"),
+    ("cp_slow_r2_x1.5", "cp2dp2", "slow:rank=2,factor=1.5", "rank=2", "clean_cp2dp2"),
+    ("cp_imbalance_r1", "cp2dp2", "cp_imbalance:ranks=1,weight=1.0", "balance cp", "cp_imbalance_document"),
+]
+EXTRA = [  # the runs pairs are compared with
+    ("clean_tp2dp2", "tp2dp2", "", {}),
+    ("clean_pp2dp2", "pp2dp2", "", {}),
+    ("clean_cp2dp2", "cp2dp2", "", {}),
+    ("cp_imbalance_document", "cp2dp2", "cp_imbalance:ranks=1,weight=1.0", {"cp_sharding": "document"}),
+]
+
+
+def analyse(run: Path, whatif: str | None):
+    import tracekit
+    from tracekit.analysis.whatif import analyze
+    from tracekit.ingest import ingest
+
+    store = run.parent / f"{run.name}.tracekit.duckdb"
+    ingest([run], store, workers=1)
+    s = tracekit.open(store)
+    try:
+        tables = s.run_tables(None)
+    finally:
+        s.close()
+    heal = (whatif,) if whatif and not whatif.startswith("balance") else ()
+    balance = (whatif.split()[1],) if whatif and whatif.startswith("balance") else ()
+    return analyze(tables, heal=heal, balance=balance, decompose=False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None, help="where the runs go (default: a temporary directory)")
+    ap.add_argument("--rejudge", action="store_true", help="analyse the runs already in --out")
+    ap.add_argument("--steps", type=int, default=3, help="profiled steps per run")
+    args = ap.parse_args()
+    from tracekit.demo_run import DEMO_CONFIG, FaultSpec, Scenario, run_scenarios
+
+    out = args.out or Path(tempfile.mkdtemp(prefix="tk-whatif-"))
+    runs = [(n, lay, spec, {}) for n, lay, spec, _, _ in PAIRS] + EXTRA
+    t0 = time.time()
+    if not args.rejudge:
+        print(f"{len(runs)} runs into {out}", flush=True)
+        scenarios = [Scenario({**DEMO_CONFIG, **LAYOUTS[lay], **extra, "steps": args.steps, "profile_memory": False},
+                              str(out / name), (FaultSpec(spec),) if spec else ()) for name, lay, spec, extra in runs]
+        for i in range(0, len(scenarios), 8):  # one spawned world trains up to 8 runs
+            run_scenarios(scenarios[i:i + 8])
+            print(f"trained {min(i + 8, len(scenarios))}/{len(scenarios)} ({time.time() - t0:.0f} s)", flush=True)
+    ref = {name: analyse(out / name, None) for name, *_ in EXTRA}
+    rows = []
+    for name, lay, spec, whatif, twin in PAIRS:
+        w = analyse(out / name, whatif)
+        pred = w.scenarios[-1].step_ns
+        clean = ref[twin].measured_ns
+        rows.append((name, whatif, w.measured_ns, w.replay_ns, pred, clean, w.ideal_ns, twin))
+    for name, *_ in EXTRA:
+        w = ref[name]
+        rows.append((name, "-", w.measured_ns, w.replay_ns, float("nan"), float("nan"), w.ideal_ns, "-"))
+    print()
+    print(table(rows))
+    print(f"{len(rows)} runs analysed in {time.time() - t0:.0f} s")
+
+
+def table(rows) -> str:
+    head = (f"{'run':22s} {'what-if':12s} {'measured':>9s} {'replay':>9s} {'err':>6s} {'predicted':>9s} "
+            f"{'clean':>9s} {'err':>6s} {'ideal':>9s}  compared with")
+    lines = [head, "-" * len(head)]
+    errs, rep = [], []
+    for name, whatif, meas, rpl, pred, clean, ideal, twin in rows:
+        e_rep = rpl / meas - 1
+        rep.append(abs(e_rep))
+        e_pred = pred / clean - 1 if clean == clean else float("nan")
+        if e_pred == e_pred:
+            errs.append(abs(e_pred))
+        lines.append(f"{name:22s} {whatif:12s} {meas / 1e6:9.1f} {rpl / 1e6:9.1f} {e_rep:+6.1%} "
+                     + (f"{pred / 1e6:9.1f} {clean / 1e6:9.1f} {e_pred:+6.1%} " if e_pred == e_pred else f"{'':9s} {'':9s} {'':6s} ")
+                     + f"{ideal / 1e6:9.1f}  {twin}")
+    cp = [r for r in rows if r[1] == "balance cp"]
+    if cp:
+        _, _, meas, _, pred, doc, _, _ = cp[0]
+        g_pred, g_meas = meas - pred, meas - doc
+        lines.append(f"CP imbalance: predicted gain of balancing CP {g_pred / 1e6:.1f} ms, measured gain of "
+                     f"--cp-sharding document {g_meas / 1e6:.1f} ms ({g_pred / g_meas - 1:+.1%})")
+    lines.append(f"healthy-step prediction: {sum(e <= 0.05 for e in errs)}/{len(errs)} within 5% "
+                 f"(median |err| {sorted(errs)[len(errs) // 2]:.1%}, max {max(errs):.1%}); replay as recorded: "
+                 f"{sum(e <= 0.03 for e in rep)}/{len(rep)} within 3% (max |err| {max(rep):.2%})")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
