@@ -11,7 +11,7 @@ its measured step) and with the fault healed (``--heal rank=R`` for slow and mov
 link=A,B`` for a slow link); the prediction is compared with the measured step of the clean run of
 the same layout (one clean run per layout, shared by its pairs). The CP-imbalance pair is compared
 with the same data under ``--cp-sharding document`` (per-document CP sharding, WLB-LLM): predicted
-with ``--balance cp``, and as a gain (measured sequence-sharded step minus the prediction, against
+with the per-document sharding what-if (and ``--balance cp``), and as a gain (measured sequence-sharded step minus the prediction, against
 minus the measured document-sharded step).
 Printed: one row per run with measured, replayed, predicted and clean step times (ms) and the errors.
 """
@@ -44,7 +44,7 @@ PAIRS = [
     ("pp_slow_r3_x2", "pp2dp2", "slow:rank=3,factor=2", "rank=3", "clean_pp2dp2"),
     ("pp_link_0-1_30ms", "pp2dp2", "link:a=0,b=1,delay_ms=30", "link=0,1", "clean_pp2dp2"),
     ("cp_slow_r2_x1.5", "cp2dp2", "slow:rank=2,factor=1.5", "rank=2", "clean_cp2dp2"),
-    ("cp_imbalance_r1", "cp2dp2", "cp_imbalance:ranks=1,weight=1.0", "balance cp", "cp_imbalance_document"),
+    ("cp_imbalance_r1", "cp2dp2", "cp_imbalance:ranks=1,weight=1.0", "document", "cp_imbalance_document"),
 ]
 EXTRA = [  # the runs pairs are compared with
     ("clean_tp2dp2", "tp2dp2", "", {}),
@@ -66,9 +66,9 @@ def analyse(run: Path, whatif: str | None):
         tables = s.run_tables(None)
     finally:
         s.close()
-    heal = (whatif,) if whatif and not whatif.startswith("balance") else ()
-    balance = (whatif.split()[1],) if whatif and whatif.startswith("balance") else ()
-    return analyze(tables, heal=heal, balance=balance, decompose=False)
+    if whatif == "document":  # per-document CP sharding (WLB-LLM), and balancing CP for comparison
+        return analyze(tables, balance=("cp",), wlb=True, decompose=False)
+    return analyze(tables, heal=(whatif,) if whatif else (), decompose=False)
 
 
 def main() -> None:
@@ -93,14 +93,18 @@ def main() -> None:
     rows = []
     for name, lay, spec, whatif, twin in PAIRS:
         w = analyse(out / name, whatif)
-        pred = w.scenarios[-1].step_ns
         clean = ref[twin].measured_ns
-        rows.append((name, whatif, w.measured_ns, w.replay_ns, pred, clean, w.ideal_ns, twin))
+        rows.append((name, whatif, w.measured_ns, w.replay_ns, w.scenarios[-1].step_ns, clean, w.ideal_ns, twin))
+        if whatif == "document":
+            rows.append((name, "balance cp", w.measured_ns, w.replay_ns, w.scenarios[-2].step_ns, clean, w.ideal_ns, twin))
+            degrees = w.data.per_step
     for name, *_ in EXTRA:
         w = ref[name]
         rows.append((name, "-", w.measured_ns, w.replay_ns, float("nan"), float("nan"), w.ideal_ns, "-"))
     print()
     print(table(rows))
+    print("WLB imbalance degrees of the CP-imbalance run, per step (before -> after):")
+    print(degrees)
     print(f"{len(rows)} runs analysed in {time.time() - t0:.0f} s")
 
 
@@ -118,11 +122,9 @@ def table(rows) -> str:
         lines.append(f"{name:22s} {whatif:12s} {meas / 1e6:9.1f} {rpl / 1e6:9.1f} {e_rep:+6.1%} "
                      + (f"{pred / 1e6:9.1f} {clean / 1e6:9.1f} {e_pred:+6.1%} " if e_pred == e_pred else f"{'':9s} {'':9s} {'':6s} ")
                      + f"{ideal / 1e6:9.1f}  {twin}")
-    cp = [r for r in rows if r[1] == "balance cp"]
-    if cp:
-        _, _, meas, _, pred, doc, _, _ = cp[0]
+    for _, whatif, meas, _, pred, doc, _, _ in [r for r in rows if r[1] in ("document", "balance cp")]:
         g_pred, g_meas = meas - pred, meas - doc
-        lines.append(f"CP imbalance: predicted gain of balancing CP {g_pred / 1e6:.1f} ms, measured gain of "
+        lines.append(f"CP imbalance: predicted gain ({whatif}) {g_pred / 1e6:.1f} ms, measured gain of "
                      f"--cp-sharding document {g_meas / 1e6:.1f} ms ({g_pred / g_meas - 1:+.1%})")
     lines.append(f"healthy-step prediction: {sum(e <= 0.05 for e in errs)}/{len(errs)} within 5% "
                  f"(median |err| {sorted(errs)[len(errs) // 2]:.1%}, max {max(errs):.1%}); replay as recorded: "

@@ -172,3 +172,23 @@ def test_cli_json_and_bad_input(tmp_path):
         assert r.exit_code == 2 and msg in r.output, r.output
     r = CliRunner().invoke(cli, ["whatif", str(tmp_path / "nope")])
     assert r.exit_code == 2 and "no such file" in r.output
+
+
+def test_wlb_data_whatifs_on_the_cp_imbalanced_run(trainer_tables):
+    t = trainer_tables["cp_imbalance_8"]  # long documents on CP rank 1 under sequence sharding
+    truth = t.manifest["faults"][0]["magnitude"]["pair_ratio_by_step"]  # the trainer's own pair counts
+    w = analyze(t, balance=("cp",), wlb=True, decompose=False)
+    deg = w.data.per_step
+    for step, before in zip(deg["step"], deg["cp_attention_degree_before"]):
+        assert before == pytest.approx(max(truth[str(step)]), rel=0.01)
+    assert deg["cp_attention_degree_after"].max() < 1.05  # per-document sharding splits every document
+    assert 0.5 < w.data.attention_weight < 1.5  # the loaded ranks compute about as much longer as they attend more
+    by = {s.name: s for s in w.scenarios}
+    assert by["per-document CP sharding"].share > by["balance cp"].share > 0.05
+
+
+@needs_wia
+def test_wlb_needs_a_trainer_run(wia):
+    tables = RunTables.from_mapping(read_optable(WIA / "ST" / "trace-ST.parquet"))
+    with pytest.raises(WhatIfError, match="trainer run"):
+        analyze(tables, wlb=True, decompose=False)

@@ -22,6 +22,8 @@ from tracekit.cli._common import EXIT_FINDING, EXIT_OK, fail
               help="Replay with a rank's compute at its peers' median, or a link at normal speed (repeatable).")
 @click.option("--balance", "balance", multiple=True, type=click.Choice(["cp", "pp"]),
               help="Replay with the compute of each CP (or PP) group equalized (repeatable).")
+@click.option("--wlb", is_flag=True,
+              help="Trainer runs: WLB-LLM data what-ifs (per-document CP sharding, variable-length packing).")
 @click.option("--no-decompose", is_flag=True, help="Skip the slowdown decomposition (one replay per part).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @click.option("--check", is_flag=True, help="Exit 1 when the slowdown is over --threshold.")
@@ -29,7 +31,7 @@ from tracekit.cli._common import EXIT_FINDING, EXIT_OK, fail
 @click.option("--run-id", default=None, help="Run to analyse (default: the newest in the store).")
 @click.option("--store", "store_path", type=click.Path(path_type=Path), default=None,
               help="Store to ingest a run directory into (default: <dir>.tracekit.duckdb beside it).")
-def whatif_command(source: Path, heal: tuple[str, ...], balance: tuple[str, ...], no_decompose: bool, as_json: bool,
+def whatif_command(source: Path, heal: tuple[str, ...], balance: tuple[str, ...], wlb: bool, no_decompose: bool, as_json: bool,
                    check: bool, threshold: float, run_id: str | None, store_path: Path | None) -> None:
     """How fast the step would be without its stragglers: replay, ideal step, slowdown by part."""
     from tracekit.analysis.whatif import WhatIfError, analyze, parse_heal
@@ -46,7 +48,7 @@ def whatif_command(source: Path, heal: tuple[str, ...], balance: tuple[str, ...]
     finally:
         store.close()
     try:
-        result = analyze(tables, heal=heal, balance=balance, decompose=not no_decompose)
+        result = analyze(tables, heal=heal, balance=balance, decompose=not no_decompose, wlb=wlb)
     except WhatIfError as e:
         fail(f"{source}: {e}")
     if as_json:
@@ -73,6 +75,14 @@ def _render(w) -> None:
     for s in w.scenarios:
         t.add_row(s.name, f"{s.step_ns / 1e6:.1f}", f"{s.saving_ns / 1e6:.1f}", f"{s.share:.1%}")
     out.print(t)
+    if w.data is not None:
+        t = Table(title=f"WLB-LLM imbalance degree per step (attention weight w={w.data.attention_weight:.2f})")
+        for c in ("step", "CP attention", "CP work", "packing"):
+            t.add_column(c, justify="right")
+        for r in w.data.per_step.iter_rows(named=True):
+            t.add_row(str(r["step"]), *(f"{r[k + '_before']:.3f} -> {r[k + '_after']:.3f}"
+                                        for k in ("cp_attention_degree", "cp_work_degree", "pack_degree")))
+        out.print(t)
     for title, frame in (("DP rank", w.by_dp), ("stage", w.by_stage), ("op type", w.by_optype)):
         if frame.height:
             t = Table(title=f"slowdown by {title}")

@@ -19,6 +19,7 @@ from tracekit.analysis.whatif import counterfactual as cf
 from tracekit.analysis.whatif import optable_graph, trainer_graph
 from tracekit.analysis.whatif.graph import StepGraph, WhatIfError
 from tracekit.analysis.whatif.replay import Params, recorded, replay
+from tracekit.analysis.whatif.wlb import DataWhatIf, cp_document_params, data_whatif
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class WhatIf:
     by_dp: pl.DataFrame = field(default_factory=pl.DataFrame)  # key, slowdown
     by_stage: pl.DataFrame = field(default_factory=pl.DataFrame)
     by_optype: pl.DataFrame = field(default_factory=pl.DataFrame)
+    data: DataWhatIf | None = None  # WLB-LLM data what-ifs (trainer runs, ``wlb=True``)
 
     @property
     def slowdown(self) -> float:
@@ -66,6 +68,8 @@ class WhatIf:
                 "ideal_ns": self.ideal_ns, "slowdown": self.slowdown, "blocking_slowdown": self.blocking_slowdown,
                 "violations": self.violations, "decomposition": dec,
                 "scenarios": [s.__dict__ for s in self.scenarios],
+                "wlb": None if self.data is None else {"attention_weight": self.data.attention_weight,
+                                                       "per_step": self.data.per_step.to_dicts()},
                 "per_step": self.per_step.to_dicts()}
 
 
@@ -95,7 +99,7 @@ def parse_heal(spec: str) -> tuple[str, tuple[int, ...]]:
 
 
 def analyze(tables: RunTables, heal: tuple[str, ...] = (), balance: tuple[str, ...] = (),
-            decompose: bool = True) -> WhatIf:
+            decompose: bool = True, wlb: bool = False) -> WhatIf:
     model, gs = build(tables)
     rec = [recorded(g) for g in gs]
     steps = [s for g in gs for s in g.steps]
@@ -117,8 +121,16 @@ def analyze(tables: RunTables, heal: tuple[str, ...] = (), balance: tuple[str, .
         if model == "op-table" and dim == "cp":
             raise WhatIfError("op tables fold CP ranks into their worker: CP work cannot be balanced")
         scenarios.append(_scenario(f"balance {dim}", gs, cf.balance(gs, rec, dim), replay_ns, measured, per_step))
+    data = None
+    if wlb:
+        if model != "program-order":
+            raise WhatIfError("data what-ifs need a trainer run (its documents); this is an op table")
+        data = data_whatif(tables, gs, rec)
+        if tables.layout.cp > 1:
+            scenarios.append(_scenario("per-document CP sharding", gs, cp_document_params(gs, rec, data), replay_ns,
+                                       measured, per_step))
     out = WhatIf(tables.run_id, model, len(steps), float(measured.mean()), replay_ns, nodelay_ns, ideal_ns,
-                 sum(p.violations for p in rec), scenarios, pl.DataFrame(per_step).sort("step"))
+                 sum(p.violations for p in rec), scenarios, pl.DataFrame(per_step).sort("step"), data=data)
     if decompose:
         out.by_dp, out.by_stage, out.by_optype = (_decompose(gs, ideal_ps, rec, col, ideal_ns)
                                                   for col in ("dp", "pp", "label"))
