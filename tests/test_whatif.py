@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import polars as pl
 import pytest
 from click.testing import CliRunner
 
@@ -109,6 +110,11 @@ def test_trainer_replay_reproduces_measured_steps_and_heals_the_slow_rank(traine
     assert w.ideal_ns < by["heal rank=5"].step_ns < w.replay_ns
     ns, share = saving(t, [5])
     assert ns == pytest.approx(by["heal rank=5"].saving_ns) and share == pytest.approx(by["heal rank=5"].share)
+    one = saving(t, [5], steps=[2])[0]
+    per = w.per_step.filter(pl.col("step") == 2)
+    assert one == pytest.approx(per["replay_ns"][0] - per["heal_rank=5_ns"][0])
+    with pytest.raises(WhatIfError, match="none of steps"):
+        saving(t, [5], steps=[99])
 
 
 def test_balancing_cp_helps_the_cp_imbalanced_run_more_than_balancing_pp(trainer_tables):
@@ -172,6 +178,13 @@ def test_cli_json_and_bad_input(tmp_path):
         assert r.exit_code == 2 and msg in r.output, r.output
     r = CliRunner().invoke(cli, ["whatif", str(tmp_path / "nope")])
     assert r.exit_code == 2 and "no such file" in r.output
+
+
+def test_cli_refuses_gpu_kernel_traces(tmp_path):
+    run = tmp_path / "sim"
+    assert CliRunner().invoke(cli, ["simulate", "--tp", "2", "--dp", "2", "--steps", "2", "--out", str(run)]).exit_code == 0
+    r = CliRunner().invoke(cli, ["whatif", str(run), "--store", str(tmp_path / "s.duckdb")])
+    assert r.exit_code == 2 and "GPU kernels" in r.output, r.output
 
 
 def test_wlb_data_whatifs_on_the_cp_imbalanced_run(trainer_tables):

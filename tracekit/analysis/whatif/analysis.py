@@ -150,12 +150,20 @@ def _decompose(gs: list[StepGraph], ideal_ps: list[Params], rec: list[Params], c
     return pl.DataFrame(rows, schema={"key": dtype, "slowdown": pl.Float64}, orient="row").sort("slowdown", descending=True)
 
 
-def saving(tables: RunTables, ranks) -> tuple[float, float]:
+def saving(tables: RunTables, ranks, steps=None) -> tuple[float, float]:
     """What healing ``ranks`` (their compute at their peers' median) saves: (ns per step, share of
-    the measured step). For the stragglers headline ("rank 13 costs 9.1% of each step, 152 ms")."""
-    model, gs = build(tables)
+    the measured step), averaged over ``steps`` (default: every replayed step). For the stragglers
+    headline ("rank 13 costs 9.1% of each step, 152 ms"). Raises WhatIfError where the run cannot
+    be replayed (GPU kernel traces, no steps)."""
+    _, gs = build(tables)
     rec = [recorded(g) for g in gs]
-    base, _ = _mean(gs, rec)
-    healed, _ = _mean(gs, cf.heal_rank(gs, rec, {int(r) for r in ranks}))
-    measured = float(np.concatenate([g.measured for g in gs]).mean())
-    return base - healed, (base - healed) / measured
+    base = np.concatenate([replay(g, p).step_ns for g, p in zip(gs, rec)])
+    healed = np.concatenate([replay(g, p).step_ns for g, p in zip(gs, cf.heal_rank(gs, rec, {int(r) for r in ranks}))])
+    measured = np.concatenate([g.measured for g in gs])
+    keep = np.ones(len(base), dtype=bool)
+    if steps is not None:
+        keep = np.isin(np.array([s for g in gs for s in g.steps]), list(steps))
+        if not keep.any():
+            raise WhatIfError(f"none of steps {sorted(steps)} was replayed")
+    diff = float((base - healed)[keep].mean())
+    return diff, diff / float(measured[keep].mean())

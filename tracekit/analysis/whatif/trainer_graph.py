@@ -46,6 +46,10 @@ def comm_calls(t: RunTables) -> pl.DataFrame:
 
 
 def build(t: RunTables) -> list[StepGraph]:
+    kernel = pl.concat([t.collectives.select("source"), t.p2p.select("source")])["source"].eq("kernel").any()
+    if kernel:  # a GPU runs its communication on streams of its own, overlapping compute: not one program order
+        raise WhatIfError(f"run {t.run_id!r}: communication recorded as GPU kernels (several streams) is not modelled; "
+                          "the replay needs the calls in program order (trainer tk.comm spans) or an op table")
     calls = comm_calls(t)
     offs = t.ranks.select(pl.col("rank").cast(pl.Int32), pl.col("clock_offset_ns").fill_null(0).alias("off"))
     steps = t.steps.select(pl.col("rank").cast(pl.Int32), "step", pl.col("start_ns").alias("s0"),

@@ -47,7 +47,10 @@ def trainer_config(tables: RunTables):
         from reference_trainer.config import TrainConfig
     except ImportError:
         raise WhatIfError("data what-ifs regenerate the documents with reference_trainer, which is not importable") from None
-    return TrainConfig.from_dict(cfg)
+    try:
+        return TrainConfig.from_dict(cfg)
+    except Exception as e:  # noqa: BLE001 - a manifest not written by this trainer version
+        raise WhatIfError(f"the run's manifest config is not a reference-trainer config: {e}") from None
 
 
 def _corpus(cfg):
