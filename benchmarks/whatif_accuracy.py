@@ -1,7 +1,7 @@
 """What-if accuracy on paired reference-trainer runs: does healing the fault in the replay predict the
 run without the fault?
 
-    python benchmarks/whatif_accuracy.py                          # the grid below (about 15 runs)
+    python benchmarks/whatif_accuracy.py --steps 5 --clean-repeats 2   # the grid below (19 runs)
     python benchmarks/whatif_accuracy.py --out runs/wia --rejudge # re-score kept runs
 
 Every run is a profiled gloo run of the reference trainer with an emulated device (reference_trainer/
@@ -9,7 +9,7 @@ device.py: compute takes the time a device would need, with 2% jitter per span),
 config within a layout. Per pair: the faulty run is replayed as recorded (the replay must reproduce
 its measured step) and with the fault healed (``--heal rank=R`` for slow and moving ranks, ``--heal
 link=A,B`` for a slow link); the prediction is compared with the measured step of the clean run of
-the same layout (one clean run per layout, shared by its pairs). The CP-imbalance pair is compared
+the same layout (``--clean-repeats`` clean runs per layout, shared by its pairs; their median step). The CP-imbalance pair is compared
 with the same data under ``--cp-sharding document`` (per-document CP sharding, WLB-LLM): predicted
 with the per-document sharding what-if (and ``--balance cp``), and as a gain (measured sequence-sharded step minus the prediction, against
 minus the measured document-sharded step).
@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -46,12 +48,16 @@ PAIRS = [
     ("cp_slow_r2_x1.5", "cp2dp2", "slow:rank=2,factor=1.5", "rank=2", "clean_cp2dp2"),
     ("cp_imbalance_r1", "cp2dp2", "cp_imbalance:ranks=1,weight=1.0", "document", "cp_imbalance_document"),
 ]
-EXTRA = [  # the runs pairs are compared with
+EXTRA = [  # the runs pairs are compared with (each trained --clean-repeats times, same seed)
     ("clean_tp2dp2", "tp2dp2", "", {}),
     ("clean_pp2dp2", "pp2dp2", "", {}),
     ("clean_cp2dp2", "cp2dp2", "", {}),
     ("cp_imbalance_document", "cp2dp2", "cp_imbalance:ranks=1,weight=1.0", {"cp_sharding": "document"}),
 ]
+
+
+def repeats(name: str, n: int) -> list[str]:
+    return [name] + [f"{name}_r{k}" for k in range(1, n)]
 
 
 def analyse(run: Path, whatif: str | None):
@@ -76,11 +82,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="where the runs go (default: a temporary directory)")
     ap.add_argument("--rejudge", action="store_true", help="analyse the runs already in --out")
     ap.add_argument("--steps", type=int, default=3, help="profiled steps per run")
+    ap.add_argument("--clean-repeats", type=int, default=1, help="runs of each reference (clean) configuration")
     args = ap.parse_args()
     from tracekit.demo_run import DEMO_CONFIG, FaultSpec, Scenario, run_scenarios
 
     out = args.out or Path(tempfile.mkdtemp(prefix="tk-whatif-"))
-    runs = [(n, lay, spec, {}) for n, lay, spec, _, _ in PAIRS] + EXTRA
+    runs = [(n, lay, spec, {}) for n, lay, spec, _, _ in PAIRS] + [
+        (r, lay, spec, extra) for n, lay, spec, extra in EXTRA for r in repeats(n, args.clean_repeats)]
     t0 = time.time()
     if not args.rejudge:
         print(f"{len(runs)} runs into {out}", flush=True)
@@ -89,43 +97,61 @@ def main() -> None:
         for i in range(0, len(scenarios), 8):  # one spawned world trains up to 8 runs
             run_scenarios(scenarios[i:i + 8])
             print(f"trained {min(i + 8, len(scenarios))}/{len(scenarios)} ({time.time() - t0:.0f} s)", flush=True)
-    ref = {name: analyse(out / name, None) for name, *_ in EXTRA}
-    rows = []
+    ref = {r: analyse(out / r, None) for name, *_ in EXTRA for r in repeats(name, args.clean_repeats)}
+    rows, degrees = [], None
     for name, lay, spec, whatif, twin in PAIRS:
         w = analyse(out / name, whatif)
-        clean = ref[twin].measured_ns
-        rows.append((name, whatif, w.measured_ns, w.replay_ns, w.scenarios[-1].step_ns, clean, w.ideal_ns, twin))
-        if whatif == "document":
-            rows.append((name, "balance cp", w.measured_ns, w.replay_ns, w.scenarios[-2].step_ns, clean, w.ideal_ns, twin))
+        clean = float(np.median(np.concatenate([ref[r].per_step["measured_ns"].to_numpy()
+                                                for r in repeats(twin, args.clean_repeats)])))
+        for sc in w.scenarios[1:][::-1]:  # the what-if asked for first, then balance cp (document pair)
+            col = f"{sc.name.replace(' ', '_')}_ns"
+            rows.append((name, whatif if sc is w.scenarios[-1] else sc.name, typical(w, "measured_ns"), replay_err(w),
+                         typical(w, col), clean, typical(w, "ideal_ns"), twin))
+        if w.data is not None:
             degrees = w.data.per_step
-    for name, *_ in EXTRA:
-        w = ref[name]
-        rows.append((name, "-", w.measured_ns, w.replay_ns, float("nan"), float("nan"), w.ideal_ns, "-"))
+    for name, w in ref.items():
+        rows.append((name, "-", typical(w, "measured_ns"), replay_err(w), float("nan"), float("nan"),
+                     typical(w, "ideal_ns"), "-"))
+    spread = {n: np.concatenate([ref[r].per_step["measured_ns"].to_numpy() for r in repeats(n, args.clean_repeats)])
+              for n, *_ in EXTRA}
     print()
     print(table(rows))
+    print("noise floor, the reference runs' steps (min / median / max ms): " + "; ".join(
+        f"{n} {v.min() / 1e6:.0f} / {np.median(v) / 1e6:.0f} / {v.max() / 1e6:.0f}" for n, v in spread.items()))
     print("WLB imbalance degrees of the CP-imbalance run, per step (before -> after):")
     print(degrees)
     print(f"{len(rows)} runs analysed in {time.time() - t0:.0f} s")
 
 
+def typical(w, col: str) -> float:
+    """A run's typical step: the median over its profiled steps (one step disturbed by the shared
+    machine moves a mean of three)."""
+    return float(w.per_step[col].median())
+
+
+def replay_err(w) -> float:
+    """The worst step's replay-as-recorded error."""
+    return float((w.per_step["replay_ns"] / w.per_step["measured_ns"] - 1).abs().max())
+
+
 def table(rows) -> str:
-    head = (f"{'run':22s} {'what-if':12s} {'measured':>9s} {'replay':>9s} {'err':>6s} {'predicted':>9s} "
+    head = (f"{'run':22s} {'what-if':24s} {'measured':>9s} {'replay err':>10s} {'predicted':>9s} "
             f"{'clean':>9s} {'err':>6s} {'ideal':>9s}  compared with")
     lines = [head, "-" * len(head)]
     errs, rep = [], []
-    for name, whatif, meas, rpl, pred, clean, ideal, twin in rows:
-        e_rep = rpl / meas - 1
-        rep.append(abs(e_rep))
+    for name, whatif, meas, e_rep, pred, clean, ideal, twin in rows:
+        rep.append(e_rep)
         e_pred = pred / clean - 1 if clean == clean else float("nan")
         if e_pred == e_pred:
             errs.append(abs(e_pred))
-        lines.append(f"{name:22s} {whatif:12s} {meas / 1e6:9.1f} {rpl / 1e6:9.1f} {e_rep:+6.1%} "
+        lines.append(f"{name:22s} {whatif:24s} {meas / 1e6:9.1f} {e_rep:10.2%} "
                      + (f"{pred / 1e6:9.1f} {clean / 1e6:9.1f} {e_pred:+6.1%} " if e_pred == e_pred else f"{'':9s} {'':9s} {'':6s} ")
                      + f"{ideal / 1e6:9.1f}  {twin}")
     for _, whatif, meas, _, pred, doc, _, _ in [r for r in rows if r[1] in ("document", "balance cp")]:
         g_pred, g_meas = meas - pred, meas - doc
         lines.append(f"CP imbalance: predicted gain ({whatif}) {g_pred / 1e6:.1f} ms, measured gain of "
                      f"--cp-sharding document {g_meas / 1e6:.1f} ms ({g_pred / g_meas - 1:+.1%})")
+    lines.append("step times: medians over the profiled steps, ms; replay err: the worst step's")
     lines.append(f"healthy-step prediction: {sum(e <= 0.05 for e in errs)}/{len(errs)} within 5% "
                  f"(median |err| {sorted(errs)[len(errs) // 2]:.1%}, max {max(errs):.1%}); replay as recorded: "
                  f"{sum(e <= 0.03 for e in rep)}/{len(rep)} within 3% (max |err| {max(rep):.2%})")
