@@ -112,7 +112,7 @@ def test_trainer_replay_reproduces_measured_steps_and_heals_the_slow_rank(traine
     assert ns == pytest.approx(by["heal rank=5"].saving_ns) and share == pytest.approx(by["heal rank=5"].share)
     one = saving(t, [5], steps=[2])[0]
     per = w.per_step.filter(pl.col("step") == 2)
-    assert one == pytest.approx(per["replay_ns"][0] - per["heal_rank=5_ns"][0])
+    assert one == pytest.approx(per["nodelay_ns"][0] - per["heal_rank=5_ns"][0])
     with pytest.raises(WhatIfError, match="none of steps"):
         saving(t, [5], steps=[99])
 

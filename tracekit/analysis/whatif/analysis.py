@@ -1,7 +1,10 @@
 """What-if analysis of one run: replay as recorded, the ideal step, the slowdown and where it comes
 from, and the counterfactuals asked for (``--heal``, ``--balance``).
 
-The slowdown is the measured step time over the ideal one. Its decomposition follows the what-if
+The slowdown is the measured step time over the ideal one. Every what-if replays without the recorded
+idle gaps (a gap can be a dependency the graph does not hold: kept, it would stall a changed
+schedule where the real one would not wait) and its saving is counted against the replay without
+them (``nodelay_ns``), as the analyzer does. Its decomposition follows the what-if
 analyzer (ByteDance-Seed/StragglerAnalysis, "Understanding Stragglers in Large Model Training Using
 What-if Analysis"): for each DP rank, stage and op type, the ideal step with only that part at its
 recorded times, over the ideal step (1.0: that part costs nothing).
@@ -26,7 +29,7 @@ from tracekit.analysis.whatif.wlb import DataWhatIf, cp_document_params, data_wh
 class Scenario:
     name: str  # "heal rank=5", "heal link=2,3", "balance cp", "ideal"
     step_ns: float  # predicted mean step time
-    saving_ns: float  # per step, against the replay as recorded
+    saving_ns: float  # per step, against the replay without idle gaps (what-ifs drop them, as the analyzer does)
     share: float  # of the measured mean step time
 
 
@@ -41,7 +44,7 @@ class WhatIf:
     ideal_ns: float
     violations: int  # recorded starts before a dependency ended (0 when the graph fits the record)
     scenarios: list[Scenario]
-    per_step: pl.DataFrame  # step, measured_ns, replay_ns, ideal_ns, one <scenario>_ns column each
+    per_step: pl.DataFrame  # step, measured_ns, replay_ns, nodelay_ns, ideal_ns, one <scenario>_ns column each
     by_dp: pl.DataFrame = field(default_factory=pl.DataFrame)  # key, slowdown
     by_stage: pl.DataFrame = field(default_factory=pl.DataFrame)
     by_optype: pl.DataFrame = field(default_factory=pl.DataFrame)
@@ -106,28 +109,29 @@ def analyze(tables: RunTables, heal: tuple[str, ...] = (), balance: tuple[str, .
     measured = np.concatenate([g.measured for g in gs])
     replay_ns, replay_steps = _mean(gs, rec)
     nodelay = [Params(p.dur, np.zeros_like(p.delay)) for p in rec]
-    nodelay_ns, _ = _mean(gs, nodelay)
+    nodelay_ns, nodelay_steps = _mean(gs, nodelay)
     ideal_ps = cf.ideal(gs, rec, "mean" if model == "op-table" else "median")
     ideal_ns, ideal_steps = _mean(gs, ideal_ps)
-    per_step = {"step": steps, "measured_ns": measured, "replay_ns": replay_steps, "ideal_ns": ideal_steps}
-    scenarios = [Scenario("ideal", ideal_ns, replay_ns - ideal_ns, (replay_ns - ideal_ns) / measured.mean())]
+    per_step = {"step": steps, "measured_ns": measured, "replay_ns": replay_steps, "nodelay_ns": nodelay_steps,
+                "ideal_ns": ideal_steps}
+    scenarios = [Scenario("ideal", ideal_ns, nodelay_ns - ideal_ns, (nodelay_ns - ideal_ns) / measured.mean())]
     for spec in heal:
         kind, ranks = parse_heal(spec)
-        ps = cf.heal_rank(gs, rec, set(ranks)) if kind == "rank" else cf.heal_link(gs, rec, *ranks)
-        scenarios.append(_scenario(f"heal {spec}", gs, ps, replay_ns, measured, per_step))
+        ps = cf.heal_rank(gs, nodelay, set(ranks)) if kind == "rank" else cf.heal_link(gs, nodelay, *ranks)
+        scenarios.append(_scenario(f"heal {spec}", gs, ps, nodelay_ns, measured, per_step))
     for dim in balance:
         if dim not in ("cp", "pp"):
             raise WhatIfError(f"--balance {dim!r}: expected cp or pp")
         if model == "op-table" and dim == "cp":
             raise WhatIfError("op tables fold CP ranks into their worker: CP work cannot be balanced")
-        scenarios.append(_scenario(f"balance {dim}", gs, cf.balance(gs, rec, dim), replay_ns, measured, per_step))
+        scenarios.append(_scenario(f"balance {dim}", gs, cf.balance(gs, nodelay, dim), nodelay_ns, measured, per_step))
     data = None
     if wlb:
         if model != "program-order":
             raise WhatIfError("data what-ifs need a trainer run (its documents); this is an op table")
         data = data_whatif(tables, gs, rec)
         if tables.layout.cp > 1:
-            scenarios.append(_scenario("per-document CP sharding", gs, cp_document_params(gs, rec, data), replay_ns,
+            scenarios.append(_scenario("per-document CP sharding", gs, cp_document_params(gs, nodelay, data), nodelay_ns,
                                        measured, per_step))
     out = WhatIf(tables.run_id, model, len(steps), float(measured.mean()), replay_ns, nodelay_ns, ideal_ns,
                  sum(p.violations for p in rec), scenarios, pl.DataFrame(per_step).sort("step"), data=data)
@@ -137,10 +141,10 @@ def analyze(tables: RunTables, heal: tuple[str, ...] = (), balance: tuple[str, .
     return out
 
 
-def _scenario(name: str, gs, ps, replay_ns: float, measured: np.ndarray, per_step: dict) -> Scenario:
+def _scenario(name: str, gs, ps, base_ns: float, measured: np.ndarray, per_step: dict) -> Scenario:
     mean, steps = _mean(gs, ps)
     per_step[f"{name.replace(' ', '_')}_ns"] = steps
-    return Scenario(name, mean, replay_ns - mean, (replay_ns - mean) / float(measured.mean()))
+    return Scenario(name, mean, base_ns - mean, (base_ns - mean) / float(measured.mean()))
 
 
 def _decompose(gs: list[StepGraph], ideal_ps: list[Params], rec: list[Params], column: str, ideal_ns: float) -> pl.DataFrame:
@@ -157,6 +161,7 @@ def saving(tables: RunTables, ranks, steps=None) -> tuple[float, float]:
     be replayed (GPU kernel traces, no steps)."""
     _, gs = build(tables)
     rec = [recorded(g) for g in gs]
+    rec = [Params(p.dur, np.zeros_like(p.delay)) for p in rec]  # idle gaps are no one's fault (see analyze)
     base = np.concatenate([replay(g, p).step_ns for g, p in zip(gs, rec)])
     healed = np.concatenate([replay(g, p).step_ns for g, p in zip(gs, cf.heal_rank(gs, rec, {int(r) for r in ranks}))])
     measured = np.concatenate([g.measured for g in gs])

@@ -156,4 +156,26 @@ def _joins(nodes: pl.DataFrame) -> np.ndarray:
         groups.setdefault(key, []).append(int(node))
     for gid, members in enumerate(groups.values()):
         join[members] = gid
-    return join
+    return _merge_batches(nodes, join)
+
+
+def _merge_batches(nodes: pl.DataFrame, join: np.ndarray) -> np.ndarray:
+    """p2p ops a rank issued together (same start and end: one batched send/recv) complete
+    together: their transfers form one join."""
+    p2p = nodes.filter(pl.col("optype").is_in(list(RECV_OF) + list(SEND_OF)))
+    parent = {int(j): int(j) for j in set(join[p2p["node"].to_numpy()])}
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for batch in p2p.group_by("rank", "start", "end").agg(pl.col("node")).filter(pl.col("node").list.len() > 1)["node"]:
+        roots = [find(int(join[n])) for n in batch]
+        for r in roots[1:]:
+            parent[r] = roots[0]
+    out = join.copy()
+    for i in p2p["node"].to_list():
+        out[i] = find(int(join[i]))
+    return out
