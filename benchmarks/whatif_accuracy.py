@@ -2,17 +2,18 @@
 run without the fault?
 
     python benchmarks/whatif_accuracy.py --steps 5 --clean-repeats 2   # the grid below (19 runs)
-    python benchmarks/whatif_accuracy.py --out runs/wia --rejudge # re-score kept runs
+    python benchmarks/whatif_accuracy.py --out runs/wia --clean-repeats 2 --rejudge   # re-score kept runs
 
 Every run is a profiled gloo run of the reference trainer with an emulated device (reference_trainer/
 device.py: compute takes the time a device would need, with 2% jitter per span), the same seed and
 config within a layout. Per pair: the faulty run is replayed as recorded (the replay must reproduce
 its measured step) and with the fault healed (``--heal rank=R`` for slow and moving ranks, ``--heal
 link=A,B`` for a slow link); the prediction is compared with the measured step of the clean run of
-the same layout (``--clean-repeats`` clean runs per layout, shared by its pairs; their median step). The CP-imbalance pair is compared
-with the same data under ``--cp-sharding document`` (per-document CP sharding, WLB-LLM): predicted
-with the per-document sharding what-if (and ``--balance cp``), and as a gain (measured sequence-sharded step minus the prediction, against
-minus the measured document-sharded step).
+the same layout (``--clean-repeats`` clean runs per layout, shared by its pairs; their median step).
+The CP-imbalance pair is compared with the same data under ``--cp-sharding document`` (per-document
+CP sharding, WLB-LLM): predicted with the per-document sharding what-if (and ``--balance cp``), and
+as a gain (the measured sequence-sharded step minus the prediction, against minus the measured
+document-sharded step).
 Printed: one row per run with measured, replayed, predicted and clean step times (ms) and the errors.
 """
 
@@ -145,7 +146,8 @@ def table(rows) -> str:
         if e_pred == e_pred:
             errs.append(abs(e_pred))
         lines.append(f"{name:22s} {whatif:24s} {meas / 1e6:9.1f} {e_rep:10.2%} "
-                     + (f"{pred / 1e6:9.1f} {clean / 1e6:9.1f} {e_pred:+6.1%} " if e_pred == e_pred else f"{'':9s} {'':9s} {'':6s} ")
+                     + (f"{pred / 1e6:9.1f} {clean / 1e6:9.1f} {e_pred:+6.1%} " if e_pred == e_pred
+                        else f"{'':9s} {'':9s} {'':6s} ")
                      + f"{ideal / 1e6:9.1f}  {twin}")
     for _, whatif, meas, _, pred, doc, _, _ in [r for r in rows if r[1] in ("document", "balance cp")]:
         g_pred, g_meas = meas - pred, meas - doc

@@ -21,7 +21,8 @@ from tracekit.cli import main as cli
 from tracekit.ingest.optable import read_optable
 
 ROOT = Path(__file__).resolve().parents[1]
-_CANDIDATES = [ROOT / "tests" / "fixtures" / "real" / "wia"] + [p / "shared" / "fixtures" / "real" / "wia" for p in ROOT.parents]
+_CANDIDATES = [ROOT / "tests" / "fixtures" / "real" / "wia"] + [
+    p / "shared" / "fixtures" / "real" / "wia" for p in ROOT.parents]
 WIA = next((p for p in _CANDIDATES if (p / "AR").is_dir()), _CANDIDATES[0])
 needs_wia = pytest.mark.skipif(not (WIA / "AR").is_dir(), reason=f"real what-if traces not found at {WIA}")
 SAMPLES = ROOT / "sample_traces"

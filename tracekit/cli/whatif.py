@@ -31,8 +31,8 @@ from tracekit.cli._common import EXIT_FINDING, EXIT_OK, fail
 @click.option("--run-id", default=None, help="Run to analyse (default: the newest in the store).")
 @click.option("--store", "store_path", type=click.Path(path_type=Path), default=None,
               help="Store to ingest a run directory into (default: <dir>.tracekit.duckdb beside it).")
-def whatif_command(source: Path, heal: tuple[str, ...], balance: tuple[str, ...], wlb: bool, no_decompose: bool, as_json: bool,
-                   check: bool, threshold: float, run_id: str | None, store_path: Path | None) -> None:
+def whatif_command(source: Path, heal: tuple[str, ...], balance: tuple[str, ...], wlb: bool, no_decompose: bool,
+                   as_json: bool, check: bool, threshold: float, run_id: str | None, store_path: Path | None) -> None:
     """How fast the step would be without its stragglers: replay, ideal step, slowdown by part."""
     from tracekit.analysis.whatif import WhatIfError, analyze, parse_heal
     from tracekit.cli.analysis import open_source
