@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 import _dashboard as D  # noqa: E402
 
-WIA = ROOT.parent / "shared" / "fixtures" / "real" / "wia" / "AR"
+WIA = ROOT / "tests" / "fixtures" / "real" / "wia" / "AR"
 
 
 def synthetic_store(path: Path) -> Path:
@@ -126,8 +126,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     base = export(args.baseline, args.out / "baseline") if args.baseline else None
     stores = [synthetic_store(args.out / "synthetic-64x20.duckdb"), crowded_store(args.out / "crowded-16x10.duckdb")]
-    if WIA.is_dir():
-        stores.append(wia_store(args.out / "wia-AR.duckdb"))
+    stores.append(wia_store(args.out / "wia-AR.duckdb"))
     print(f"{'store':<27} {'first render (s)':>16} {'click -> timeline (s), median [min..max]':>44} "
           f"{'kB/click':>9} {'load':>6}")
     for store in stores:

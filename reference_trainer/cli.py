@@ -71,13 +71,15 @@ def train_command(out: Path, fault: tuple[str, ...], **fields) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from rich.markup import escape
+
     from .launch import LaunchError, launch, read_progress
 
     console = Console(stderr=True)
     try:
         cfg = TrainConfig(**fields).validate()
     except ConfigError as e:
-        console.print(f"[red]error:[/red] {e}")
+        console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
         sys.exit(2)
     console.print(f"training {cfg.layout} ({cfg.world_size} ranks) -> {out}")
     try:
@@ -95,11 +97,11 @@ def train_command(out: Path, fault: tuple[str, ...], **fields) -> None:
             result = launch(cfg, out, poll=poll)
             progress.update(task, completed=cfg.steps)
     except ConfigError as e:
-        console.print(f"[red]error:[/red] {e}")
+        console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
         sys.exit(2)
-    except LaunchError as e:
-        console.print(f"[red]run failed:[/red] {e}")
-        sys.exit(1)
+    except LaunchError as e:  # a rank's own error (gloo's messages hold '[/...]': not markup)
+        console.print(f"[red]run failed:[/red] {escape(str(e))}", highlight=False)
+        sys.exit(3)  # the job crashed: an internal error, never a finding
     for s in result.metrics.get("steps", []):
         click.echo(f"step {s['step']}  loss {s['loss']:.6f}  {s['seconds']:.3f} s")
     click.echo(f"wrote {out / 'manifest.json'} (backend {result.manifest['backend']})")

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _traces import nccl_trace, write_trace  # noqa: E402
 from synthetic_job import Faults, make_job  # noqa: E402
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "real"
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "real"
 HTA = FIXTURES / "hta" / "two_rank_train"
 
 
@@ -168,7 +168,6 @@ def test_store_facade_newest_run_and_saved_clock_offsets(tmp_path: Path) -> None
         tracekit.open(db).diagnose("x")
 
 
-@pytest.mark.skipif(not HTA.is_dir(), reason=f"real HTA samples not found at {HTA}")
 def test_hta_sample_reports_what_it_can(tmp_path: Path) -> None:
     from tracekit.ingest import ingest
 

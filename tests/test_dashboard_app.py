@@ -58,7 +58,7 @@ def test_opens_on_the_culprit_in_the_slowest_step_and_every_view_shows_it(sessio
     st = step_times(data, "slow")
     step = int(st.sort("max_ms")["step"][-1])
     assert (dash.sel.run_id, dash.sel.rank, dash.sel.step) == ("slow", SLOW, step)
-    assert "rank 5 (dp 0, pp 1, cp 0, tp 1) is the straggler" in dash.overview.verdict.object
+    assert "rank 5 (dp 0, pp 1, cp 0, tp 1) is a straggler" in dash.overview.verdict.object
     assert dash.focus.object.endswith(f"rank {SLOW} (dp 0, pp 1, cp 0, tp 1), step {step}")
     assert _timeline(dash) == (SLOW, step) and "vs healthy peer rank" in dash.timeline.title.object
     assert dash.overview.marker.location == step

@@ -16,10 +16,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _dashboard as D  # noqa: E402
 
-WIA = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "real" / "wia"
+WIA = Path(__file__).resolve().parent / "fixtures" / "real" / "wia"
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_traces" / "slow_rank_8"
 pytestmark = pytest.mark.skipif(D.browser_missing() is not None, reason=str(D.browser_missing()))
-needs_wia = pytest.mark.skipif(not (WIA / "AR").is_dir(), reason=f"real WIA traces not found at {WIA}")
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +57,10 @@ def _colours(png: bytes) -> int:
     return len(set(Image.open(io.BytesIO(png)).convert("RGB").get_flattened_data()))
 
 
-@needs_wia
 def test_opens_on_the_newest_run_and_the_verdict_names_the_injected_culprit(page, shots):
     page.screenshot(path=str(shots / "01-open.png"), full_page=True)
     verdict = D.text(page, ".tk-verdict")
-    assert "rank 0 (dp 0, pp 0, cp 0, tp 0) is the straggler" in verdict
+    assert "rank 0 (dp 0, pp 0) is a straggler" in verdict
     assert "slow_compute" in verdict
     rank, step = D.focus(page)
     assert rank == 0  # it opens focused on the culprit...
@@ -71,7 +69,6 @@ def test_opens_on_the_newest_run_and_the_verdict_names_the_injected_culprit(page
     assert peer in (4, 8, 12)  # the same pipeline stage in another data-parallel replica
 
 
-@needs_wia
 def test_each_view_renders_real_data(page, shots):
     overview = D.text(page, ".tk-overview")
     assert "world size 16" in overview and "dp 4 x pp 4 x cp 1 x tp 1" in overview
@@ -93,7 +90,6 @@ def test_each_view_renders_real_data(page, shots):
     assert "no numerics report" in D.text(page, ".tk-numerics")
 
 
-@needs_wia
 def test_a_click_on_a_heatmap_cell_updates_the_timeline(page, shots):
     before = D.timeline_title(page)
     (rank, step), _ = D.click_heatmap(page, 30, 13)  # ranks run top to bottom in [dp, pp, cp, tp] order
@@ -105,7 +101,6 @@ def test_a_click_on_a_heatmap_cell_updates_the_timeline(page, shots):
     assert rank2 == 6 and step2 < step  # the left column is an earlier step
 
 
-@needs_wia
 def test_a_click_on_the_step_time_plot_selects_that_step_everywhere(page, store, shots):
     import duckdb
 
@@ -118,7 +113,6 @@ def test_a_click_on_the_step_time_plot_selects_that_step_everywhere(page, store,
     page.screenshot(path=str(shots / "05-after-step-click.png"), full_page=True)
 
 
-@needs_wia
 def test_switching_runs(page, shots):
     page.locator("select").first.select_option("ST")
     D.wait_for(lambda: "pipeline stage 3" in D.text(page, ".tk-verdict"), "the verdict never switched to ST")
@@ -168,7 +162,7 @@ def test_trainer_sample_run_dir_ingested_on_the_fly(tmp_path_factory, browser, s
         D.wait_rendered(pg)
         pg.screenshot(path=str(shots / "07-sample-slow_rank_8.png"), full_page=True)
         assert (run.parent / "slow_rank_8.tracekit.duckdb").is_file()  # tracekit.ingest.cached
-        assert f"rank {injected} (dp 0, pp 1, cp 0, tp 1) is the straggler" in D.text(pg, ".tk-verdict")
+        assert f"rank {injected} (dp 0, pp 1, cp 0, tp 1) is a straggler" in D.text(pg, ".tk-verdict")
         assert "world size 8" in D.text(pg, ".tk-overview") and "slow:rank=5" in D.text(pg, ".tk-overview")
         memory = D.text(pg, ".tk-memory")
         assert f"rank {injected}: measured peak" in memory and "estimate" in memory

@@ -23,6 +23,7 @@ CASES = {
     "p2p_link_pp4": (1, 1, 4, 2, ("link:a=1,b=2,delay_ms=20",), {"skew_ms": 1000.0}),
     "tp_link": (2, 1, 2, 2, ("link:a=4,b=5,delay_ms=10",), {"skew_ms": 1000.0}),
     "hang": (2, 1, 2, 2, ("hang:rank=3,step=3",), {}),
+    "damaged": (2, 1, 2, 2, (), {}),  # rank 3's trace cut short before ingest
 }
 
 
@@ -36,6 +37,9 @@ def diagnosed(tmp_path_factory) -> dict:
         run = simulate(cfg, root / name)
         truth = json.loads((run / "manifest.json").read_text())
         (run / "manifest.json").unlink()  # judged from the traces alone
+        if name == "damaged":
+            trace = run / "traces" / "rank3.json.gz"
+            trace.write_bytes(trace.read_bytes()[: trace.stat().st_size // 2])
         ingest([run], root / f"{name}.duckdb", workers=1)
         with tracekit.open(root / f"{name}.duckdb") as s:
             out[name] = {"d": s.diagnose(), "runs": s.table("runs").row(0, named=True), "hangs": s.hangs(),
@@ -116,3 +120,9 @@ def test_hang_gets_no_performance_verdict_and_hangs_names_the_stuck_rank_alone(d
     h = case["hangs"]
     assert h.culprits == (3,), h.headline
     assert 3 not in h.blocked and set(h.blocked) == set(case["truth"]["faults"][0]["blocked_ranks"])
+
+
+def test_a_rank_whose_trace_failed_is_named_and_never_blamed(diagnosed):
+    d = diagnosed["damaged"]["d"]
+    assert d.localization.verdict == "no_straggler" and d.findings == [], d.headline
+    assert list(d.damaged) == [3] and "not judged (no data): rank 3: a file failed to ingest" in d.headline

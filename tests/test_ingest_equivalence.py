@@ -15,7 +15,7 @@ import tracekit
 from tracekit import classify
 from tracekit.ingest.pipeline import ingest
 
-HTA = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "real" / "hta"
+HTA = Path(__file__).resolve().parent / "fixtures" / "real" / "hta"
 FILES = {("single_rank_nccl", 0): "single_rank_nccl/nccl_data.json.gz",
          ("two_rank_train", 0): "two_rank_train/sampled_rank-0.json.gz",
          ("two_rank_train", 1): "two_rank_train/sampled_rank-1.json.gz"}
@@ -24,7 +24,6 @@ KINDS = {"cpu_op": "cpu_op", "user_annotation": "user_annotation", "gpu_user_ann
          "kernel": "kernel", "cuda_runtime": "runtime", "cuda_driver": "runtime", "gpu_memcpy": "memcpy",
          "gpu_memset": "memset", "python_function": "python"}
 GPU_KINDS = {"kernel", "memcpy", "memset", "gpu_annotation"}
-pytestmark = pytest.mark.skipif(not HTA.is_dir(), reason=f"real HTA samples not found at {HTA}")
 
 
 def _ns(us: float) -> int:

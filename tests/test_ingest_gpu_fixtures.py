@@ -94,7 +94,7 @@ def test_nccl_flight_recorder_pickle(h100) -> None:
                    max(p, round(e["duration_ms"] * 1e6))) for e, p in zip(entries, polls))
     assert [(r[3], r[0], r[1], r[4]) for r in colls.rows()] == want
     ops = collections.Counter(colls["op"].to_list())
-    assert ops == {"all_reduce": 144, "reduce_scatter": 6, "_all_gather_base": 6, "broadcast": 6,
+    assert ops == {"all_reduce": 144, "reduce_scatter": 6, "all_gather": 6, "broadcast": 6,
                    "all_to_all": 6, "all_reduce_barrier": 6}
     # The stack of the first all_reduce points at the line of record.py that issued it.
     frames = json.loads(fr["frames"][0])

@@ -26,7 +26,7 @@ from _traces import kineto_bytes, nccl_trace, write_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "sample_traces" / "slow_rank_8"
-REAL = ROOT.parent / "shared" / "fixtures" / "real"
+REAL = ROOT / "tests" / "fixtures" / "real"
 VOLATILE = {"ingest_log": ("seconds", "ingested_at"), "runs": ("ingested_at",)}
 
 
@@ -51,8 +51,8 @@ def _children(pid: int) -> list[int]:
 
 def test_processes_give_the_store_that_threads_give(tmp_path: Path) -> None:
     """Every format travels back from a parser process: Kineto (with its rank-dependent p2p), flight
-    recorder, memory snapshots, and the real HTA and what-if fixtures where present."""
-    inputs = [SAMPLE] + [p for p in (REAL / "hta" / "two_rank_train", REAL / "wia" / "ST") if p.is_dir()]
+    recorder, memory snapshots, and the real HTA and what-if fixtures."""
+    inputs = [SAMPLE, REAL / "hta" / "two_rank_train", REAL / "wia" / "ST"]
     threads = ingest(inputs, tmp_path / "threads.duckdb", workers=2, processes=False)
     procs_rep = ingest(inputs, tmp_path / "procs.duckdb", workers=2, processes=True)
     assert not threads.failed and not procs_rep.failed
@@ -139,7 +139,7 @@ def test_a_parser_that_dies_fails_one_file_and_is_replaced(tmp_path: Path) -> No
         assert again.status == "ok" and again.parsed is not None and again.parsed.rank == 2
         assert _children(parsers.zygote_pid) not in ([], [pid])  # a new parser took over
         parser.close()
-        assert os.listdir(parsers.spool) == ["zygote.log"]  # every spool file was unlinked once mapped
+        assert sorted(os.listdir(parsers.spool)) == ["owner.pid", "zygote.log"]  # every spool file was unlinked once mapped
     assert not os.path.exists(parsers.spool)
 
 

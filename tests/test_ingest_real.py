@@ -11,23 +11,18 @@ import yaml
 import tracekit
 from tracekit.ingest.pipeline import ingest
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "real"
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "real"
 HTA, WIA = FIXTURES / "hta", FIXTURES / "wia"
-needs_hta = pytest.mark.skipif(not HTA.is_dir(), reason=f"real HTA samples not found at {HTA}")
-needs_wia = pytest.mark.skipif(not WIA.is_dir(), reason=f"real what-if traces not found at {WIA}")
 
 
 @pytest.fixture(scope="module")
 def hta_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not HTA.is_dir():
-        pytest.skip(f"real HTA samples not found at {HTA}")
     db = tmp_path_factory.mktemp("hta") / "hta.duckdb"
     report = ingest([HTA], db, workers=2)  # exercise the worker threads once
     assert not report.failed, [f.error for f in report.failed]
     return db
 
 
-@needs_hta
 def test_hta_samples_row_counts(hta_store: Path) -> None:
     with tracekit.open(hta_store) as s:
         counts = s.sql("SELECT run_id, rank, count(*) AS n FROM events GROUP BY ALL ORDER BY ALL")
@@ -41,7 +36,6 @@ def test_hta_samples_row_counts(hta_store: Path) -> None:
         assert runs["backend"].to_list() == ["nccl", "nccl"]
 
 
-@needs_hta
 def test_hta_known_kernel_and_collective_values(hta_store: Path) -> None:
     with tracekit.open(hta_store) as s:
         # An AllReduce kernel of the single-rank sample: ts 4458677009853.422 us, dur 2636.669 us,
@@ -66,7 +60,6 @@ def test_hta_known_kernel_and_collective_values(hta_store: Path) -> None:
         assert k == (57924000, 551, True)
 
 
-@needs_hta
 def test_hta_missing_ranks_reported(hta_store: Path) -> None:
     with tracekit.open(hta_store) as s:
         w = s.sql("SELECT run_id, error FROM ingest_log WHERE status = 'warning' ORDER BY run_id").rows()
@@ -92,7 +85,6 @@ def wia_test_reader(path: Path) -> dict[str, pl.DataFrame]:
     return {"runs": runs, "ranks": ranks, "events": events}
 
 
-@needs_wia
 @pytest.mark.parametrize("name,rows", [("AR", 117216), ("SE", 107328), ("ST", 6784)])
 def test_wia_traces_dispatch_to_optable_reader(tmp_path: Path, name: str, rows: int) -> None:
     db = tmp_path / "wia.duckdb"
@@ -111,7 +103,6 @@ def test_wia_traces_dispatch_to_optable_reader(tmp_path: Path, name: str, rows: 
         assert s.sql("SELECT count(*) FROM events").item() == rows
 
 
-@needs_wia
 def test_wia_with_the_real_optable_reader(tmp_path: Path) -> None:
     pytest.importorskip("tracekit.ingest.optable", reason="op-table reader not merged on this branch yet")
     report = ingest([WIA / "AR", WIA / "SE", WIA / "ST"], tmp_path / "wia.duckdb", workers=1)
@@ -122,8 +113,6 @@ def test_wia_with_the_real_optable_reader(tmp_path: Path) -> None:
 
 
 def test_wia_without_reader_fails_cleanly(tmp_path: Path) -> None:
-    if not WIA.is_dir():
-        pytest.skip(f"real what-if traces not found at {WIA}")
     try:
         import tracekit.ingest.optable  # noqa: F401
         pytest.skip("the real op-table reader is present")

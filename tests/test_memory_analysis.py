@@ -358,7 +358,7 @@ def test_memory_command_bad_input(store, tmp_path):
     r = cli(store, "--run-id", "nope")
     assert r.exit_code == 2 and "no memory events for run 'nope'" in r.output
     r = cli(tmp_path / "missing.duckdb")
-    assert r.exit_code == 2 and "no such store file" in r.output
+    assert r.exit_code == 2 and "missing.duckdb: no such file or directory" in r.output
     junk = tmp_path / "junk.duckdb"
     junk.write_bytes(b"not a database at all" * 100)
     r = cli(junk)

@@ -12,8 +12,7 @@ import pytest
 from tracekit import schema
 from tracekit.ingest.optable import OpTableError, read_optable
 
-WIA = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "real" / "wia"
-needs_wia = pytest.mark.skipif(not (WIA / "AR").is_dir(), reason=f"real WIA traces not found at {WIA}")
+WIA = Path(__file__).resolve().parent / "fixtures" / "real" / "wia"
 
 # trial: (rows, p2p rows, collective rows, steps, dp, pp, workers)
 EXPECTED = {
@@ -28,7 +27,6 @@ def tables():
     return {t: read_optable(WIA / t / f"trace-{t}.parquet", run_id=f"wia-{t}") for t in EXPECTED}
 
 
-@needs_wia
 @pytest.mark.parametrize("trial", sorted(EXPECTED))
 def test_row_counts_and_schema(tables, trial):
     rows, n_p2p, n_coll, n_steps, dp, pp, workers = EXPECTED[trial]
@@ -51,7 +49,6 @@ def test_row_counts_and_schema(tables, trial):
     assert ev.filter(pl.col("is_comm"))["kind"].unique().to_list() == ["comm"]
 
 
-@needs_wia
 def test_rank_numbering_and_exact_values(tables):
     t = tables["AR"]
     manifest = json.loads(t["runs"]["manifest"][0])
@@ -73,7 +70,6 @@ def test_rank_numbering_and_exact_values(tables):
     assert st["start_ns"][1] > st["end_ns"][0]
 
 
-@needs_wia
 @pytest.mark.parametrize("trial", sorted(EXPECTED))
 def test_p2p_pairs_neighbouring_stages(tables, trial):
     t = tables[trial]
@@ -92,7 +88,6 @@ def test_p2p_pairs_neighbouring_stages(tables, trial):
     assert (joined["microbatch"] == joined["microbatch_right"]).all()
 
 
-@needs_wia
 @pytest.mark.parametrize("trial", sorted(EXPECTED))
 def test_collective_instances_match_across_members(tables, trial):
     t = tables[trial]
@@ -118,7 +113,6 @@ def _copy_trial(tmp_path: Path, trial: str = "ST") -> Path:
     return dst / f"trace-{trial}.parquet"
 
 
-@needs_wia
 def test_bad_inputs_raise_naming_the_file(tmp_path):
     with pytest.raises(OpTableError, match="no such file"):
         read_optable(tmp_path / "nope.parquet")

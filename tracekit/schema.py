@@ -149,6 +149,18 @@ TABLES: dict[str, list[tuple[str, str]]] = {
         ("timeout_ms", "BIGINT"),
         ("frames", "JSON"),
     ],
+    # What each ingested file says about its run's topology, kept so that the run's runs, ranks and
+    # groups rows are recomputed from the store alone: a re-run after a crash, which skips the files
+    # already in, then gives what a clean ingest gives (tests/test_ingest_crash.py).
+    "file_meta": [
+        ("run_id", "VARCHAR"),
+        ("path", "VARCHAR"),
+        ("rank", "INTEGER"),
+        ("world_size", "INTEGER"),
+        ("backend", "VARCHAR"),
+        ("pid", "BIGINT"),
+        ("groups", "JSON"),  # [{pg_name, pg_desc, ranks}]
+    ],
     "ingest_log": [
         ("run_id", "VARCHAR"),
         ("path", "VARCHAR"),

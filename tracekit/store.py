@@ -132,7 +132,8 @@ class Store:
         from tracekit.analysis.tunables import Tunables
 
         tables = self.run_tables(run_id)
-        return diagnose(tables, tunables or Tunables(), self.attention_work(tables.run_id), self.hangs(tables.run_id))
+        return diagnose(tables, tunables or Tunables(), self.attention_work(tables.run_id), self.hangs(tables.run_id),
+                        self.damaged_ranks(tables.run_id, formats=("kineto",)))
 
     def cp_wait(self, run_id: str | None = None, tunables: Tunables | None = None) -> CPWait:
         """Exposed CP communication split into wait and transfer, and what the waiting is due to."""
@@ -156,7 +157,18 @@ class Store:
         rid = self._run(run_id)
         world = self.table("runs", rid)["world_size"]
         return diagnose_hang(self.table("fr_entries", rid), self.table("groups", rid),
-                             int(world[0]) if world.len() and world[0] is not None else None)
+                             int(world[0]) if world.len() and world[0] is not None else None,
+                             self.damaged_ranks(rid, formats=("fr",)))
+
+    def damaged_ranks(self, run_id: str | None = None, formats: tuple[str, ...] | None = None) -> dict[int, str]:
+        """{rank: why} for the ranks an analysis cannot judge: a file failed to ingest, or no data of a
+        format the other ranks have (tracekit.analysis.damaged; ``formats`` default kineto, fr, memory)."""
+        from tracekit.analysis.damaged import damaged_ranks
+
+        rid = self._run(run_id)
+        world = self.sql("SELECT world_size FROM runs WHERE run_id = ?", [rid])
+        return damaged_ranks(self.table("ingest_log", rid), world["world_size"][0] if world.height else None,
+                             formats)
 
     def align_clocks(self, run_id: str | None = None, save: bool = True) -> ClockAlignment:
         """Estimate one clock offset per host from the collectives; with ``save`` store them in

@@ -26,7 +26,7 @@ from tracekit.analysis.culprits import ComputeCulprits, RankFinding, find_culpri
 from tracekit.analysis.hangs import HangReport
 from tracekit.analysis.links import link_transfers
 from tracekit.analysis.localize import Localization, localize
-from tracekit.analysis.rootcause import Cause, explain, rank_step_metrics, stage_ratios
+from tracekit.analysis.rootcause import Cause, explain, peers, rank_step_metrics, ratio_to_peers, stage_ratios
 from tracekit.analysis.tables import RunTables
 from tracekit.analysis.tunables import Tunables
 
@@ -55,9 +55,11 @@ class Finding:
     cause: str  # the Cause kind behind it
     summary: str
     next_step: str
+    evidence: dict = field(default_factory=dict)  # the cause's measurements (ratios, links, work)
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "ranks": list(self.ranks), "steps": list(self.steps)}
+        evidence = {k: None if isinstance(v, float) and v != v else v for k, v in self.evidence.items()}
+        return {**asdict(self), "ranks": list(self.ranks), "steps": list(self.steps), "evidence": evidence}
 
 
 @dataclass(frozen=True)
@@ -68,9 +70,16 @@ class Diagnosis:
     cause: Cause
     findings: list[Finding] = field(default_factory=list)
     compute: ComputeCulprits | None = None
+    damaged: dict[int, str] = field(default_factory=dict)  # ranks without data: named, never judged
 
     @property
     def headline(self) -> str:
+        text = self._verdict()
+        if self.damaged:
+            text += "; not judged (no data): " + ", ".join(f"rank {r}: {why}" for r, why in sorted(self.damaged.items()))
+        return text
+
+    def _verdict(self) -> str:
         loc = self.localization
         if loc.verdict == "hang":
             return f"no performance verdict: the run hung ({self.cause.summary}); see `tracekit hangs`"
@@ -86,6 +95,7 @@ class Diagnosis:
     def to_dict(self) -> dict:
         return {"headline": self.headline, "localization": self.localization.to_dict(), "cause": self.cause.to_dict(),
                 "findings": [f.to_dict() for f in self.findings],
+                "damaged": {str(r): why for r, why in self.damaged.items()},
                 "compute_culprits": self.compute.to_dict() if self.compute else None}
 
 
@@ -106,7 +116,7 @@ def _where(tables: RunTables, ranks: tuple[int, ...]) -> str:
     return f"ranks {list(ranks)}" + (f" (all {', '.join(shared)})" if shared else "")
 
 
-def _hung(hang: HangReport | None, tables: RunTables) -> str | None:
+def _hung(hang: HangReport | None, tables: RunTables, damaged: dict[int, str]) -> str | None:
     """Why the run has no performance verdict (it hung), or None."""
     if hang is not None and hang.hung:
         return hang.headline
@@ -115,7 +125,10 @@ def _hung(hang: HangReport | None, tables: RunTables) -> str | None:
         return None
     # the traces end inside collectives some members never recorded (a hang before the dump)
     last = c.drop_nulls("pg_name").group_by("pg_name", "seq").agg(pl.col("rank").n_unique().alias("n"))
-    sizes = tables.groups.select("pg_name", pl.col("size").alias("size")).unique("pg_name")
+    # a group's expected members are those with data: a rank whose trace failed is not a hang
+    gone = list(damaged)
+    sizes = tables.groups.select("pg_name", (pl.col("size") - pl.col("ranks").list.set_intersection(
+        pl.lit(gone, pl.List(pl.Int32))).list.len()).alias("size")).unique("pg_name")
     top = last.join(last.group_by("pg_name").agg(pl.col("seq").max().alias("top")), on="pg_name")
     top = top.filter(pl.col("seq") == pl.col("top")).join(sizes, on="pg_name")
     short = top.filter(pl.col("n") < pl.col("size"))
@@ -133,10 +146,10 @@ def _rank_finding(tables: RunTables, f: RankFinding, loc: Localization, tun: Tun
                   culprit_ranks=(f.rank,), coords=tables.layout.coords(f.rank).as_dict(),
                   episode_steps=f.steps if f.kind != "persistent" else ())
     cause = explain(tables, one, tun, work)
-    split = attention_split(tables, f.rank, list(f.steps))
+    split = attention_split(tables, f.rank)  # every step: the work a rank gets differs in all of them
     if split is not None and cause.kind != "data_imbalance":
         attn, other = split
-        if attn - 1 >= tun.slow_compute_ratio - 1 and (other - 1) <= tun.work_explains_share * (attn - 1) * 0.5:
+        if attn >= tun.attention_imbalance_ratio and (other - 1) <= tun.work_explains_share * (attn - 1) * 0.5:
             cause = Cause("data_imbalance", (f.rank,), f"rank {f.rank}'s extra compute is in its attention kernels "
                           f"({attn:.2f}x its peers; other kernels {other:.2f}x): more attention work "
                           "(document-mask imbalance), not a slower device", {"attention_ratio": attn,
@@ -149,10 +162,11 @@ def _rank_finding(tables: RunTables, f: RankFinding, loc: Localization, tun: Tun
     summary = f"{_where(tables, (f.rank,))} {what}: {cause.summary}"
     return Finding(kind, (f.rank,), _where(tables, (f.rank,)), f.steps, max(f.cost_ns, 0.0),
                    max(f.cost_ns, 0.0) / step_ns, f.confidence, cause.kind, summary,
-                   NEXT_STEP.get(cause.kind, NEXT_STEP["unexplained"]).format(who=f"rank {f.rank}"))
+                   NEXT_STEP.get(cause.kind, NEXT_STEP["unexplained"]).format(who=f"rank {f.rank}"),
+                   {**cause.evidence, "compute_ratio": f.ratio, "margin": f.margin})
 
 
-def _link_findings(tables: RunTables, links: pl.DataFrame, step_ns: float, n_steps: int) -> list[Finding]:
+def _link_findings(tables: RunTables, links: pl.DataFrame, step_ns: float, metrics: pl.DataFrame) -> list[Finding]:
     out, seen = [], set()
     for row in links.filter(pl.col("slow")).iter_rows(named=True):
         ranks = tuple(int(r) for r in row["ranks"])
@@ -169,7 +183,11 @@ def _link_findings(tables: RunTables, links: pl.DataFrame, step_ns: float, n_ste
         out.append(Finding("slow_link", ranks, where, (), row["excess_per_step_ns"],
                            row["excess_per_step_ns"] / step_ns, conf, "slow_link",
                            f"slow link: {where} transfers {row['ratio']:.1f}x slower than the same kind elsewhere",
-                           NEXT_STEP["slow_link"].format(who=f"ranks {list(ranks)}")))
+                           NEXT_STEP["slow_link"].format(who=f"ranks {list(ranks)}"),
+                           {"link": row["name"], "ratio": row["ratio"], "z": row["z"], "z_bar": row["z_bar"],
+                            "transfer_ns": row["transfer_ns"], "compute_ratio": max(
+                                (v for r in ranks if (v := ratio_to_peers(metrics, r, peers(tables, r), "compute_ns"))
+                                 == v), default=float("nan"))}))
     return out
 
 
@@ -184,30 +202,33 @@ def _stage_findings(tables: RunTables, metrics: pl.DataFrame, tun: Tunables, ste
             out.append(Finding("stage_imbalance", ranks, f"pipeline stage {stage} (ranks {list(ranks)})", (), excess_ns,
                                excess_ns / step_ns, min(0.95, share), "stage_imbalance",
                                f"pipeline stage {stage} computes {ratio:.2f}x the median stage in every replica",
-                               NEXT_STEP["stage_imbalance"].format(who=stage)))
+                               NEXT_STEP["stage_imbalance"].format(who=stage),
+                               {"stage": stage, "stage_compute_ratio": ratio, "steps_share": share}))
     return out
 
 
 def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFrame | None = None,
-             hang: HangReport | None = None) -> Diagnosis:
-    """Which ranks or links made this job slow, why, and what each costs."""
+             hang: HangReport | None = None, damaged: dict[int, str] | None = None) -> Diagnosis:
+    """Which ranks or links made this job slow, why, and what each costs. ``damaged``: ranks whose
+    data failed to ingest or is missing (``Store.damaged_ranks``): named, never blamed."""
     tun = tunables
+    damaged = dict(damaged or {})
     loc = localize(tables, tun)
     step_ns = loc.step_time_ns or 1.0
-    why_hung = _hung(hang, tables)
+    why_hung = _hung(hang, tables, damaged)
     if why_hung:
         culprits = tuple(hang.culprits) if hang is not None and hang.hung else ()
         quiet = replace(loc, verdict="hang", culprit_rank=None, culprit_ranks=culprits, coords={}, confidence=0.0)
         cause = Cause("hang", culprits, why_hung, {})
-        return Diagnosis(quiet, cause, [])
+        return Diagnosis(quiet, cause, [], damaged=damaged)
     compute = find_culprits(compute_speed(tables), tun)
     metrics = rank_step_metrics(tables)
-    n_steps = max(metrics["step"].n_unique(), 1) if metrics.height else 1
     findings: list[Finding] = [_rank_finding(tables, f, loc, tun, work, step_ns) for f in compute.findings]
     findings += _stage_findings(tables, metrics, tun, step_ns)
     links = link_transfers(tables, step_ns, tun)
-    findings += [f for f in _link_findings(tables, links, step_ns, n_steps)
+    findings += [f for f in _link_findings(tables, links, step_ns, metrics)
                  if not any(set(f.ranks) <= set(g.ranks) for g in findings if g.kind == "slow_link")]
+    findings = _data_or_device(tables, loc, findings, tun, work, metrics, step_ns)
     if not compute.has_data and loc.verdict in ("straggler", "group", "transient", "stage", "moving"):
         cause = explain(tables, loc, tun, work)
         if cause.kind not in ("none", "unexplained") or loc.confidence >= 0.5:
@@ -217,7 +238,38 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
         if cause.kind == "cpu_bound":  # late without computing more: launch gaps on its host
             findings.append(_waits_finding(tables, loc, cause, step_ns))
     findings = _merge_data_imbalance(findings, tables)
-    return Diagnosis(_primary(loc, findings, tables), _primary_cause(findings, loc), findings, compute)
+    # a rank without data is never blamed (its peers' waits on it say nothing of its speed)
+    findings = [f for f in findings if not set(f.ranks) & set(damaged) or f.kind == "slow_link"
+                and not set(f.ranks) <= set(damaged)]
+    return Diagnosis(_primary(loc, findings, tables), _primary_cause(findings, loc), findings, compute, damaged)
+
+
+def _data_or_device(tables: RunTables, loc: Localization, findings: list[Finding], tun: Tunables, work,
+                    metrics: pl.DataFrame, step_ns: float) -> list[Finding]:
+    """When the waits see the slowest member move from step to step (``localize``'s moving verdict),
+    its cause (``rootcause``: does the late member compute more, at a level whose members see
+    different data?) tells data imbalance from a slow device that moves. Data imbalance is one
+    finding, of the data rather than of ranks; it replaces the moving ranks' findings."""
+    moving = [f for f in findings if f.kind == "moving"]
+    others = [f for f in findings if f.kind != "moving"]
+    if loc.verdict != "moving" or any(f.kind == "straggler" for f in others):
+        return findings
+    cause = explain(tables, loc, tun, work)
+    if cause.kind != "data_imbalance":
+        return findings
+    lay = tables.layout
+    level = str(cause.evidence.get("level", "dp"))
+    pos = [d for d in ("dp", "pp", "cp", "tp") if d != level]
+    # what balancing would save: per step, the most loaded member's compute over the mean of its peers
+    per = metrics.join(tables.coords().select("rank", *pos, level), on="rank").group_by("step", *pos).agg(
+        (pl.col("compute_ns").max() - pl.col("compute_ns").mean()).alias("x"))
+    cost = float(per.group_by("step").agg(pl.col("x").max())["x"].median() or 0.0) if per.height else 0.0
+    what = {"dp": "replica", "pp": "stage", "cp": "CP rank", "tp": "TP rank"}.get(level, level)
+    steps = tuple(sorted({s for f in moving for s in f.steps}))
+    conf = max([f.confidence for f in moving], default=min(loc.confidence, 0.9))
+    return [Finding("data_imbalance", (), f"every {what} in turn ({level.upper()} groups of {getattr(lay, level)})",
+                    steps, cost, cost / step_ns, conf, "data_imbalance", cause.summary,
+                    NEXT_STEP["data_imbalance"], dict(cause.evidence))] + others
 
 
 def _waits_finding(tables: RunTables, loc: Localization, cause: Cause, step_ns: float) -> Finding:
@@ -228,7 +280,7 @@ def _waits_finding(tables: RunTables, loc: Localization, cause: Cause, step_ns: 
     where = _where(tables, tuple(ranks)) if ranks else "the job"
     return Finding(kind, tuple(ranks), where, tuple(loc.episode_steps), cost, cost / step_ns,
                    min(loc.confidence, 0.9), cause.kind, f"{where}: {cause.summary}",
-                   NEXT_STEP.get(cause.kind, NEXT_STEP["unexplained"]).format(who=where))
+                   NEXT_STEP.get(cause.kind, NEXT_STEP["unexplained"]).format(who=where), dict(cause.evidence))
 
 
 def _merge_data_imbalance(findings: list[Finding], tables: RunTables) -> list[Finding]:
@@ -244,7 +296,7 @@ def _merge_data_imbalance(findings: list[Finding], tables: RunTables) -> list[Fi
                     max(f.confidence for f in moving), "data_imbalance",
                     f"{_where(tables, ranks)} compute more because they get more attention work (up to "
                     f"{cost / 1e6:.1f} ms per step): data imbalance, not slower devices",
-                    NEXT_STEP["data_imbalance"])] + rest
+                    NEXT_STEP["data_imbalance"], {"ranks_merged": len(moving)})] + rest
 
 
 def _primary(loc: Localization, findings: list[Finding], tables: RunTables) -> Localization:
@@ -267,6 +319,8 @@ def _primary(loc: Localization, findings: list[Finding], tables: RunTables) -> L
                        basis="both" if loc.culprit_rank == r else "compute")
     lead = max(findings, key=lambda f: f.cost_ns)
     verdict = {"stage_imbalance": "stage"}.get(lead.kind, "group")
+    if lead.kind == "data_imbalance" and not lead.ranks:  # the slowest member moves with the data
+        verdict = "moving"
     coords = {"pp": tables.layout.coords(lead.ranks[0]).pp} if verdict == "stage" else {}
     return replace(loc, verdict=verdict, culprit_rank=None, culprit_ranks=lead.ranks, coords=coords,
                    confidence=lead.confidence)
@@ -279,4 +333,5 @@ def _primary_cause(findings: list[Finding], loc: Localization) -> Cause:
                          {})
         return Cause("none", (), "no rank, stage or link stands out beyond noise", {})
     lead = max(findings, key=lambda f: (f.kind == "straggler", f.cost_ns))
-    return Cause(lead.cause, lead.ranks, lead.summary, {"cost_ns": lead.cost_ns, "cost_share": lead.cost_share})
+    return Cause(lead.cause, lead.ranks, lead.summary,
+                 {**lead.evidence, "cost_ns": lead.cost_ns, "cost_share": lead.cost_share})

@@ -14,8 +14,11 @@ entries, so only the maximum sequence per rank is used.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import polars as pl
+
+from tracekit.analysis.damaged import describe
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,9 @@ class HangReport:
     # ranks whose newest entry never completed (waiting in a collective or a p2p op), with that op
     waiting: dict[int, str] = field(default_factory=dict)
     world_size: int | None = None
+    # ranks without flight-recorder data (none recorded, or their dump failed to ingest) -> why:
+    # named as such, never taken for culprits (a rank that holds the job may be one of them)
+    damaged: dict[int, str] = field(default_factory=dict)
 
     @property
     def hung(self) -> bool:
@@ -53,10 +59,11 @@ class HangReport:
         """Ranks that never joined a collective others wait in and are not themselves waiting in
         any operation (a stuck collective, or a p2p receive from a hung stage): the ones holding the
         job. Only when no recorded rank is such are the members without any record named (a rank
-        that died leaves no dump); ``no_data`` says which those are."""
+        that died leaves no dump). Damaged ranks (their data failed to ingest) are never named:
+        ``no_data`` lists them with the ranks that recorded nothing."""
         waiting = {r for s in self.stuck for r in s.joined} | set(self.waiting)
-        absent = {r for s in self.stuck for r in s.missing}
-        silent = {r for s in self.stuck for r in s.no_record}
+        absent = {r for s in self.stuck for r in s.missing} - set(self.damaged)
+        silent = {r for s in self.stuck for r in s.no_record} - set(self.damaged)
         return tuple(sorted(absent - waiting)) or tuple(sorted(silent)) or \
             tuple(sorted(absent - {r for s in self.stuck for r in s.joined}))
 
@@ -68,32 +75,42 @@ class HangReport:
 
     @property
     def no_data(self) -> tuple[int, ...]:
-        """Ranks of the world with no flight-recorder entry at all (nothing can be said of them)."""
-        if not self.world_size:
-            return tuple(sorted({r for s in self.stuck for r in s.no_record}))
-        return tuple(r for r in range(self.world_size) if r not in set(self.ranks_with_records))
+        """Ranks with no flight-recorder entry at all, or whose data failed to ingest (``damaged``)."""
+        silent = set(self.damaged)
+        if self.world_size:
+            silent |= {r for r in range(self.world_size) if r not in set(self.ranks_with_records)}
+        else:
+            silent |= {r for s in self.stuck for r in s.no_record}
+        return tuple(sorted(silent))
 
     @property
     def headline(self) -> str:
+        text = self._verdict()
+        silent = {r: self.damaged.get(r, "no flight-recorder entries") for r in self.no_data} if self.stuck \
+            else self.damaged
+        return text + (f"; without data: {describe(silent)}" if silent else "")
+
+    def _verdict(self) -> str:
         if not self.ranks_with_records:
             return "no flight-recorder entries: nothing to say about hangs"
         if not self.stuck:
             return f"no hang: every group's members reached the same collective ({len(self.ranks_with_records)} ranks)"
         s = self.stuck[0]
-        never = sorted({*s.missing, *s.no_record})
+        never = sorted({*s.missing, *s.no_record} - set(self.damaged))
         text = (f"hang in {s.op} #{s.seq} of group {s.pg_desc or s.pg_name} {list(s.members)}: ranks {list(s.joined)} "
-                f"wait, ranks {never} never joined; culprit(s): {list(self.culprits)}")
+                f"wait, " + (f"ranks {never} never joined" if never else "no rank with data is absent")
+                + (f"; culprit(s): {list(self.culprits)}" if self.culprits else
+                   "; the culprit is among the ranks without data"))
         behind = [r for r in self.blocked if r not in s.joined]
         if behind:
             text += f"; blocked behind them in other operations: {list(behind)}"
-        if self.no_data:
-            text += f"; no flight-recorder data from ranks {list(self.no_data)}"
         return text
 
     def to_dict(self) -> dict:
         return {"headline": self.headline, "hung": self.hung, "culprits": list(self.culprits),
                 "blocked": list(self.blocked), "no_data": list(self.no_data),
                 "waiting": {str(k): v for k, v in self.waiting.items()},
+                "damaged": {str(r): why for r, why in self.damaged.items()},
                 "ranks_with_records": list(self.ranks_with_records), "stuck": [s.to_dict() for s in self.stuck]}
 
 
@@ -108,17 +125,23 @@ def _waiting(fr: pl.DataFrame) -> dict[int, str]:
     the recorder keeps completion states; torch's gloo recorder leaves every entry 'scheduled')."""
     if not fr.filter(pl.col("state") == "completed").height:
         return {}
-    order = pl.coalesce("time_created_ns", "record_id")
+    have = [c for c in ("time_created_ns", "record_id") if c in fr.columns]
+    if not have:
+        return {}
+    order = pl.coalesce(*have)
     newest = fr.sort(order).group_by("rank").last()
     open_ = newest.filter(pl.col("state") != "completed")
     return {int(r): f"{_op(n)} in group {g}" for r, n, g in open_.select("rank", "profiling_name", "pg_name").iter_rows()}
 
 
-def diagnose_hang(fr_entries: pl.DataFrame, groups: pl.DataFrame, world_size: int | None = None) -> HangReport:
+def diagnose_hang(fr_entries: pl.DataFrame, groups: pl.DataFrame, world_size: int | None = None,
+                  damaged: Mapping[int, str] | None = None) -> HangReport:
     """The collectives where ranks stopped. ``groups`` (pg_name, pg_desc, ranks) gives membership;
-    a group it lacks gets the ranks that recorded it."""
+    a group it lacks gets the ranks that recorded it. ``damaged``: ranks without usable
+    flight-recorder data and why (tracekit.analysis.damaged), named and never taken for culprits."""
+    damaged = dict(damaged or {})
     if not fr_entries.height:
-        return HangReport((), world_size=world_size)
+        return HangReport((), world_size=world_size, damaged=damaged)
     fr = fr_entries.with_columns(
         pl.col("rank").cast(pl.Int64),
         pl.when(pl.col("is_p2p").fill_null(False)).then(pl.col("p2p_seq_id")).otherwise(
@@ -161,7 +184,7 @@ def diagnose_hang(fr_entries: pl.DataFrame, groups: pl.DataFrame, world_size: in
         desc = descs.get(pg) or (row["pg_desc"][0] if row.height else None)
         stuck.append(StuckCollective(pg, desc, int(seq), op, tuple(mem), joined, missing, no_record,
                                      {int(r): int(v) for r, v in last.items()}))
-    report = HangReport(tuple(sorted(fr["rank"].unique().to_list())), stuck, _waiting(fr), world_size)
+    report = HangReport(tuple(sorted(fr["rank"].unique().to_list())), stuck, _waiting(fr), world_size, damaged)
     culprits = set(report.culprits)
     # the collective the culprits are absent from first: it is where the job stopped; the others
     # stalled behind it (their absent members wait in it)

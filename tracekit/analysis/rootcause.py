@@ -53,10 +53,15 @@ def rank_step_metrics(tables: RunTables) -> pl.DataFrame:
     compute_ns excludes communication nested in a compute span (the trainer's fwd/bwd spans hold
     their TP and CP collectives): a peer waiting inside such a span is not computing."""
     comp = compute_events(tables.events)
-    compute = comp.group_by("rank", "step").agg(pl.col("dur_ns").sum().alias("compute_ns"))
-    nested = _nested_comm(comp, pl.concat([
+    # CPU-op compute (a job we did not annotate) carries its own nested communication; the other
+    # rows' is the rank's collectives and p2p inside them
+    own = comp.filter(pl.col("nested_comm_ns").is_not_null())
+    compute = comp.group_by("rank", "step").agg(
+        (pl.col("dur_ns") - pl.col("nested_comm_ns").fill_null(0)).sum().alias("compute_ns"))
+    nested = _nested_comm(comp.filter(pl.col("nested_comm_ns").is_null()), pl.concat([
         tables.collectives.select("rank", pl.col("start_ns").alias("s"), pl.col("end_ns").alias("e")),
-        tables.p2p.select("rank", pl.col("start_ns").alias("s"), pl.col("end_ns").alias("e"))]))
+        tables.p2p.select("rank", pl.col("start_ns").alias("s"), pl.col("end_ns").alias("e"))])) \
+        if comp.height > own.height else pl.DataFrame(schema={"rank": pl.Int32, "step": pl.Int64, "nested_ns": pl.Int64})
     compute = compute.with_columns(pl.col("rank").cast(pl.Int32), pl.col("step").cast(pl.Int64)).join(
         nested, on=["rank", "step"], how="left").with_columns(
         (pl.col("compute_ns") - pl.col("nested_ns").fill_null(0)).clip(lower_bound=0)).drop("nested_ns")
@@ -97,7 +102,7 @@ def _nested_comm(comp: pl.DataFrame, comm: pl.DataFrame) -> pl.DataFrame:
     return hit.group_by("rank", "step").agg((pl.col("e") - pl.col("s")).sum().cast(pl.Int64).alias("nested_ns"))
 
 
-def _peers(tables: RunTables, rank: int) -> list[int]:
+def peers(tables: RunTables, rank: int) -> list[int]:
     """Ranks at the same position: same pp/cp/tp in other replicas (or, with dp = 1, the other
     TP/CP ranks of the same stage)."""
     lay = tables.layout
@@ -105,7 +110,7 @@ def _peers(tables: RunTables, rank: int) -> list[int]:
     return [r for r in lay.group(rank, dims) if r != rank]
 
 
-def _ratio_to_peers(metrics: pl.DataFrame, rank: int, peers: list[int], col: str, steps=None) -> float:
+def ratio_to_peers(metrics: pl.DataFrame, rank: int, peers: list[int], col: str, steps=None) -> float:
     m = metrics if steps is None else metrics.filter(pl.col("step").is_in(steps))
     own = m.filter(pl.col("rank") == rank).select("step", pl.col(col).alias("own"))
     ref = m.filter(pl.col("rank").is_in(peers)).group_by("step").agg(pl.col(col).median().alias("ref"))
@@ -131,9 +136,10 @@ def _microbatch_cv(tables: RunTables, rank: int, peers: list[int], steps=None) -
 
 def stage_ratios(metrics: pl.DataFrame, tables: RunTables, bar: float) -> list[tuple[int, float, float, float]]:
     """Per stage: (stage, median over steps of its compute over the median stage's, its extra
-    compute per step in ns, share of steps in which the ratio reached ``bar``)."""
+    compute per step in ns, share of steps in which the ratio reached ``bar``). A stage's compute is
+    its *least* loaded rank's: more work on a stage slows all its ranks, one slow rank only itself."""
     co = tables.coords().select("rank", "pp")
-    per = metrics.join(co, on="rank").group_by("step", "pp").agg(pl.col("compute_ns").median())
+    per = metrics.join(co, on="rank").group_by("step", "pp").agg(pl.col("compute_ns").min())
     per = per.join(per.group_by("step").agg(pl.col("compute_ns").median().alias("mid")), on="step").filter(
         pl.col("mid") > 0).with_columns((pl.col("compute_ns") / pl.col("mid")).alias("ratio"))
     out = per.group_by("pp").agg(pl.col("ratio").median(), (pl.col("compute_ns") - pl.col("mid")).median().alias("x"),
@@ -183,7 +189,7 @@ def explain(tables: RunTables, loc: Localization, tunables: Tunables = Tunables(
                          f"rest of their stage, and their attention work accounts for {min(share, 1.0):.0%} of it "
                          "(compute follows work over the stage's ranks and steps): more work, not slower devices",
                          {"work_explained_share": share})
-        ratios = {r: _ratio_to_peers(metrics, r, _peers(tables, r), "compute_ns") for r in loc.culprit_ranks}
+        ratios = {r: ratio_to_peers(metrics, r, peers(tables, r), "compute_ns") for r in loc.culprit_ranks}
         ratios = {r: v for r, v in ratios.items() if v == v}  # drop NaN (no peers)
         worst = max(ratios, key=lambda r: ratios[r]) if ratios else None
         if worst is not None and ratios[worst] >= tun.slow_compute_ratio:
@@ -214,26 +220,26 @@ def _explain_rank(tables, loc, metrics, links, tun: Tunables, step_ns: float, wo
     steps = None
     if loc.verdict == "transient":
         steps = list(loc.episode_steps)
-    peers = _peers(tables, r)
-    compute_ratio = _ratio_to_peers(metrics, r, peers, "compute_ns", steps)
+    same = peers(tables, r)
+    compute_ratio = ratio_to_peers(metrics, r, same, "compute_ns", steps)
     m = metrics if steps is None else metrics.filter(pl.col("step").is_in(steps))
     own_gap = m.filter(pl.col("rank") == r)["gap_ns"].median() or 0.0
-    peer_gap = m.filter(pl.col("rank").is_in(peers))["gap_ns"].median() or 0.0
+    peer_gap = m.filter(pl.col("rank").is_in(same))["gap_ns"].median() or 0.0
     gap_excess = (own_gap - peer_gap) / step_ns
-    cv, cv_peers = _microbatch_cv(tables, r, peers, steps)
+    cv, cv_peers = _microbatch_cv(tables, r, same, steps)
     stage = tables.layout.coords(r).pp
     stage_ratio = _stage_ratio(metrics, tables, stage)
     link = slowest_link(links, {r})
     ev = {"compute_ratio": compute_ratio, "microbatch_cv": cv, "peers_microbatch_cv": cv_peers,
           "gap_excess_frac": gap_excess,
-          "stage_compute_ratio": stage_ratio, "peers": len(peers),
+          "stage_compute_ratio": stage_ratio, "peers": len(same),
           "worst_link": link["name"] if link else None, "worst_link_ratio": link["ratio"] if link else None}
-    work_ratio = attention.work_ratio(work, r, peers, steps) if work is not None else None
+    work_ratio = attention.work_ratio(work, r, same, steps) if work is not None else None
     explained = None
     ev["work_ratio"] = work_ratio
     stage_peers = [q for q in range(tables.layout.world_size) if q != r and tables.layout.coords(q).pp == stage]
     if work is not None:
-        stage_compute_ratio = _ratio_to_peers(metrics, r, stage_peers, "compute_ns", steps)
+        stage_compute_ratio = ratio_to_peers(metrics, r, stage_peers, "compute_ns", steps)
         explained = attention.explained_share(work, m, r, stage_peers, tun)
         ev.update(stage_peers_compute_ratio=stage_compute_ratio, work_explained_share=explained)
         if (max(compute_ratio, stage_compute_ratio) >= tun.slow_compute_ratio and explained is not None
@@ -248,16 +254,16 @@ def _explain_rank(tables, loc, metrics, links, tun: Tunables, step_ns: float, wo
     if slow:
         if (explained is None and work_ratio is not None
                 and work_ratio - 1 >= tun.work_explains_share * (compute_ratio - 1)):
-            return Cause("data_imbalance", (r,), f"rank {r} had {work_ratio:.2f}x the attention work of its peers "
+            return Cause("data_imbalance", (r,), f"rank {r} had {work_ratio:.2f}x the attention work of its same "
                          f"(compute {compute_ratio:.2f}x)", ev)
         if cv == cv and cv - (cv_peers if cv_peers == cv_peers else 0.0) >= tun.data_cv_min:
-            return Cause("data_imbalance", (r,), f"rank {r} computes {compute_ratio:.2f}x its peers, unevenly "
+            return Cause("data_imbalance", (r,), f"rank {r} computes {compute_ratio:.2f}x its same, unevenly "
                          f"across micro-batches (cv {cv:.2f}): more work, not a slower device", ev)
-        return Cause("slow_compute", (r,), f"rank {r} computes {compute_ratio:.2f}x its {len(peers)} peers at the "
+        return Cause("slow_compute", (r,), f"rank {r} computes {compute_ratio:.2f}x its {len(same)} peers at the "
                      "same position, uniformly: a slow worker", ev)
     if gap_excess >= tun.cpu_gap_frac:
         return Cause("cpu_bound", (r,), f"rank {r} idles {gap_excess:.1%} of the step between ops more than its "
-                     "peers (CPU launch gaps)", ev)
+                     "same (CPU launch gaps)", ev)
     if stage_ratio >= tun.stage_compute_ratio:
         return Cause("stage_imbalance", (r,),
                      f"rank {r}'s stage {stage} computes {stage_ratio:.2f}x the median stage", ev)

@@ -7,13 +7,17 @@ The Store facade loads these from DuckDB (``WHERE run_id = ?``); ingest modules 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Mapping
 
 import polars as pl
 
 from tracekit import schema
+from tracekit.analysis.assign_groups import assign, needs_assignment
 from tracekit.topology import Layout
+
+if TYPE_CHECKING:
+    from tracekit.analysis.assign_groups import Assignment
 
 TABLE_NAMES = ("runs", "ranks", "groups", "events", "collectives", "p2p", "steps")
 POLARS_TYPES = {"INTEGER": pl.Int32, "BIGINT": pl.Int64, "VARCHAR": pl.Utf8, "BOOLEAN": pl.Boolean,
@@ -43,10 +47,14 @@ class RunTables:
     collectives: pl.DataFrame
     p2p: pl.DataFrame
     steps: pl.DataFrame
+    # how unlabelled gloo communication was given groups, seqs and peers (assign_groups), if any
+    labelling: "Assignment | None" = None
 
     @classmethod
     def from_mapping(cls, tables: Mapping[str, pl.DataFrame], run_id: str | None = None) -> "RunTables":
-        """Check that every table is present with the schema's columns and holds one run."""
+        """Check that every table is present with the schema's columns and holds one run; label
+        unlabelled gloo communication (``assign_groups``, with ``fr_entries`` when the mapping
+        has it), recording how in ``labelling``."""
         missing = [t for t in TABLE_NAMES if t not in tables]
         if missing:
             raise TablesError(f"missing tables {missing}")
@@ -65,7 +73,14 @@ class RunTables:
             frames[t] = prefer_profiler(frames[t])
         if frames["runs"].height != 1:
             raise TablesError(f"run {run_id!r} not found in 'runs'")
-        return cls(run_id=run_id, **frames)
+        out = cls(run_id=run_id, **frames)
+        if needs_assignment(out.collectives, out.p2p):
+            fr = tables.get("fr_entries")
+            fr = fr.filter(pl.col("run_id") == run_id) if fr is not None else None
+            coll, p2p, how = assign(out.collectives, out.p2p, out.events, out.groups,
+                                    out.coords() if out.has_layout else None, out.steps, fr)
+            out = replace(out, collectives=coll, p2p=p2p, labelling=how)
+        return out
 
     @classmethod
     def from_duckdb(cls, con, run_id: str) -> "RunTables":
@@ -77,7 +92,18 @@ class RunTables:
                 frames[t] = pl.from_arrow(rel.to_arrow_table())
             except Exception as e:  # noqa: BLE001 - duckdb raises CatalogException and friends
                 raise TablesError(f"cannot read table {t!r} from the store: {e}") from None
+        try:  # optional: labels unlabelled gloo collectives (assign_groups)
+            frames["fr_entries"] = pl.from_arrow(con.sql(
+                "SELECT run_id, rank, pg_name, profiling_name, is_p2p, time_created_ns FROM fr_entries "
+                "WHERE run_id = $run_id", params={"run_id": run_id}).to_arrow_table())
+        except Exception:  # noqa: BLE001 - an older store without the table
+            pass
         return cls.from_mapping(frames, run_id)
+
+    @property
+    def has_layout(self) -> bool:
+        row = self.runs.row(0, named=True)
+        return all(row.get(d) is not None for d in ("tp", "cp", "pp", "dp"))
 
     @property
     def layout(self) -> Layout:
@@ -174,13 +200,106 @@ def _align(prof_t, fr_t, fr_peer):
     return fr_peer[best:best + n]
 
 
+# Communication seen from the main thread of a CPU trace, beyond what ingest calls communication:
+# functional collectives (DTensor, FSDP2) and their waits block there.
+_CPU_COMM_PREFIXES = ("_c10d_functional::", "c10d_functional::")
+
+
 def compute_events(events: pl.DataFrame) -> pl.DataFrame:
     """THE definition of "model compute": forward/backward work, not communication.
 
     Annotated compute spans (trainer ``tk.compute``, op-table compute ops) carry a phase; GPU
-    traces without annotations contribute their non-communication kernels.
+    traces without annotations contribute their non-communication kernels. A rank with neither
+    (a CPU trace of a job we did not annotate) contributes its top-level CPU ops: the ``cpu_op``
+    spans of its main thread not nested in another, communication excepted, with
+    ``nested_comm_ns`` the communication on that thread inside each (its enqueues and waits; the
+    gloo worker threads' spans run beside the compute, not inside it). The other rows carry NULL
+    there: their nested communication is the rank's collectives and p2p (compute_speed).
     """
-    return events.filter(
-        ~pl.col("is_comm").fill_null(False)
-        & (pl.col("phase").is_in(["fwd", "bwd"]) | (pl.col("kind") == "kernel") & pl.col("phase").is_null())
-    )
+    marked = (~pl.col("is_comm").fill_null(False)
+              & (pl.col("phase").is_in(["fwd", "bwd"]) | (pl.col("kind") == "kernel") & pl.col("phase").is_null()))
+    out = events.filter(marked).with_columns(pl.lit(None, pl.Int64).alias("nested_comm_ns"))
+    if "tid" not in events.columns or "rank" not in events.columns:
+        return out
+    bare = events.filter(~pl.col("rank").is_in(out["rank"].unique().implode()))
+    cpu = cpu_compute_spans(bare)
+    return pl.concat([out, cpu.select(out.columns)], how="vertical_relaxed") if cpu.height else out
+
+
+def cpu_comm(name: pl.Expr = pl.col("name")) -> pl.Expr:
+    """Is a CPU event communication (ingest's ``is_comm``, or a functional collective or wait)?"""
+    starts = pl.lit(False)
+    for p in _CPU_COMM_PREFIXES:
+        starts = starts | name.str.starts_with(p)
+    return pl.col("is_comm").fill_null(False) | starts
+
+
+def cpu_compute_spans(events: pl.DataFrame) -> pl.DataFrame:
+    """Top-level non-communication ``cpu_op`` spans of each rank's main thread (the thread with the
+    most ops), with ``nested_comm_ns``: the union of communication events on that thread inside,
+    and of its waits on worker-thread collectives there (``_hidden_waits``)."""
+    ops = events.filter((pl.col("kind") == "cpu_op") & pl.col("ts_ns").is_not_null())
+    if not ops.height:
+        return events.head(0).with_columns(pl.lit(None, pl.Int64).alias("nested_comm_ns"))
+    main = ops.group_by("rank", "tid").len().sort("len", "tid", descending=[True, False]) \
+        .unique("rank", keep="first").select("rank", "tid")
+    ops = ops.join(main, on=["rank", "tid"]).with_columns(
+        pl.col("ts_ns").cast(pl.Int64), (pl.col("ts_ns") + pl.col("dur_ns")).cast(pl.Int64).alias("_end"))
+    ops = ops.sort("rank", "ts_ns", pl.col("dur_ns"), descending=[False, False, True])
+    ops = ops.with_columns(pl.col("_end").cum_max().shift(1).over("rank").alias("_outer"))
+    top = ops.filter(pl.col("_outer").is_null() | (pl.col("ts_ns") >= pl.col("_outer")))
+    comp = top.filter(~cpu_comm()).with_row_index("_sid")
+    comm = events.join(main, on=["rank", "tid"]).filter(cpu_comm()).select(
+        "rank", pl.col("ts_ns").cast(pl.Int64).alias("s"),
+        (pl.col("ts_ns") + pl.col("dur_ns")).cast(pl.Int64).alias("e"))
+    # leaves: ops with no op inside (the next op by start begins after their end)
+    leaves = ops.filter(pl.col("ts_ns").shift(-1).over("rank").fill_null(pl.col("_end")) >= pl.col("_end"))
+    comm = pl.concat([comm, _hidden_waits(comp, leaves, events, main)])
+    nested = pl.DataFrame(schema={"_sid": pl.UInt32, "nested_comm_ns": pl.Int64})
+    if comm.height and comp.height:
+        hit = comm.drop_nulls().sort("rank", "s").join_asof(
+            comp.select("rank", "_sid", pl.col("ts_ns").alias("s0"), pl.col("_end").alias("e0")).sort("rank", "s0"),
+            left_on="s", right_on="s0", by="rank", strategy="backward", check_sortedness=False)
+        hit = hit.filter(pl.col("e0").is_not_null() & (pl.col("s") >= pl.col("s0")) & (pl.col("e") <= pl.col("e0")))
+        # nested comm events (an enqueue and the transport span inside it) count once
+        hit = hit.sort("_sid", "s").with_columns(pl.col("e").cum_max().shift(1).over("_sid").alias("prev"))
+        hit = hit.with_columns((pl.col("e") - pl.max_horizontal("s", pl.col("prev").fill_null(pl.col("s"))))
+                               .clip(lower_bound=0).alias("c"))
+        nested = hit.group_by("_sid").agg(pl.col("c").sum().cast(pl.Int64).alias("nested_comm_ns"))
+    return comp.join(nested, on="_sid", how="left").with_columns(pl.col("nested_comm_ns").fill_null(0)) \
+        .drop("_sid", "_end", "_outer")
+
+
+WAKE_NS = 1_000_000  # a waiting main thread resumes within this of its collective's end
+
+
+def _hidden_waits(comp: pl.DataFrame, leaves: pl.DataFrame, events: pl.DataFrame, main: pl.DataFrame
+                  ) -> pl.DataFrame:
+    """(rank, s, e): stretches of a compute span where the main thread ran no leaf op and waited on
+    a collective of a gloo worker thread: ``Work.wait()`` (FSDP's reduce-scatter, a blocking
+    collective) leaves no event, so the wait would count as the span's compute, and a rank waiting
+    on a slow peer would look slow itself. A gap between leaf ops counts when a worker collective
+    in flight during it ends at most ``WAKE_NS`` before the main thread's next op."""
+    spans = comp.select("rank", "_sid", pl.col("ts_ns").alias("s0"), pl.col("_end").alias("e0")).sort("rank", "s0")
+    empty = pl.DataFrame(schema={"rank": comp.schema["rank"], "s": pl.Int64, "e": pl.Int64})
+    worker = events.join(main.rename({"tid": "_main"}), on="rank").filter(
+        pl.col("name").str.starts_with("gloo:") & (pl.col("tid") != pl.col("_main"))).select(
+        "rank", pl.col("ts_ns").cast(pl.Int64).alias("ws"),
+        (pl.col("ts_ns") + pl.col("dur_ns")).cast(pl.Int64).alias("we"))
+    if not spans.height or not worker.height:
+        return empty
+    k = leaves.select("rank", pl.col("ts_ns").alias("s"), pl.col("_end").alias("e")).sort("rank", "s").join_asof(
+        spans, left_on="s", right_on="s0", by="rank", strategy="backward", check_sortedness=False)
+    k = k.filter(pl.col("s") < pl.col("e0")).sort("_sid", "s").with_columns(
+        pl.col("e").cum_max().shift(1).over("_sid").fill_null(pl.col("s0")).alias("g0"))
+    inner = k.select("rank", "g0", pl.col("s").alias("g1"))
+    tail = k.group_by("rank", "_sid").agg(pl.col("e").max().alias("g0"), pl.col("e0").first().alias("g1"))
+    bare = spans.join(k.select("_sid").unique(), on="_sid", how="anti").select("rank", pl.col("s0").alias("g0"),
+                                                                              pl.col("e0").alias("g1"))
+    gaps = pl.concat([inner, tail.select("rank", "g0", "g1"), bare]).filter(pl.col("g1") > pl.col("g0"))
+    hit = gaps.sort("rank", "g1").join_asof(worker.sort("rank", "we"), left_on="g1", right_on="we", by="rank",
+                                            strategy="backward", check_sortedness=False)
+    hit = hit.filter(pl.col("we").is_not_null() & (pl.col("we") > pl.col("g0"))
+                     & (pl.col("g1") - pl.col("we") <= WAKE_NS) & (pl.col("ws") < pl.col("g1")))
+    return hit.select("rank", pl.max_horizontal("g0", "ws").alias("s"), pl.col("g1").alias("e")).cast(
+        {"s": pl.Int64, "e": pl.Int64})

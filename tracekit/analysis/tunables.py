@@ -57,6 +57,9 @@ class Tunables:
     # Spread (coefficient of variation) of a rank's per-micro-batch compute within a step, above
     # its peers' spread by this much: the extra compute is uneven work (data), not a slow device.
     data_cv_min: float = 0.10
+    # Extra compute all in attention kernels (others within half the work_explains_share of it) is
+    # data imbalance when the attention kernels take at least this ratio of their peers'.
+    attention_imbalance_ratio: float = 1.10
     # A stage whose compute exceeds the median stage's by this ratio is heavier work.
     stage_compute_ratio: float = 1.15
     # Known attention work explains extra compute when the work excess is at least this share of

@@ -3,7 +3,8 @@
 returns; this file wires them (``train`` and ``numerics`` are the trainer's and the numerics' own).
 
 Exit codes: 0 ok; 1 a finding in check modes (e.g. a straggler or mismatch where one was asked
-not to exist); 2 bad input (unreadable or invalid files, impossible configs).
+not to exist); 2 bad input (unreadable or invalid files, impossible configs); 130 interrupted
+(Ctrl-C: one line, no traceback).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import click
 
 from tracekit import __version__
+from tracekit.cli._common import interrupted
 
 # (module, attribute, summary) of each subcommand, imported lazily so that `tracekit --help` stays
 # fast (the summaries are here, not read from the commands: listing them imported torch, DuckDB and
@@ -77,6 +79,15 @@ class LazyGroup(click.Group):
         for var, value in PROCESS_DEFAULTS.items():  # before pyarrow and numpy load; the user's own win
             os.environ.setdefault(var, value)
         return getattr(importlib.import_module(module), attr)
+
+    def invoke(self, ctx: click.Context) -> object:
+        """Ctrl-C anywhere in a command (an import, an ingest, an analysis, the dashboard's server):
+        one line and exit code 130, not click's "Aborted!" with exit code 1, which means a finding.
+        Ingest's own cleanup (workers stopped, whole files only) has run by the time it arrives here."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            interrupted()
 
 
 @click.group(cls=LazyGroup)

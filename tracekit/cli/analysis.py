@@ -19,41 +19,29 @@ from typing import Any, Callable
 
 import click
 
-from tracekit.cli._common import EXIT_FINDING, EXIT_OK, fail, ingest_progress
+from tracekit.cli._common import EXIT_FINDING, EXIT_OK, fail, store_of
 from tracekit.report import Findings, gather, markdown
 
 
 def open_source(path: Path, run_id: str | None, quiet: bool, store: Path | None = None):
-    """(Store, run_id) for a store file or a run directory (ingested with a progress bar into
-    ``store``, by default the one tracekit.ingest.cached.store_for names)."""
+    """(Store, run_id) for a store file or a run directory (``_common.store_of``)."""
     import tracekit
-    from tracekit.ingest.common import IngestError
     from tracekit.store import StoreError
 
-    if not path.exists():
-        fail(f"{path}: no such file or directory")
-    if path.is_dir():
-        from tracekit.ingest import ingest
-        from tracekit.ingest.cached import store_for
-
-        store_path = store_for(path, store)
-        with ingest_progress(quiet) as progress:
-            try:
-                report = ingest([path], store_path, run_id=run_id, workers=1, progress=progress)
-            except IngestError as e:
-                fail(str(e))
-        ok = [f for f in report.files if f.status in ("ok", "skipped", "warning")]
-        if not ok:
-            errors = "; ".join(f.error or f.status for f in report.failed) or "no trace files found"
-            fail(f"{path}: nothing could be ingested ({errors})")
-        run_id = run_id or (ok[0].run_id if ok else None)
-        path = store_path
+    path, run_id = store_of(path, run_id, quiet, store, warn=_warn)
     try:
         opened = tracekit.open(path)
         opened.run_tables(run_id)  # fails early, with the file's name, on a bad store or run id
     except (StoreError, ValueError) as e:
         fail(f"{path}: {e}" if str(path) not in str(e) else str(e))
     return opened, run_id
+
+
+def _warn(message: str) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    Console(stderr=True, soft_wrap=True).print(f"[yellow]warning:[/yellow] {escape(message)}", highlight=False)
 
 
 def _common(fn: Callable) -> Callable:

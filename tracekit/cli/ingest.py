@@ -21,30 +21,45 @@ from tracekit.ingest.common import IngestError
 @click.option("--processes/--threads", "processes", default=None,
               help="Each worker parses in a child process of its own, or in its thread (default: processes "
                    "on many cores and large inputs, where threads contend for the GIL).")
+@click.option("--limit", "limit_settings", multiple=True, metavar="NAME=VALUE",
+              help="Raise or lower a limit on one file, e.g. max_event_bytes=64MiB (repeatable; the limits and "
+                   "their defaults are in docs/ingest.md, 'Limits').")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def ingest_cmd(paths: tuple[Path, ...], store_path: Path, run_id: str | None, workers: int | None,
-               processes: bool | None, as_json: bool) -> None:
+               processes: bool | None, limit_settings: tuple[str, ...], as_json: bool) -> None:
     """Ingest run directories, trace folders or single files into a store.
 
     Formats are recognized by content: Kineto traces (.json/.json.gz, NCCL or gloo), flight-recorder
     dumps (pickle or JSON), memory snapshots (pickle) and op-table traces (parquet). Exit code 2 if
     any file failed; the others are still ingested.
     """
+    import os
+
+    from tracekit.ingest import limits
     from tracekit.ingest.pipeline import ingest
     from tracekit.store import StoreError
 
+    for assignment in limit_settings:  # in the environment, so that the parser processes see them too
+        try:
+            var, value = limits.setting(assignment)
+        except ValueError as e:
+            fail(str(e))
+        os.environ[var] = str(value)
     with ingest_progress(as_json) as progress:
         try:
             report = ingest(list(paths), store_path, run_id=run_id, workers=workers, progress=progress,
                             processes=processes)
         except (IngestError, StoreError, ValueError) as e:  # the store cannot be opened, no input, no fork
             fail(str(e))
+    if not report.files:
+        fail(f"nothing to ingest in {', '.join(map(str, paths))}: no traces, flight-recorder dumps, memory "
+             "snapshots or op tables" + (f" ({len(report.ignored)} other files passed over)" if report.ignored else ""))
     missing = {f"{r}/{f}": ranks for (r, f), ranks in report.missing.items()}
     if as_json:
         click.echo(json.dumps({
             "files": [{"path": str(f.path), "run_id": f.run_id, "format": f.format, "rank": f.rank,
                        "status": f.status, "error": f.error, "rows": f.rows} for f in report.files],
-            "missing_ranks": missing, "runs": report.runs, "ignored": [str(p) for p in report.ignored],
+            "missing_ranks": missing, "warnings": report.warnings, "runs": report.runs, "ignored": [str(p) for p in report.ignored],
             "seconds": round(report.seconds, 3), "bytes": report.bytes_ingested},
             indent=2))
     else:
@@ -75,6 +90,8 @@ def _render(report: object, missing: dict[str, list[int]]) -> None:
               + (f" ({mb / sec:,.0f} MB/s)" if n and sec > 0 else ""), highlight=False)
     for key, ranks in missing.items():
         out.print(f"[yellow]warning:[/yellow] {key}: ranks missing: {ranges_text(ranks)} ({len(ranks)})")
+    for w in report.warnings:  # type: ignore[attr-defined]
+        out.print(f"[yellow]warning:[/yellow] {escape(w)}", soft_wrap=True, highlight=False)
     for f in report.failed:  # type: ignore[attr-defined]
         out.print(f"[red]failed:[/red] {escape(f.error or '')}", soft_wrap=True, highlight=False)
     ignored = report.ignored  # type: ignore[attr-defined]

@@ -92,7 +92,9 @@ def _render_comparison(cmp: MemoryComparison, console) -> None:
 
 
 @click.command("memory")
-@click.argument("store", type=click.Path(path_type=Path))
+@click.argument("source", type=click.Path(path_type=Path))
+@click.option("--store", "store_path", type=click.Path(path_type=Path), default=None,
+              help="Store to ingest a run directory into (default: <dir>.tracekit.duckdb beside it).")
 @click.option("--run-id", help="run to analyse (needed when the store holds several)")
 @click.option("--by", type=click.Choice(["category", "frame"]), default="category", show_default=True,
               help="group what was live at the peak by category or by allocation site")
@@ -102,11 +104,16 @@ def _render_comparison(cmp: MemoryComparison, console) -> None:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
               help="write a PNG of measured vs estimated per rank by component (needs matplotlib)")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def memory_command(store: Path, run_id: str | None, by: str, top: int, estimate: bool,
+def memory_command(source: Path, store_path: Path | None, run_id: str | None, by: str, top: int, estimate: bool,
                    plot_path: Path | None, as_json: bool) -> None:
     """Per-rank peak memory, when it happened, what was live at it, imbalance across ranks, and
-    the 4D estimator applied to the run's own config next to it."""
+    the 4D estimator applied to the run's own config next to it. SOURCE: a store or a run directory."""
     from rich.console import Console
+
+    from tracekit.cli._common import store_of
+
+    store, run_id = store_of(source, run_id, as_json, store_path, warn=lambda m: Console(stderr=True).print(
+        f"warning: {m}", markup=False, highlight=False, soft_wrap=True))
 
     status = Console(stderr=True).status  # a spinner on a terminal, silent otherwise
     try:

@@ -30,4 +30,9 @@ def store_for(run_dir: Path, store: Path | None = None) -> Path:
         probe.unlink()
         return run_dir.parent / f"{run_dir.name}{STORE_SUFFIX}"
     except OSError:
-        return Path(tempfile.mkdtemp(prefix="tracekit-")) / f"{run_dir.name}.duckdb"
+        return temporary_store(run_dir)
+
+
+def temporary_store(run_dir: Path) -> Path:
+    """A fresh store in a new temporary folder, for a run directory whose store cannot be written."""
+    return Path(tempfile.mkdtemp(prefix="tracekit-")) / f"{run_dir.absolute().name}.duckdb"

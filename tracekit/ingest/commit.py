@@ -18,8 +18,8 @@ import pyarrow as pa
 
 from tracekit import schema
 from tracekit.ingest import parse as parse_mod
-from tracekit.ingest import rundir, topo
-from tracekit.ingest.common import IngestError, Parsed, RankDependent
+from tracekit.ingest import limits, rundir, topo
+from tracekit.ingest.common import IngestError, Parsed, RankDependent, crash_point
 from tracekit.ingest.ledger import Claim, Ledger, SameContent
 
 # What a re-ingest of a changed file replaces, per format: table -> extra row filter.
@@ -95,6 +95,7 @@ def apply(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcom
         if unknown:
             raise IngestError(f"{job.path}: parser produced unknown table {unknown[0]!r}")
         rank = None if parsed.multi_rank else _resolve_rank(parsed, job)
+        check_ranks(job.path, parsed, rank)
         claim = ledger.claim(job.run_id, job.path, parsed.format, rank, out.content_hash, parsed.groups)
     except SameContent as e:
         return _skipped(con, job, out, e.format, e.rank, str(e))
@@ -107,6 +108,7 @@ def apply(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcom
                 con.execute(f"DELETE FROM {t} WHERE run_id = ? AND rank = ? {extra}", [job.run_id, rank])
             con.execute("DELETE FROM ingest_log WHERE run_id = ? AND path = ? AND status = 'ok'",
                         [job.run_id, str(job.path)])
+            con.execute("DELETE FROM file_meta WHERE run_id = ? AND path = ?", [job.run_id, str(job.path)])
         if parsed.multi_rank:
             for t in parsed.tables:
                 con.execute(f"DELETE FROM {t} WHERE run_id = ?", [job.run_id])
@@ -114,11 +116,12 @@ def apply(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcom
             _insert(con, t, tbl, job.run_id, rank)
         for g in claim.new_groups:
             topo.insert_group(con, job.run_id, g)
+        topo.insert_file_meta(con, job.run_id, job.path, parsed, rank)
         _log(con, job.run_id, job.path, parsed.format, rank, out.content_hash, "ok", None, parsed.rows,
              out.seconds)
     except (duckdb.Error, pa.ArrowException) as e:
         ledger.release(claim)
-        raise StoreWriteError(f"{job.path}: store write failed ({e})", rank) from e
+        raise StoreWriteError(write_failed(job.path, e), rank) from e
     except BaseException:
         ledger.release(claim)
         raise
@@ -132,7 +135,9 @@ def apply_alone(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.
     done = None
     try:
         done = apply(con, job, out, ledger)
+        crash_point("commit")
         con.execute("COMMIT")
+        crash_point("committed")
         return done
     except StoreWriteError as e:
         rollback(con)
@@ -140,7 +145,17 @@ def apply_alone(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.
     except duckdb.Error as e:  # the COMMIT itself
         rollback(con)
         ledger.release(done.claim if done else None)
-        return failed(con, job, out, f"{job.path}: store write failed ({e})")
+        return failed(con, job, out, write_failed(job.path, e))
+
+
+def write_failed(path: Path, e: BaseException) -> str:
+    """The message for a failed store write, saying what ran out where DuckDB's own words hide it."""
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if isinstance(e, (duckdb.OutOfMemoryException, MemoryError, pa.ArrowMemoryError)) or \
+            any(w in str(e) for w in ("Out of Memory", "failed to pin block", "could not allocate block")):
+        return (f"{path}: out of memory while writing it to the store ({first}); ingest it with fewer "
+                "--workers, or on a machine with more memory")
+    return f"{path}: store write failed ({first})"
 
 
 def rollback(con: duckdb.DuckDBPyConnection) -> None:
@@ -163,7 +178,30 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, src: pa.Table | RankDepe
     try:
         con.execute(f"INSERT INTO main.{table} ({', '.join(fill + cols)}) SELECT {select} FROM _tk_incoming", params)
     finally:
-        con.unregister("_tk_incoming")
+        try:
+            con.unregister("_tk_incoming")
+        except duckdb.Error:  # the failed insert aborted the transaction; its error is the one to report
+            pass
+
+
+def check_ranks(path: Path, parsed: Parsed, rank: int | None) -> None:
+    """A file's rank, world size and group members: never negative, and within the limit
+    max_world_size (a claimed world of a million ranks would make the run's topology a million
+    rows). A group member past the file's own world size is left to the run's warnings."""
+    if rank is not None and rank < 0:
+        raise IngestError(f"{path}: rank {rank} is negative")
+    world = parsed.world_size
+    if world is not None:
+        if world <= 0:
+            raise IngestError(f"{path}: world size {world} is not positive")
+        limits.check(path, "max_world_size", world, f"the file claims a world of {world:,} ranks")
+    for g in parsed.groups:
+        members = [int(r) for r in g["ranks"]]
+        if members and min(members) < 0:
+            raise IngestError(f"{path}: process group {g.get('pg_name')!r} names rank {min(members)}, negative")
+        if members:
+            limits.check(path, "max_world_size", max(members) + 1,
+                         f"process group {g.get('pg_name')!r} names rank {max(members):,}")
 
 
 def _resolve_rank(parsed: Parsed, job: rundir.Job) -> int:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -9,6 +13,25 @@ import pyarrow as pa
 
 from tracekit import schema
 from tracekit.ingest import columns
+
+# Tests only (tests/test_ingest_crash.py, test_interrupts.py): "<point>[:<n>]" sends this process
+# SIGKILL (or the signal named by CRASH_SIGNAL_ENV, e.g. INT) the n-th time it passes
+# crash_point(<point>), to check what a crash or a Ctrl-C there leaves behind.
+CRASH_ENV = "TRACEKIT_TEST_CRASH_AT"
+CRASH_SIGNAL_ENV = "TRACEKIT_TEST_CRASH_SIGNAL"
+_passes: Counter = Counter()
+_passes_lock = threading.Lock()
+
+
+def crash_point(point: str) -> None:
+    want = os.environ.get(CRASH_ENV)
+    if not want or want.partition(":")[0] != point:
+        return
+    with _passes_lock:
+        _passes[point] += 1
+        if _passes[point] == int(want.partition(":")[2] or 1):
+            os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get(CRASH_SIGNAL_ENV, "KILL")))
+
 
 class IngestError(ValueError):
     """A file that cannot be ingested; the message names the file and what is wrong with it."""

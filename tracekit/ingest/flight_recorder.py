@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 from tracekit import classify
-from tracekit.ingest import unpickle
+from tracekit.ingest import limits, unpickle
 from tracekit.ingest.common import IngestError, Parsed, table_from_rows
 
 DTYPE_BYTES = {"float": 4, "half": 2, "bfloat16": 2, "double": 8, "int": 4, "long": 8, "short": 2,
@@ -63,9 +63,35 @@ def _group_ranks(dump: dict) -> dict[str, list[int]]:
     return out
 
 
+class _Text:
+    """JSON text of an entry's fields, written once per object: a pickle's entries may all share one
+    frames list (its memo), and writing it out per entry was quadratic (a 16 KB dump took 3.2 GB).
+    The text the table will hold, shared or not, is counted against max_expanded_bytes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.total = path, 0
+        self.limit = limits.get("max_expanded_bytes")
+        self.done: dict[int, tuple[object, str]] = {}  # id -> (the object, kept alive; its text)
+
+    def __call__(self, value: object) -> str:
+        if isinstance(value, (list, dict, tuple)):
+            hit = self.done.get(id(value))
+            if hit is None:
+                hit = self.done[id(value)] = (value, json.dumps(value))
+            text = hit[1]
+        else:
+            text = json.dumps(value)
+        self.total += len(text)
+        if self.total > self.limit:
+            raise limits.exceeded(self.path, "max_expanded_bytes",
+                                  f"its entries written out take more than {self.total:,} bytes")
+        return text
+
+
 def parse_dump(path: Path, dump: dict) -> Parsed:
     ranks_of = _group_ranks(dump)
     entries, colls, p2ps = [], [], []
+    text = _Text(path)
     for i, e in enumerate(dump["entries"]):
         if not isinstance(e, dict):
             raise IngestError(f"{path}: flight-recorder entry {i} is not a record")
@@ -78,14 +104,13 @@ def parse_dump(path: Path, dump: dict) -> Parsed:
                 "record_id": e.get("record_id"), "pg_name": pg_name, "pg_desc": pg_desc,
                 "collective_seq_id": e.get("collective_seq_id"), "p2p_seq_id": e.get("p2p_seq_id"),
                 "op_id": e.get("op_id"), "is_p2p": bool(e.get("is_p2p")), "profiling_name": pname,
-                "input_sizes": json.dumps(e.get("input_sizes")), "input_dtypes": json.dumps(e.get("input_dtypes")),
-                "output_sizes": json.dumps(e.get("output_sizes")),
-                "output_dtypes": json.dumps(e.get("output_dtypes")),
+                "input_sizes": text(e.get("input_sizes")), "input_dtypes": text(e.get("input_dtypes")),
+                "output_sizes": text(e.get("output_sizes")), "output_dtypes": text(e.get("output_dtypes")),
                 "time_created_ns": _time(e.get("time_created_ns")), "time_started_ns": started,
                 "time_completed_ns": completed,
                 "duration_ms": float(e["duration_ms"]) if e.get("duration_ms") is not None else None,
                 "state": e.get("state"), "retired": e.get("retired"), "timeout_ms": e.get("timeout_ms"),
-                "frames": json.dumps(e.get("frames") or []),
+                "frames": text(e.get("frames") or []),
             }
         except (TypeError, ValueError) as err:
             raise IngestError(f"{path}: flight-recorder entry {i} has a bad field ({err})") from None
@@ -132,4 +157,6 @@ def _peer(profiling_name: str, group: list[int] | None) -> int | None:
 
 
 def parse(path: Path) -> Parsed:
-    return parse_dump(path, load(path, path.read_bytes()))
+    from tracekit.ingest.parse import read_whole
+
+    return parse_dump(path, load(path, read_whole(path)))

@@ -16,14 +16,15 @@ import zlib
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+from tracekit.ingest import limits
 from tracekit.ingest.common import IngestError
 
 CHUNK = 1 << 20
-HEAD_LIMIT = 64 << 20  # the array must start within this many bytes
 TAIL_WINDOW = 256 << 10  # bytes held back at the end to find the array's ']' and the trailing keys
 CONFIRM_WINDOW = 16 << 10  # how far back from a top-level ']' to look for its '[' (and key)
 
-_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[{}\[\]]')
+_STRUCT = re.compile(rb'["{}\[\]]')
+_STRING_BODY = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*', re.DOTALL)  # up to the closing quote
 _KEY = b'"traceEvents"'
 
 
@@ -35,20 +36,43 @@ class Hasher(Protocol):
     def update(self, data: bytes, /) -> None: ...
 
 
-def _find_array_start(head: bytes) -> int | None:
-    """Offset just after the '[' of the top-level traceEvents array, None if not in ``head``."""
-    depth = 0
-    for m in _TOKEN.finditer(head):
-        tok = m.group()
-        if tok in (b"{", b"["):
-            depth += 1
-        elif tok in (b"}", b"]"):
-            depth -= 1
-        elif depth == 1 and tok == _KEY:
-            rest = head[m.end():m.end() + 64].lstrip()
-            if rest.startswith(b":") and rest[1:].lstrip().startswith(b"["):
-                return head.index(b"[", m.end()) + 1
-    return None
+class _ArrayStart:
+    """Finds the '[' of the top-level traceEvents array in a growing head, in one pass: each call
+    goes on from where the last stopped (a string cut by the end of the head is taken up again at
+    its opening quote), so a long head costs linear time, not a rescan per block."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+        self.depth = 0
+        self.string_at: int | None = None  # the opening quote of a string the head cut
+
+    def find(self, head: bytes, final: bool = False) -> int | None:
+        """Offset just after the '[', None if it is not in ``head`` (yet)."""
+        while True:
+            if self.string_at is None:
+                m = _STRUCT.search(head, self.pos)
+                if m is None:
+                    self.pos = len(head)
+                    return None
+                c = head[m.start()]
+                if c != 0x22:
+                    self.depth += 1 if c in (0x7B, 0x5B) else -1
+                    self.pos = m.end()
+                    continue
+                self.string_at, self.pos = m.start(), m.end()
+            end = _STRING_BODY.match(head, self.pos).end()
+            if end >= len(head) or head[end] != 0x22:  # the string goes on past the head
+                self.pos = end  # at the end, or at a backslash whose escaped byte is still to come
+                return None
+            start, self.string_at, self.pos = self.string_at, None, end + 1
+            if self.depth == 1 and head[start:self.pos] == _KEY:
+                rest = head[self.pos:self.pos + 64]
+                stripped = rest.lstrip()
+                if len(stripped) < 2 and not final and len(rest) < 64:
+                    self.string_at, self.pos = start, start + 1  # wait for what follows the key
+                    return None
+                if stripped.startswith(b":") and stripped[1:].lstrip().startswith(b"["):
+                    return head.index(b"[", self.pos) + 1
 
 
 def _find_array_end(window: bytes) -> int | None:
@@ -98,7 +122,11 @@ def _find_array_end(window: bytes) -> int | None:
 
 
 class _Source:
-    """The file's decompressed bytes in blocks, hashing the raw bytes on the way."""
+    """The file's decompressed bytes in blocks of at most CHUNK, hashing the raw bytes on the way.
+
+    A gzip stream inflates a block at a time (never a whole member at once), and the inflated size
+    is held to the limits max_inflated_bytes and max_inflate_ratio: a small file that inflates to
+    gigabytes (a gzip bomb) fails early, in bounded memory."""
 
     def __init__(self, path: Path, hasher: Hasher | None) -> None:
         self.path, self.hasher = path, hasher
@@ -106,29 +134,48 @@ class _Source:
         first = self.f.read(2)
         self.f.seek(0)
         self.inflate = zlib.decompressobj(wbits=31) if first == b"\x1f\x8b" else None
+        self.pending = b""  # compressed input not yet inflated
+        self.raw_bytes = self.inflated = 0
+        if self.inflate is not None:
+            self.max_inflated = limits.get("max_inflated_bytes")
+            self.max_ratio = limits.get("max_inflate_ratio")
 
     def read(self) -> bytes:
         """The next block; b'' at the end. Raises TraceFormatError on a corrupt or cut gzip stream."""
         while True:
-            raw = self.f.read(CHUNK)
-            if self.hasher is not None and raw:
-                self.hasher.update(raw)
-            if self.inflate is None:
-                return raw
-            if not raw:
-                if not self.inflate.eof:
-                    raise TraceFormatError(f"{self.path}: corrupt or truncated compressed stream "
-                                           "(gzip data ends early)")
-                return b""
+            if self.inflate is None or not self.pending:
+                raw = self.f.read(CHUNK)
+                self.raw_bytes += len(raw)
+                if self.hasher is not None and raw:
+                    self.hasher.update(raw)
+                if self.inflate is None:
+                    return raw
+                if not raw:
+                    if not self.inflate.eof:
+                        raise TraceFormatError(f"{self.path}: corrupt or truncated compressed stream "
+                                               "(gzip data ends early)")
+                    return b""
+                self.pending = raw
             try:
-                out = self.inflate.decompress(raw)
-                while self.inflate.eof and self.inflate.unused_data:  # concatenated gzip members
-                    rest, self.inflate = self.inflate.unused_data, zlib.decompressobj(wbits=31)
-                    out += self.inflate.decompress(rest)
+                if self.inflate.eof:  # concatenated gzip members
+                    self.inflate = zlib.decompressobj(wbits=31)
+                out = self.inflate.decompress(self.pending, CHUNK)
+                self.pending = self.inflate.unconsumed_tail or self.inflate.unused_data
             except zlib.error as e:
                 raise TraceFormatError(f"{self.path}: corrupt or truncated compressed stream ({e})") from None
             if out:
+                self._count(len(out))
                 return out
+
+    def _count(self, n: int) -> None:
+        self.inflated += n
+        if self.inflated > self.max_inflated:
+            raise limits.exceeded(self.path, "max_inflated_bytes",
+                                  f"inflates to more than {limits.shown('max_inflated_bytes', self.max_inflated)}")
+        if self.inflated > limits.INFLATE_RATIO_FROM and self.inflated > self.max_ratio * max(1, self.raw_bytes):
+            raise limits.exceeded(self.path, "max_inflate_ratio",
+                                  f"{self.raw_bytes:,} compressed bytes inflate to more than {self.inflated:,} "
+                                  f"(a gzip bomb?)")
 
     def close(self) -> None:
         self.f.close()
@@ -142,20 +189,23 @@ def stream_events(path: Path, out: BinaryIO, hasher: Hasher | None = None) -> di
     never sees a truncated file as a valid array.
     """
     src = _Source(path, hasher)
+    max_header = limits.get("max_header_bytes")
     try:
-        head, start = b"", None
-        while start is None and len(head) <= HEAD_LIMIT:
+        head, start, finder = bytearray(), None, _ArrayStart()
+        while start is None:
+            if len(head) > max_header:
+                raise limits.exceeded(path, "max_header_bytes",
+                                      f"no traceEvents array in the first {len(head):,} bytes")
             block = src.read()
             if not block:
+                start = finder.find(head, final=True)
                 break
             head += block
-            start = _find_array_start(head)
+            start = finder.find(head)
         if not head.strip():
             raise TraceFormatError(f"{path}: empty file")
         if start is None:
-            raise TraceFormatError(
-                f"{path}: no top-level 'traceEvents' array in the first "
-                f"{min(len(head), HEAD_LIMIT) >> 20} MiB; not a Kineto trace or truncated")
+            raise TraceFormatError(f"{path}: no top-level 'traceEvents' array; not a Kineto trace or truncated")
         prefix = head[:start - 1]
         out.write(b"[")
         held = memoryview(head)[start:]  # the last bytes seen, not yet written

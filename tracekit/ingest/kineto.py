@@ -12,7 +12,6 @@ event: Python sees only the distinct names, categories and threads.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -20,7 +19,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tracekit.ingest import columns, kineto_comm, kineto_rows, kineto_scan
+from tracekit.ingest import columns, kineto_comm, kineto_rows, kineto_scan, limits
 from tracekit.ingest.common import IngestError, Parsed
 from tracekit.ingest.jsonsplit import Hasher, TraceFormatError, stream_events
 
@@ -34,7 +33,6 @@ COLUMNS: dict[str, str | dict[str, str]] = {
 # "native": the C scanner (kineto_scan), "duckdb": DuckDB's JSON reader; the default is the scanner
 # when it is built. Both give the same batches; the scanner reads about 2.2x faster (docs/ingest.md).
 READER_ENV = "TRACEKIT_KINETO_READER"
-MAX_EVENT_BYTES = 16 << 20  # one event larger than this is not a profiler event
 
 
 def _duckdb_type(t: str | dict[str, str]) -> str:
@@ -43,11 +41,11 @@ def _duckdb_type(t: str | dict[str, str]) -> str:
     return t
 
 
-def _reader(source: str) -> str:
+def _reader(source: str, max_event_bytes: int | None = None) -> str:
     cols = "{" + ", ".join(f"{k}: '{_duckdb_type(v)}'" for k, v in COLUMNS.items()) + "}"
     source = source.replace("'", "''")
     return (f"read_json('{source}', format='array', columns={cols}, "
-            f"maximum_object_size={MAX_EVENT_BYTES})")
+            f"maximum_object_size={max_event_bytes or limits.get('max_event_bytes')})")
 
 
 def reader() -> str:
@@ -64,20 +62,31 @@ def reader() -> str:
 def read_events(con: duckdb.DuckDBPyConnection, path: Path, hasher: Hasher | None,
                 on_batch: Callable[[pa.RecordBatch], None]) -> dict:
     """Pass the trace's X events to ``on_batch`` as record batches with the fields of COLUMNS;
-    return the file's top-level keys."""
+    return the file's top-level keys. The limits max_events and max_event_bytes hold on both readers."""
+    max_events, seen = limits.get("max_events"), 0
+
+    def counted(batch: pa.RecordBatch) -> None:
+        nonlocal seen
+        seen += batch.num_rows
+        if seen > max_events:
+            raise limits.exceeded(path, "max_events", f"at least {seen:,} complete events")
+        on_batch(batch)
+
     try:
         if reader() == "native":
-            return _read_scanned(path, hasher, on_batch)
-        return _read_duckdb(con, path, hasher, on_batch)
+            return _read_scanned(path, hasher, counted)
+        return _read_duckdb(con, path, hasher, counted)
     except duckdb.OutOfMemoryException as e:
         raise IngestError(f"{path}: out of memory while reading the trace events "
                           f"({str(e).splitlines()[0]})") from None
     except duckdb.Error as e:
+        if "maximum_object_size" in str(e):
+            raise limits.exceeded(path, "max_event_bytes", "an event is larger") from None
         raise IngestError(f"{path}: malformed trace events ({str(e).splitlines()[0]})") from None
 
 
 def _read_scanned(path: Path, hasher: Hasher | None, on_batch: Callable[[pa.RecordBatch], None]) -> dict:
-    sink = kineto_scan.EventSink(path, COLUMNS, on_batch, keep=("ph", "X"), max_event_bytes=MAX_EVENT_BYTES)
+    sink = kineto_scan.EventSink(path, COLUMNS, on_batch, keep=("ph", "X"))
     try:
         meta = stream_events(path, sink, hasher)
     except OSError as e:
@@ -91,7 +100,9 @@ def _read_duckdb(con: duckdb.DuckDBPyConnection, path: Path, hasher: Hasher | No
     """The array copied to a temporary file, hashed on the way, which DuckDB's JSON reader then
     parses: from a regular file it needs about 60 MiB less memory and less CPU than from a pipe."""
     schema = kineto_scan.schema(COLUMNS)
-    with tempfile.TemporaryDirectory(prefix="tk-kineto-") as tmp:
+    from tracekit.ingest.procs import temporary_folder
+
+    with temporary_folder("tk-kineto-") as tmp:
         array = os.path.join(tmp, "events.json")
         try:
             with open(array, "wb") as out:

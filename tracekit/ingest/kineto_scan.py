@@ -19,6 +19,7 @@ from typing import Callable
 
 import pyarrow as pa
 
+from tracekit.ingest import limits
 from tracekit.ingest.common import IngestError
 
 try:
@@ -66,10 +67,11 @@ class EventSink:
     """A binary file-like sink for the event array's text; ``close`` checks that the array ended."""
 
     def __init__(self, path: Path, columns: dict[str, str | dict[str, str]], on_batch: Callable[[pa.RecordBatch], None],
-                 keep: tuple[str, str] | None = None, max_event_bytes: int = 16 << 20) -> None:
+                 keep: tuple[str, str] | None = None, max_event_bytes: int | None = None) -> None:
         if Scanner is None:
             raise RuntimeError("tracekit.ingest._kineto_scan is not built")
-        self.path, self.on_batch, self.max_event_bytes = path, on_batch, max_event_bytes
+        self.path, self.on_batch = path, on_batch
+        self.max_event_bytes = max_event_bytes or limits.get("max_event_bytes")
         self.spec, self.schema = _fields(columns)
         flt = None
         if keep is not None:
@@ -98,8 +100,9 @@ class EventSink:
             raise ScanError(f"{self.path}: malformed trace events ({e})") from None
         del self.buf[:used]  # bytearray drops a prefix without moving the rest
         if len(self.buf) > self.max_event_bytes:
-            raise ScanError(f"{self.path}: an event of more than {self.max_event_bytes >> 20} MiB "
-                            f"(event {self.scanner.events}); not a profiler trace")
+            raise limits.exceeded(self.path, "max_event_bytes",
+                                  f"event {self.scanner.events} is still incomplete after {len(self.buf):,} bytes",
+                                  self.max_event_bytes)
         if self.scanner.rows >= BATCH_ROWS:
             self._emit()
 

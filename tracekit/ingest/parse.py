@@ -13,6 +13,7 @@ import pyarrow as pa
 import xxhash
 
 from tracekit.ingest import unpickle
+from tracekit.ingest import limits
 from tracekit.ingest import sniff as sn
 from tracekit.ingest.common import IngestError, Parsed, arrow_schema
 
@@ -79,6 +80,12 @@ def _optable(path: Path, reader: OptableReader) -> Parsed:
     return Parsed(format="optable", tables=tables, multi_rank=True)
 
 
+def read_whole(path: Path) -> bytes:
+    """A file that is parsed whole, within the limit max_loaded_bytes (about 60x in objects)."""
+    limits.check(path, "max_loaded_bytes", path.stat().st_size, f"{path.stat().st_size:,} bytes to load whole")
+    return path.read_bytes()
+
+
 def parse_path(path: Path, format: str) -> Parsed:
     """Dispatch a sniffed file (other than Kineto and op tables) to its parser."""
     from tracekit.ingest import flight_recorder, memory_snapshot
@@ -90,8 +97,7 @@ def parse_path(path: Path, format: str) -> Parsed:
         # by the C unpickler instead, 4-5x faster, into about 60x its size of Python objects.
         if path.stat().st_size > memory_snapshot.STREAM_ABOVE and memory_snapshot.looks_like_snapshot(path):
             return memory_snapshot.parse(path)
-        data = path.read_bytes()
-        obj = unpickle.loads(data, str(path))
+        obj = unpickle.loads(read_whole(path), str(path))
         if isinstance(obj, dict) and isinstance(obj.get("entries"), list):
             return flight_recorder.parse_dump(path, obj)
         if isinstance(obj, dict) and ("segments" in obj or "device_traces" in obj):

@@ -36,6 +36,7 @@ from tracekit import store
 from tracekit.ingest import commit, procs, rundir, topo
 from tracekit.ingest import parse as parse_mod
 from tracekit.ingest.commit import FileResult
+from tracekit.ingest.common import crash_point
 from tracekit.ingest.ledger import Ledger
 
 __all__ = ["FileResult", "IngestReport", "ingest"]
@@ -55,6 +56,7 @@ PROCESSES_FROM_BYTES = 1 << 30
 class IngestReport:
     files: list[FileResult] = field(default_factory=list)  # in the order the files were given
     missing: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (run, format) -> ranks
+    warnings: list[str] = field(default_factory=list)  # "<run>: what is wrong with it" (world sizes disagree)
     runs: list[str] = field(default_factory=list)
     # files of a directory walk passed over as not traces (a README, a result.json), as given
     ignored: list[Path] = field(default_factory=list)
@@ -83,6 +85,7 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
     ``processes``: parse in a child process per worker (True), in the worker threads (False), or
     decide by the number of workers and the input's size (None, see ``parse_in_processes``)."""
     t0 = time.perf_counter()
+    procs.clean_stale_folders()  # left by an ingest that was killed
     jobs = rundir.collect([Path(p) for p in paths], run_id)
     n_workers = max(1, workers or min(len(jobs), os.cpu_count() or 1))
     in_processes = parse_in_processes(jobs, n_workers, optable_reader, processes)
@@ -106,6 +109,7 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
             if saved["memory_limit"] == _default_memory_limit():  # else someone in this process chose one
                 con.execute(f"SET memory_limit = '{MEMORY_PER_WORKER_MB * (n_workers + 1)}MB'")
             ledger = Ledger(con)
+            crash_point("start")
             runs: dict[str, topo.RunBatch] = {}
             # closing: should the progress callback raise, the workers stop before the connection
             # their cursors belong to closes
@@ -126,6 +130,7 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
             for rid, rb in runs.items():
                 if rb.touched:
                     report.missing.update(topo.finalize(con, rb))
+                    report.warnings.extend(f"{rid}: {w}" for w in rb.warnings)
                     report.runs.append(rid)
         finally:
             _close(con, saved)
@@ -216,7 +221,9 @@ def _commit_batch(cur: duckdb.DuckDBPyConnection, items: list[tuple[rundir.Job, 
         try:
             for job, out in items:
                 applied.append(commit.apply(cur, job, out, ledger))
+            crash_point("commit")
             cur.execute("COMMIT")
+            crash_point("committed")
             return applied
         except (commit.StoreWriteError, duckdb.Error):
             commit.rollback(cur)  # and again one file at a time, so that only the bad one fails

@@ -44,13 +44,55 @@ def available() -> bool:
     return hasattr(os, "fork") and hasattr(socket, "AF_UNIX")
 
 
+OWNER_FILE = "owner.pid"  # in each temporary folder ingest makes: the pid of the ingest process
+TEMP_PREFIXES = ("tk-ingest-", "tk-kineto-")
+
+
+def temporary_folder(prefix: str) -> tempfile.TemporaryDirectory:
+    """A temporary folder that names its owner, so that the next ingest removes it should this
+    process be killed before it can (``clean_stale_folders``)."""
+    folder = tempfile.TemporaryDirectory(prefix=prefix)
+    with open(os.path.join(folder.name, OWNER_FILE), "w") as f:
+        f.write(str(os.getpid()))
+    return folder
+
+
+def clean_stale_folders() -> list[str]:
+    """Remove the temporary folders of ingests that were killed (their owner is gone); return them."""
+    import shutil
+
+    removed = []
+    try:
+        entries = list(os.scandir(tempfile.gettempdir()))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(TEMP_PREFIXES) or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            with open(os.path.join(entry.path, OWNER_FILE)) as f:
+                owner = int(f.read().strip())
+        except (OSError, ValueError):
+            continue  # not ours to judge (an older version's, or another user's)
+        try:
+            os.kill(owner, 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's live process
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    return removed
+
+
 class Parsers:
     """The zygote, and the parser processes it forks on request; a context manager. ``spool``: a
     temporary folder where parsers leave their tables (a file per parsed file, unlinked as soon as
     it is mapped)."""
 
     def __init__(self) -> None:
-        self._spool = tempfile.TemporaryDirectory(prefix="tk-ingest-")
+        self._spool = temporary_folder("tk-ingest-")
         self.spool = spool = self._spool.name
         self._lock = threading.Lock()
         self._ctl, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

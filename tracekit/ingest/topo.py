@@ -11,9 +11,10 @@ import json
 from dataclasses import dataclass, field
 
 import duckdb
+import pyarrow as pa
 
-from tracekit.ingest import rundir
-from tracekit.ingest.common import Parsed, group_key
+from tracekit.ingest import columns, rundir
+from tracekit.ingest.common import Parsed, crash_point, group_key
 from tracekit.layout_infer import dim_of_desc, infer_layout
 from tracekit.topology import DIMS, Layout
 
@@ -22,29 +23,56 @@ PER_RANK_FORMATS = ("kineto", "fr", "memory")
 
 @dataclass
 class RunBatch:
-    """What this ingest learned about one run beyond the rows themselves."""
+    """A run this ingest touched; what its files say about the run is read back from the store
+    (``file_meta``), so that the result never depends on which files this ingest itself wrote."""
 
     run_id: str
     manifest: rundir.Manifest | None
     touched: bool = False
+    warnings: list[str] = field(default_factory=list)  # what finalize found wrong with the run
+
+    def note(self, parsed: Parsed | None = None, rank: int | None = None) -> None:
+        self.touched = True
+
+
+@dataclass
+class FileFacts:
+    """What the run's ingested files say, from ``file_meta``."""
+
     world_sizes: list[int] = field(default_factory=list)
     backends: set[str] = field(default_factory=set)
-    pids: dict[int, int] = field(default_factory=dict)
-    groups: dict[tuple, dict] = field(default_factory=dict)  # the ingested files' groups, by identity
+    pids: dict[int, int] = field(default_factory=dict)  # rank -> pid
+    groups: dict[tuple, dict] = field(default_factory=dict)  # by identity
     descs: dict[tuple, set] = field(default_factory=dict)  # every pg_desc the files gave each group
 
-    def note(self, parsed: Parsed, rank: int | None) -> None:
-        self.touched = True
-        for g in parsed.groups:
+
+def insert_file_meta(con: duckdb.DuckDBPyConnection, run_id: str, path: object, parsed: Parsed,
+                     rank: int | None) -> None:
+    """Record what one file says about its run, with its rows (its transaction)."""
+    con.execute("INSERT INTO file_meta VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [run_id, str(path), rank, parsed.world_size, parsed.backend,
+                 parsed.pids[0] if rank is not None and parsed.pids else None,
+                 json.dumps([{"pg_name": g.get("pg_name"), "pg_desc": g.get("pg_desc"),
+                              "ranks": [int(r) for r in g["ranks"]]} for g in parsed.groups])])
+
+
+def file_facts(con: duckdb.DuckDBPyConnection, run_id: str) -> FileFacts:
+    facts = FileFacts()
+    # in path order: the first file's group entry is the one recorded, whichever committed first
+    for rank, world, backend, pid, groups in con.execute(
+            "SELECT rank, world_size, backend, pid, groups FROM file_meta WHERE run_id = ? ORDER BY path",
+            [run_id]).fetchall():
+        if world:
+            facts.world_sizes.append(world)
+        if backend:
+            facts.backends.add(backend)
+        if rank is not None and pid is not None:
+            facts.pids.setdefault(rank, pid)
+        for g in json.loads(groups or "[]"):
             key = group_key(g)
-            self.groups.setdefault(key, g)
-            self.descs.setdefault(key, set()).add(g.get("pg_desc"))
-        if parsed.world_size:
-            self.world_sizes.append(parsed.world_size)
-        if parsed.backend:
-            self.backends.add(parsed.backend)
-        if rank is not None and parsed.pids:
-            self.pids[rank] = parsed.pids[0]
+            facts.groups.setdefault(key, g)
+            facts.descs.setdefault(key, set()).add(g.get("pg_desc"))
+    return facts
 
 
 def add_groups(con: duckdb.DuckDBPyConnection, run_id: str, groups: list[dict]) -> None:
@@ -68,9 +96,9 @@ def preferred_desc(descs: set[str | None]) -> str | None:
     return next((d for d in named if dim_of_desc(d)), named[0] if named else None)
 
 
-def _settle_descs(con: duckdb.DuckDBPyConnection, run_id: str, rb: RunBatch, manifest_groups: list[dict]) -> None:
-    """Give each group of the run that this ingest described its preferred description."""
-    descs = {k: set(v) for k, v in rb.descs.items()}
+def _settle_descs(con: duckdb.DuckDBPyConnection, run_id: str, facts: FileFacts, manifest_groups: list[dict]) -> None:
+    """Give each group of the run that its files described its preferred description."""
+    descs = {k: set(v) for k, v in facts.descs.items()}
     for g in manifest_groups:
         descs.setdefault(group_key(g), set()).add(g.get("pg_desc"))
     for name, desc, ranks in con.execute("SELECT pg_name, pg_desc, ranks FROM groups WHERE run_id = ?",
@@ -120,6 +148,30 @@ def _layout(con: duckdb.DuckDBPyConnection, rb: RunBatch, world: int, prev: dict
     return guess.layout, guess.source, guess.ambiguity
 
 
+def _insert_ranks(con: duckdb.DuckDBPyConnection, rid: str, ranks: "range | list[int]", lay: Layout | None,
+                  m: rundir.Manifest | None, prev: dict, pids: dict[int, int]) -> None:
+    """The run's ranks rows in one insert (a row per INSERT took minutes at a world of 10^5)."""
+    rows: dict[str, list] = {k: [] for k in ("rank", "dp", "pp", "cp", "tp", "host", "pid", "clock_offset_ns")}
+    for r in ranks:
+        c = lay.coords(r) if lay else None
+        old = prev.get(r)
+        for k, v in zip(rows, (r, c and c.dp, c and c.pp, c and c.cp, c and c.tp,
+                               (m.hosts.get(r) if m else None) or (old[6] if old else None),
+                               pids.get(r, old[7] if old else None), old[8] if old else None)):
+            rows[k].append(v)
+    types = {"host": pa.string(), "pid": pa.int64(), "clock_offset_ns": pa.int64()}
+    table = columns.table({k: columns.from_values(v, types.get(k, pa.int32()), f"ranks.{k}") for k, v in rows.items()})
+    con.register("_tk_ranks", table)
+    try:
+        con.execute("INSERT INTO ranks SELECT ?, rank, dp, pp, cp, tp, host, pid, clock_offset_ns FROM _tk_ranks",
+                    [rid])
+    finally:
+        try:
+            con.unregister("_tk_ranks")
+        except duckdb.Error:  # the failed insert aborted the transaction; its error is the one to report
+            pass
+
+
 def finalize(con: duckdb.DuckDBPyConnection, rb: RunBatch) -> dict[tuple[str, str], list[int]]:
     """Recompute runs, ranks and groups.dim for one run; return ranks missing per format."""
     rid, m = rb.run_id, rb.manifest
@@ -132,19 +184,20 @@ def finalize(con: duckdb.DuckDBPyConnection, rb: RunBatch) -> dict[tuple[str, st
         have.setdefault(fmt, set()).add(r)
     prev_ranks = {r[1]: r for r in con.execute("SELECT * FROM ranks WHERE run_id = ?", [rid]).fetchall()}
     seen = set().union(*have.values(), prev_ranks) if (have or prev_ranks) else set()
-    world = (m.world_size if m and m.world_size else None) or (max(rb.world_sizes) if rb.world_sizes else None) \
+    facts = file_facts(con, rid)
+    world = (m.world_size if m and m.world_size else None) or (max(facts.world_sizes) if facts.world_sizes else None) \
         or prev.get("world_size") or (max(seen) + 1 if seen else None)
     if m is not None:
         add_groups(con, rid, m.groups)
     # Each file records its groups with its rows; a group that a file found already claimed by
     # another worker's transaction, which then rolled back, is recorded here instead.
-    add_groups(con, rid, list(rb.groups.values()))
-    _settle_descs(con, rid, rb, m.groups if m is not None else [])
+    add_groups(con, rid, list(facts.groups.values()))
+    _settle_descs(con, rid, facts, m.groups if m is not None else [])
     groups = con.execute("SELECT rowid, pg_desc, ranks FROM groups WHERE run_id = ?", [rid]).fetchall()
     lay, source, doubt = _layout(con, rb, world, prev, groups) if world else (None, "unknown", None)
     formats = sorted(have) or ([prev["source"]] if prev.get("source") else [])
     run_source = "trainer" if m else (formats[0] if len(formats) == 1 else "mixed" if formats else "unknown")
-    backend = (m.backend if m else None) or (sorted(rb.backends)[0] if rb.backends else prev.get("backend"))
+    backend = (m.backend if m else None) or (sorted(facts.backends)[0] if facts.backends else prev.get("backend"))
     con.execute("BEGIN TRANSACTION")
     try:
         con.execute("DELETE FROM runs WHERE run_id = ?", [rid])
@@ -155,13 +208,7 @@ def finalize(con: duckdb.DuckDBPyConnection, rb: RunBatch) -> dict[tuple[str, st
                      json.dumps(m.data) if m else prev.get("manifest")])
         if source != "wia-meta":
             con.execute("DELETE FROM ranks WHERE run_id = ?", [rid])
-            for r in (range(world) if lay else sorted(seen)):
-                c = lay.coords(r) if lay else None
-                old = prev_ranks.get(r)
-                con.execute("INSERT INTO ranks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", [
-                    rid, r, c and c.dp, c and c.pp, c and c.cp, c and c.tp,
-                    (m.hosts.get(r) if m else None) or (old[6] if old else None),
-                    rb.pids.get(r, old[7] if old else None), old[8] if old else None])
+            _insert_ranks(con, rid, range(world) if lay else sorted(seen), lay, m, prev_ranks, facts.pids)
         for rowid, _, ranks in groups:
             dim = (lay.dim_of(ranks) if lay and max(ranks) < lay.world_size else None) or \
                 ("world" if world and sorted(ranks) == list(range(world)) else "other")
@@ -179,6 +226,13 @@ def finalize(con: duckdb.DuckDBPyConnection, rb: RunBatch) -> dict[tuple[str, st
         if doubt:
             con.execute("INSERT INTO ingest_log VALUES (?, NULL, NULL, NULL, NULL, 'warning', ?, 0, 0, now())",
                         [rid, f"layout {lay or 'unknown'} ({source}): {doubt}"])
+        crash_point("finalize")
+        claimed = sorted(set(facts.world_sizes))
+        if len(claimed) > 1:
+            rb.warnings.append(f"files disagree on the world size ({', '.join(map(str, claimed))}); "
+                               f"taken as {world}")
+            con.execute("INSERT INTO ingest_log VALUES (?, NULL, NULL, NULL, NULL, 'warning', ?, 0, 0, now())",
+                        [rid, rb.warnings[-1]])
         outside = sorted(r for r in seen if world and r >= world)
         if outside:
             con.execute("INSERT INTO ingest_log VALUES (?, NULL, NULL, NULL, NULL, 'warning', ?, 0, 0, now())",

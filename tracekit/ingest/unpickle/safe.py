@@ -26,19 +26,22 @@ class UnsafePickleError(pickle.UnpicklingError):
 _DATA_CONSTRUCTORS = {
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
-    ("builtins", "bytearray"): lambda data=b"": bytearray(data) if isinstance(data, bytes) else _sized(data),
+    ("builtins", "bytearray"): lambda *a: _bytearray(*a),
     ("_codecs", "encode"): lambda s, enc="utf-8": s.encode(enc) if enc in ("latin1", "latin-1", "utf-8") else _no(enc),
 }
 
 
+def _bytearray(source: object = b"", *rest: object) -> bytearray:
+    """bytearray of data only (as large as the data, which is in the file): ``bytearray(1_500_000_000)``,
+    36 bytes of pickle, would allocate and zero 1.5 GB before anything could refuse it."""
+    if isinstance(source, (int, float)) or not isinstance(source, (bytes, bytearray, str, list, tuple)):
+        raise UnsafePickleError(f"pickle calls bytearray({type(source).__name__}); only bytearray of data "
+                                "(bytes, str or a list of ints) is accepted")
+    return bytearray(source, *rest)  # type: ignore[arg-type]
+
+
 def _no(enc: str) -> bytes:
     raise UnsafePickleError(f"pickle asks for codec {enc!r}; refused")
-
-
-def _sized(arg: object) -> bytearray:
-    # The pickler writes bytearray(bytes); bytearray(1_500_000_000) would turn a few bytes of file
-    # into 1.5 GB (docs/ingest.md, "hostile inputs").
-    raise UnsafePickleError(f"pickle calls bytearray({type(arg).__name__}); only bytearray(bytes) is accepted")
 
 
 class _PlainDataUnpickler(pickle.Unpickler):
@@ -64,9 +67,7 @@ def loads(data: bytes, source: str = "<bytes>") -> Any:
     try:
         return _PlainDataUnpickler(io.BytesIO(data), source).load()
     except UnsafePickleError as e:
-        if str(e).startswith(f"{source}: "):
-            raise
-        raise UnsafePickleError(f"{source}: {e}") from None  # a data constructor's refusal
+        raise UnsafePickleError(str(e) if str(e).startswith(source) else f"{source}: {e}") from None
     except (pickle.UnpicklingError, EOFError, ValueError, IndexError, TypeError,
             AttributeError, MemoryError, OverflowError, KeyError) as e:
         raise pickle.UnpicklingError(f"{source}: corrupt or truncated pickle ({e})") from None
