@@ -206,3 +206,13 @@ def test_wlb_needs_a_trainer_run(wia):
     tables = RunTables.from_mapping(read_optable(WIA / "ST" / "trace-ST.parquet"))
     with pytest.raises(WhatIfError, match="trainer run"):
         analyze(tables, wlb=True, decompose=False)
+
+
+def test_heals_that_name_nothing_are_errors(trainer_tables):
+    t = trainer_tables["slow_rank_8"]
+    with pytest.raises(WhatIfError, match="no communication between ranks 0 and 7"):
+        analyze(t, heal=("link=0,7",), decompose=False)  # different TP, CP and PP groups
+    with pytest.raises(WhatIfError, match=r"ranks \[9\] have no compute"):
+        analyze(t, heal=("rank=9",), decompose=False)
+    healthy = analyze(t, heal=("link=0,4",), decompose=False).scenarios[-1]
+    assert abs(healthy.share) < 0.02  # the pipeline link is not slow
