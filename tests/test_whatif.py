@@ -216,3 +216,12 @@ def test_heals_that_name_nothing_are_errors(trainer_tables):
         analyze(t, heal=("rank=9",), decompose=False)
     healthy = analyze(t, heal=("link=0,4",), decompose=False).scenarios[-1]
     assert abs(healthy.share) < 0.02  # the pipeline link is not slow
+
+
+def test_cli_on_a_trainer_run_with_data_whatifs(tmp_path):
+    r = CliRunner().invoke(cli, ["whatif", str(SAMPLES / "cp_imbalance_8"), "--store", str(tmp_path / "s.duckdb"),
+                                 "--balance", "cp", "--wlb", "--heal", "rank=3"])
+    assert r.exit_code == 0, r.output
+    assert "program-order model" in r.output and "per-document CP sharding" in r.output
+    assert "1.495 -> 1.022" in r.output  # CP attention imbalance degree, before -> after
+    assert "slowdown by stage" in r.output
