@@ -225,3 +225,13 @@ def test_cli_on_a_trainer_run_with_data_whatifs(tmp_path):
     assert "program-order model" in r.output and "per-document CP sharding" in r.output
     assert "1.495 -> 1.022" in r.output  # CP attention imbalance degree, before -> after
     assert "slowdown by stage" in r.output
+
+
+def test_a_rank_without_a_trace_is_named(tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(SAMPLES / "slow_rank_8", run)
+    (run / "traces" / "rank3.json.gz").unlink()
+    r = CliRunner().invoke(cli, ["whatif", str(run), "--store", str(tmp_path / "s.duckdb"), "--json", "--heal", "rank=5"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data["missing_ranks"] == [3] and data["scenarios"][1]["share"] > 0.10

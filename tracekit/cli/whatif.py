@@ -63,6 +63,9 @@ def _render(w) -> None:
     from rich.table import Table
 
     out = Console()
+    if w.missing_ranks:
+        out.print(f"[yellow]note:[/] no data for ranks {', '.join(map(str, w.missing_ranks))}: their partners' "
+                  "communication is replayed as they recorded it", highlight=False)
     out.print(f"[bold]whatif:[/] {w.run_id} ({w.model} model, {w.steps} steps): measured step {w.measured_ns / 1e6:.1f} ms, "
               f"ideal {w.ideal_ns / 1e6:.1f} ms, slowdown {w.slowdown:.3f} (without idle gaps {w.blocking_slowdown:.3f})",
               highlight=False)

@@ -49,6 +49,7 @@ class WhatIf:
     by_stage: pl.DataFrame = field(default_factory=pl.DataFrame)
     by_optype: pl.DataFrame = field(default_factory=pl.DataFrame)
     data: DataWhatIf | None = None  # WLB-LLM data what-ifs (trainer runs, ``wlb=True``)
+    missing_ranks: tuple[int, ...] = ()  # ranks of the layout with nothing to replay (no trace)
 
     @property
     def slowdown(self) -> float:
@@ -69,7 +70,7 @@ class WhatIf:
         return {"run_id": self.run_id, "model": self.model, "steps": self.steps, "measured_ns": self.measured_ns,
                 "replay_ns": self.replay_ns, "replay_error": self.replay_error, "nodelay_ns": self.nodelay_ns,
                 "ideal_ns": self.ideal_ns, "slowdown": self.slowdown, "blocking_slowdown": self.blocking_slowdown,
-                "violations": self.violations, "decomposition": dec,
+                "violations": self.violations, "missing_ranks": list(self.missing_ranks), "decomposition": dec,
                 "scenarios": [s.__dict__ for s in self.scenarios],
                 "wlb": None if self.data is None else {"attention_weight": self.data.attention_weight,
                                                        "per_step": self.data.per_step.to_dicts()},
@@ -133,8 +134,11 @@ def analyze(tables: RunTables, heal: tuple[str, ...] = (), balance: tuple[str, .
         if tables.layout.cp > 1:
             scenarios.append(_scenario("per-document CP sharding", gs, cp_document_params(gs, nodelay, data), nodelay_ns,
                                        measured, per_step))
+    seen = {int(r) for g in gs for r in g.nodes["rank"].unique().to_list()}
+    missing = tuple(r for r in range(tables.layout.world_size) if r not in seen)
     out = WhatIf(tables.run_id, model, len(steps), float(measured.mean()), replay_ns, nodelay_ns, ideal_ns,
-                 sum(p.violations for p in rec), scenarios, pl.DataFrame(per_step).sort("step"), data=data)
+                 sum(p.violations for p in rec), scenarios, pl.DataFrame(per_step).sort("step"), data=data,
+                 missing_ranks=missing)
     if decompose:
         out.by_dp, out.by_stage, out.by_optype = (_decompose(gs, ideal_ps, rec, col, ideal_ns)
                                                   for col in ("dp", "pp", "label"))
