@@ -12,7 +12,8 @@ which can be a guess, which ingest warns about; such cases need the rank right, 
 only where the layout was not ambiguous); kernel noise 2-15% and deschedule spikes; host clocks
 skewed up to 2 s and drifting; faults: one slow rank (1.03-2x), two slow ranks, transient (2 of 8
 steps), moving, slow collective link, slow p2p link, CP data imbalance, stage imbalance, hang, and
-clean runs. Judged (rank and coordinates both right):
+clean runs; with ``--native``, torch-native jobs too (benchmarks/native_accuracy.py), reported
+apart. Judged (rank and coordinates both right):
 - slow: a straggler finding names the rank, and the store's layout is the true one (so its
   coordinates are right); two: both ranks are named as stragglers;
 - transient: the rank is named with exactly the slow steps; moving: the verdict is moving;
@@ -186,7 +187,15 @@ def run_case(case: Case, work: Path, cache: Path | None, hta_python: Path | None
     keep = cache / key if cache else work / "case"
     store, truth = keep / "s.duckdb", keep / "truth.json"
     want_traces = hta_python is not None and case.kind in HTA_KINDS
-    if not (cache and store.exists() and truth.exists()) or (want_traces and not (keep / "run").exists()):
+    from tracekit.store import StoreError
+
+    fresh = cache and store.exists() and truth.exists() and not (want_traces and not (keep / "run").exists())
+    if fresh:
+        try:
+            tracekit.open(store).close()
+        except StoreError:  # written by an older tracekit: simulate and ingest again
+            fresh = False
+    if not fresh:
         shutil.rmtree(keep, ignore_errors=True)
         out = keep / "run"
         cfg = SimConfig(tp=tp, cp=cp, pp=pp, dp=dp, steps=8, seed=case.seed, faults=case.faults, names=case.names,
@@ -270,6 +279,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write every case's result here")
     ap.add_argument("--hta", action="store_true",
                     help="also run Holistic Trace Analysis 0.5.0 on the slow and clean cases (its own venv)")
+    ap.add_argument("--native", nargs="*", metavar="LAYOUT",
+                    help="also run torch-native jobs (reference_trainer/native_job.py: FSDP2 x DTensor x pipelining, "
+                         "gloo, plain profiler) on these dp x pp x tp layouts (none given: all), reported apart")
     ap.add_argument("--cache", type=Path, help="keep each case's store here; a re-run re-judges the analysis only")
     args = ap.parse_args()
     cases = make_cases(args.kinds, args.seeds, args.quick)
@@ -330,6 +342,11 @@ def main() -> None:
             print(f"| [{lo:.2f}, {min(hi, 1):.2f}) | {len(b)} | {sum(b)} | {sum(b) / len(b):.1%} |")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=str))
+    if args.native is not None:
+        import native_accuracy
+
+        print("\ntorch-native jobs (no annotations of ours; one row per run, then the accuracy):")
+        native_accuracy.main((["--layouts", *args.native] if args.native else []) + ["--seeds", "0", "1"])
 
 
 if __name__ == "__main__":

@@ -7,11 +7,12 @@
 Grid: each layout dp x pp x tp with every size 1 or 2 (world > 1), slow factors 1.3 and 1.5, the
 seeds given, the slow rank rotating over the world (seed k: rank (3k + 1) mod world), plus clean
 runs. Each run: the job (gloo, plain torch.profiler, torch's flight recorder), ingest, then
-- ``verdict``: `tracekit stragglers` (rootcause.diagnose): verdict, named rank and coordinates;
+- ``verdict``: `tracekit stragglers` (diagnosis.diagnose): verdict, named rank and coordinates;
 - ``compute``: the compute check alone (compute_speed.compute_outlier over the CPU-op compute);
 - ``labels``: how the unlabelled collectives were labelled (assign_groups) and what is missing
   (data_needs.missing_data).
-A slow run is right when the named rank is the slow one; a clean run when no culprit is named.
+A slow run is right when the named rank is the slow one, with its true coordinates; a clean run
+when there is no finding at all.
 Printed: one row per run, then accuracy per kind (slow at each factor, clean).
 """
 
@@ -55,7 +56,10 @@ def one_run(root: Path, layout: str, factor: float | None, seed: int, steps: int
     loc = diag.localization
     comp = compute_outlier(compute_speed(tables))
     missing = [m.what for m in missing_data(tables)]
-    right = (loc.culprit_rank == slow) if factor else (loc.culprit_rank is None and not loc.culprit_ranks)
+    # the rank and its true coordinates (the layout comes from the traces' own pg_config)
+    true_coords = {"dp": slow // (tp * pp), "pp": (slow // tp) % pp, "cp": 0, "tp": slow % tp} if factor else None
+    right = (loc.culprit_rank == slow and {**loc.coords, "cp": loc.coords.get("cp", 0)} == true_coords) if factor \
+        else (loc.culprit_rank is None and not loc.culprit_ranks and not diag.findings)
     return {"run": name, "kind": "clean" if factor is None else f"slow {factor}", "truth": slow,
             "verdict": loc.verdict, "named": loc.culprit_rank, "coords": loc.coords, "right": right,
             "compute": f"{comp.verdict}:{comp.rank}" if comp.verdict == "culprit" else comp.verdict,

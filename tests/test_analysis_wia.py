@@ -40,7 +40,7 @@ def test_ar_names_the_slowed_worker_as_a_worker_issue():
     assert d.cause.kind == "slow_compute" and d.cause.category == "worker"
     assert d.cause.evidence["compute_ratio"] == pytest.approx(2.36, abs=0.05)
     assert d.headline.startswith("rank 0 (dp 0, pp 0) is a straggler: rank 0 computes 2.36x its 3 peers")
-    assert "ms per step" in d.headline and "(confidence 0.99)" in d.headline
+    assert "ms per step" in d.headline and "(cause slow_compute, confidence 0.99)" in d.headline
 
 
 def test_st_names_the_last_stage_as_stage_imbalance():

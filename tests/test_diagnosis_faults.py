@@ -42,7 +42,7 @@ def diagnosed(tmp_path_factory) -> dict:
             trace.write_bytes(trace.read_bytes()[: trace.stat().st_size // 2])
         ingest([run], root / f"{name}.duckdb", workers=1)
         with tracekit.open(root / f"{name}.duckdb") as s:
-            out[name] = {"d": s.diagnose(), "runs": s.table("runs").row(0, named=True), "hangs": s.hangs(),
+            out[name] = {"store": root / f"{name}.duckdb", "d": s.diagnose(), "runs": s.table("runs").row(0, named=True), "hangs": s.hangs(),
                          "steps": s.steps(), "p2p": s.run_tables().p2p, "truth": truth}
     return out
 
@@ -126,3 +126,14 @@ def test_a_rank_whose_trace_failed_is_named_and_never_blamed(diagnosed):
     d = diagnosed["damaged"]["d"]
     assert d.localization.verdict == "no_straggler" and d.findings == [], d.headline
     assert list(d.damaged) == [3] and "not judged (no data): rank 3: a file failed to ingest" in d.headline
+
+
+@pytest.mark.parametrize("command", ["steps", "cp-wait", "hangs", "report"])
+def test_every_analysis_names_the_rank_without_data(diagnosed, command):
+    from click.testing import CliRunner
+
+    from tracekit.cli import main
+
+    res = CliRunner().invoke(main, [command, str(diagnosed["damaged"]["store"]), "--json"])
+    assert res.exit_code == 0, res.output
+    assert list(json.loads(res.output)["damaged"]) == ["3"]

@@ -78,6 +78,8 @@ def infer_layout(world: int, groups: Iterable[tuple[str | None, Sequence[int]]],
     ``p2p_groups`` are the groups that carried send/recv (a hint that they are the pipeline's)."""
     if world < 1:
         return LayoutGuess(None, "unknown", f"world size {world}")
+    if world == 1:  # one rank: every dimension is 1, whatever the groups say
+        return LayoutGuess(Layout(), "group-names", None)
     recorded = [(desc, tuple(int(r) for r in ranks)) for desc, ranks in groups]
     named, conflict = _named_sizes(world, recorded)
     note = conflict

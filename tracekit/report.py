@@ -28,6 +28,7 @@ class Findings:
     layout_source: str | None = None  # "assumed-dp" when the run had no layout
     skipped: dict[str, str] | None = None  # part -> why it could not be analysed
     layout_note: str | None = None  # why the inferred layout may be wrong (ingest's warning)
+    damaged: dict[int, str] | None = None  # ranks without data: named by every analysis, never judged
 
     @property
     def any_finding(self) -> bool:
@@ -40,7 +41,8 @@ class Findings:
 
     def to_dict(self) -> dict:
         out: dict = {"run_id": self.run_id, "finding": self.any_finding, "layout_source": self.layout_source,
-                     "layout_note": self.layout_note, "skipped": self.skipped or {}}
+                     "layout_note": self.layout_note, "skipped": self.skipped or {},
+                     "damaged": {str(r): why for r, why in (self.damaged or {}).items()}}
         for name, part in (("stragglers", self.diagnosis), ("steps", self.steps), ("cp_wait", self.cp_wait),
                            ("hangs", self.hangs)):
             if part is not None:
@@ -66,7 +68,8 @@ def gather(store: Store, run_id: str | None = None, parts: tuple[str, ...] = PAR
                       {"rid": rid})
     return Findings(run_id=rid, diagnosis=results.get("stragglers"), steps=results.get("steps"),
                     cp_wait=results.get("cp_wait"), hangs=results.get("hangs"), layout_source=layout,
-                    skipped=skipped, layout_note=notes["error"][0] if notes.height else None)
+                    skipped=skipped, layout_note=notes["error"][0] if notes.height else None,
+                    damaged=store.damaged_ranks(rid))
 
 
 def markdown(f: Findings) -> str:
@@ -74,6 +77,9 @@ def markdown(f: Findings) -> str:
     lines = [f"# tracekit report: {f.run_id}", ""]
     if f.layout_note:
         lines += [f"_warning: {f.layout_note}_", ""]
+    if f.damaged:
+        lines += ["_not judged (no data): " + "; ".join(f"rank {r}: {why}" for r, why in sorted(f.damaged.items()))
+                  + "_", ""]
     if f.layout_source == "assumed-dp":
         lines += ["_No parallel layout recorded: every rank is compared with every other as a data-parallel "
                   "replica._", ""]

@@ -6,9 +6,9 @@ can be set against the ranks that do the same work (``compute_speed``: the same 
 pipeline stage). So each (step, rank) gets an excess e = its log compute ratio minus the step's
 median over ranks; the noise unit sigma is the step-to-step scatter pooled over all ranks (rank and
 step effects removed, so neither a culprit nor a busy step inflates it). Then, per rank:
-- persistent: its median excess over all steps clears ``compute_margin_min`` standard errors (a bar
-  rising with the ranks compared), at least ``compute_effect_min_ratio``, in ``persist_min`` of the
-  steps. Each rank is judged on its own, so two culprits are two findings;
+- persistent: its mean excess over the steps (the two extreme steps left out) clears
+  ``compute_margin_min`` standard errors (a bar rising with the ranks compared) and at least
+  ``compute_effect_min_ratio``, with more than half of it in ``persist_min`` of the steps. Each rank is judged on its own, so two culprits are two findings;
 - episode cells: (step, rank) cells whose excess clears a Bonferroni bar over all cells (the
   largest of T x n noisy cells is large by chance) and ``episode_min_ratio``. Cells of ranks that
   are not persistent make a *moving* straggler when they fill ``moving_min_share`` of the steps over
@@ -104,10 +104,16 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables()) -> ComputeCul
             # rank makes them look fast (with two ranks per stage, its exact mirror image)
             away = [k for k in range(n) if k != j and stage_of.get(ranks[k]) != stage_of.get(r)]
             others = med[away] if len(away) >= 2 else np.delete(med, j)
-            noise = max(1.2533 * sigma / math.sqrt(col.size), spread(others[np.isfinite(others)]), tun.compute_noise_floor)
-            effect = float(np.median(col))
+            # the mean over steps without the two extreme ones: nearly a mean's precision (a
+            # median's standard error is 1.25x larger, which a 3% slowdown cannot afford), and a
+            # step or two of preemption moves nothing
+            kept = np.sort(col)[1:-1] if col.size >= 6 else col
+            noise = max(sigma / math.sqrt(kept.size), spread(others[np.isfinite(others)]), tun.compute_noise_floor)
+            effect = float(np.mean(kept)) if col.size >= 6 else float(np.median(col))
             margin = effect / noise
-            slower = float((col > 0).mean())
+            # persistent means most steps carry it: more than half the effect in persist_min of them
+            # (a straggler that moves leaves a mean excess too, but only in its own steps)
+            slower = float((col > effect / 2).mean())
             if margin >= bar and effect >= math.log(tun.compute_effect_min_ratio) and slower >= tun.persist_min:
                 persistent.add(j)
                 cost = (math.exp(effect) - 1) * float(np.median([ref_ns.get((int(t), r), 0.0) for t in steps]))

@@ -23,6 +23,7 @@ import polars as pl
 
 from tracekit.analysis.compute_speed import attention_split, compute_speed
 from tracekit.analysis.culprits import ComputeCulprits, RankFinding, find_culprits
+from tracekit.analysis.data_needs import missing_data
 from tracekit.analysis.hangs import HangReport
 from tracekit.analysis.links import link_transfers
 from tracekit.analysis.localize import Localization, localize
@@ -88,7 +89,7 @@ class Diagnosis:
                 return f"not enough cross-rank records to localize: {self.cause.summary}"
             return f"no straggler (confidence {loc.confidence:.2f}): {self.cause.summary}"
         parts = [f"{f.summary}; costs {f.cost_ns / 1e6:.1f} ms per step ({f.cost_share:.1%})"
-                 f"{_steps_text(f)} (confidence {f.confidence:.2f})" for f in self.findings]
+                 f"{_steps_text(f)} (cause {f.cause}, confidence {f.confidence:.2f})" for f in self.findings]
         lead = f"{len(self.findings)} findings: " if len(self.findings) > 1 else ""
         return lead + " | ".join(parts)
 
@@ -226,8 +227,7 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
     findings: list[Finding] = [_rank_finding(tables, f, loc, tun, work, step_ns) for f in compute.findings]
     findings += _stage_findings(tables, metrics, tun, step_ns)
     links = link_transfers(tables, step_ns, tun)
-    findings += [f for f in _link_findings(tables, links, step_ns, metrics)
-                 if not any(set(f.ranks) <= set(g.ranks) for g in findings if g.kind == "slow_link")]
+    findings += _link_findings(tables, links, step_ns, metrics)
     findings = _data_or_device(tables, loc, findings, tun, work, metrics, step_ns)
     if not compute.has_data and loc.verdict in ("straggler", "group", "transient", "stage", "moving"):
         cause = explain(tables, loc, tun, work)
@@ -241,7 +241,7 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
     # a rank without data is never blamed (its peers' waits on it say nothing of its speed)
     findings = [f for f in findings if not set(f.ranks) & set(damaged) or f.kind == "slow_link"
                 and not set(f.ranks) <= set(damaged)]
-    return Diagnosis(_primary(loc, findings, tables), _primary_cause(findings, loc), findings, compute, damaged)
+    return Diagnosis(_primary(loc, findings, tables), _primary_cause(findings, loc, tables), findings, compute, damaged)
 
 
 def _data_or_device(tables: RunTables, loc: Localization, findings: list[Finding], tun: Tunables, work,
@@ -299,6 +299,16 @@ def _merge_data_imbalance(findings: list[Finding], tables: RunTables) -> list[Fi
                     NEXT_STEP["data_imbalance"], {"ranks_merged": len(moving)})] + rest
 
 
+def _no_data_reason(tables: RunTables) -> str:
+    """Why nothing could be compared, and what to turn on (``data_needs``), never a bare 'no data'."""
+    if (tables.runs["world_size"][0] or 0) == 1:
+        return "the run has one rank: there are no peers to compare it with"
+    missing = missing_data(tables)
+    if not missing:
+        return "no collectives across ranks and no p2p records: nothing to compare"
+    return "; ".join(m.text() for m in missing)
+
+
 def _primary(loc: Localization, findings: list[Finding], tables: RunTables) -> Localization:
     """The Localization the findings amount to (the costliest rank finding leads)."""
     if not findings:
@@ -326,11 +336,10 @@ def _primary(loc: Localization, findings: list[Finding], tables: RunTables) -> L
                    confidence=lead.confidence)
 
 
-def _primary_cause(findings: list[Finding], loc: Localization) -> Cause:
+def _primary_cause(findings: list[Finding], loc: Localization, tables: RunTables) -> Cause:
     if not findings:
         if loc.verdict == "no_data":
-            return Cause("insufficient_data", (), "no collectives across ranks and no p2p records: nothing to compare",
-                         {})
+            return Cause("insufficient_data", (), _no_data_reason(tables), {})
         return Cause("none", (), "no rank, stage or link stands out beyond noise", {})
     lead = max(findings, key=lambda f: (f.kind == "straggler", f.cost_ns))
     return Cause(lead.cause, lead.ranks, lead.summary,

@@ -163,6 +163,9 @@ def render_terminal(f: Findings) -> None:
         out.print("[yellow]note:[/] no parallel layout recorded: ranks compared as data-parallel replicas")
     if f.layout_note:
         out.print(f"[yellow]warning:[/] {escape(f.layout_note)}", highlight=False)
+    if f.damaged:  # every analysis names the ranks it could not judge
+        out.print("[yellow]not judged (no data):[/] " + escape("; ".join(
+            f"rank {r}: {why}" for r, why in sorted(f.damaged.items()))), highlight=False)
     for part, why in (f.skipped or {}).items():
         out.print(f"[yellow]{part}:[/] not analysed: {escape(why)}", highlight=False)
     if f.diagnosis is not None:
