@@ -45,6 +45,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
              "Train the reference model with rank 3 computing 3x slower, ingest, report culprit and cause"),
     "simulate": ("tracekit.cli.simulate", "simulate_command",
                  "Simulate a 4D-parallel NCCL job: Kineto traces, flight-recorder dumps and ground truth."),
+    "whatif": ("tracekit.cli.whatif", "whatif_command",
+               "How fast the step would be without its stragglers: replay, ideal step, slowdown by part."),
     "dashboard": ("tracekit.cli.dashboard", "dashboard_command",
                   "Serve the dashboard for a tracekit store, or for a run directory (ingested on the fly)."),
 }
