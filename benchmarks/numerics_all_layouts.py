@@ -56,7 +56,7 @@ def main() -> None:
         run_s = (time.perf_counter() - t0) / len(batch)
         for mode, cfg, out in batch:
             t1 = time.perf_counter()
-            report = check_run(cfg, out)
+            report = check_run(out, cfg)
             table = report.table()
             first = report.first_divergent
             rows.append({"layout": f"tp{cfg.tp} cp{cfg.cp} pp{cfg.pp} dp{cfg.dp}", "ranks": world, "mode": mode,

@@ -44,7 +44,7 @@ def main() -> None:
     print(f"{len(jobs)} runs on 4 ranks: {time.perf_counter() - t0:.1f} s", flush=True)
     rows = []
     for bug, name, cfg, out in jobs:
-        report = check_run(cfg, out)
+        report = check_run(out, cfg)
         first = report.first_divergent
         assert first is not None, f"{bug} on {name} was not detected"
         step = report.steps[first[0]]
@@ -58,7 +58,7 @@ def main() -> None:
         print(pl.DataFrame(rows))
     for bug, name, cfg, out in jobs:
         if bug in ("cp-chunk", "doc-mask-off-by-one"):
-            print(f"\n{bug} on {name}:\n{check_run(cfg, out).diagnosis}")
+            print(f"\n{bug} on {name}:\n{check_run(out, cfg).diagnosis}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Forward activations of a step, reassembled from rank shards into full tensors and located.
 
 Both sides, the trainer's ``--record-activations`` dump and the sequential reference, record every
-rank's shard of every point (``reference_trainer.activations``). Both are reassembled here the same
+rank's shard of every point (keys: ``numerics.corpus.shard_key``). Both are reassembled here the same
 way, into one tensor per point of shape [dp, micro-batch, batch, S, ...] (global sequence, full hidden
 or vocabulary), from the *plan's* CP positions and TP/SP split, never from the positions a rank
 believed it held: a sharding bug then shows as the wrong data at the right place. The positions the
@@ -15,10 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from numerics.compare import _INT_VIEW
+from numerics.corpus import activation_points, global_batch, positions_key, shard_key
 from numerics.plan import AccumulationPlan
 from numerics.reference_model import document_ids
-from reference_trainer.activations import activation_points, positions_key, shard_key
-from reference_trainer.data import Corpus
 
 
 class ActivationRecordError(ValueError):
@@ -28,7 +27,7 @@ class ActivationRecordError(ValueError):
 def plan_positions(plan: AccumulationPlan, step: int) -> list[list[torch.Tensor]]:
     """[dp][micro-batch] -> [b, cp, S/cp]: the global positions each CP rank holds, per the plan."""
     c = plan.cfg
-    batches = Corpus(c).global_batch(step)
+    batches = global_batch(c, step)
     per_replica = c.micro_batches * c.micro_batch_size
     out = []
     for d in range(c.dp):
@@ -38,13 +37,16 @@ def plan_positions(plan: AccumulationPlan, step: int) -> list[list[torch.Tensor]
 
 
 def assemble(plan: AccumulationPlan, acts: dict[str, torch.Tensor], positions: list[list[torch.Tensor]],
-             source: str) -> dict[str, torch.Tensor]:
+             source: str, skip_missing: bool = False) -> dict[str, torch.Tensor]:
     """Point name -> full tensor [dp, mb, b, S, ...]: ``seq`` shards concatenated along the sequence
     (TP rank order), ``last`` shards along the last dimension, ``tokens`` shards stacked on a new last
-    dimension of size tp (every TP rank's copy is compared); CP-local rows placed at their positions."""
+    dimension of size tp (every TP rank's copy is compared); CP-local rows placed at their positions.
+    ``skip_missing``: leave out a point with missing records (a run known to lack layers) instead of failing."""
     c = plan.cfg
     out = {}
     for point, kind in activation_points(c):
+        if skip_missing and shard_key(point, 0, 0, 0, 0) not in acts:
+            continue
         full: torch.Tensor | None = None
         for d in range(c.dp):
             for i in range(c.micro_batches):

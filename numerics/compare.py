@@ -98,15 +98,21 @@ class BufferDiff:
         return self.name.rsplit(".", 1)[0] if "." in self.name else self.name
 
 
-def diff_buffer(name: str, actual: torch.Tensor, expected: torch.Tensor) -> BufferDiff:
-    """Compare one pair of tensors of the same shape and dtype, bit for bit."""
+def diff_buffer(name: str, actual: torch.Tensor, expected: torch.Tensor,
+                dtype: torch.dtype | None = None) -> BufferDiff:
+    """Compare one pair of tensors of the same shape and dtype, bit for bit. ``dtype``: the dtype the
+    values were last rounded to (a bf16 gradient stored as fp32): ULPs are counted in it, so one bf16
+    step is 1 ULP, not 65,536 fp32 ULPs."""
     if actual.dtype != expected.dtype or actual.shape != expected.shape:
         raise ValueError(
             f"buffer {name!r}: actual is {tuple(actual.shape)} {actual.dtype}, "
             f"expected is {tuple(expected.shape)} {expected.dtype}"
         )
     mismatches = bit_mismatches(actual, expected)
-    ulps = ulp_distance(actual, expected)
+    unit = actual.dtype if dtype is None or dtype not in _INT_VIEW else dtype
+    ulps = ulp_distance(actual.to(unit), expected.to(unit))
+    if mismatches and unit != actual.dtype:  # bits that differ below the unit still count one
+        ulps = np.maximum(ulps, (_bits(actual) != _bits(expected)).astype(np.uint64))
     a = actual.detach().cpu().reshape(-1).double().numpy()
     b = expected.detach().cpu().reshape(-1).double().numpy()
     a_nan, b_nan = np.isnan(a), np.isnan(b)
@@ -123,7 +129,7 @@ def diff_buffer(name: str, actual: torch.Tensor, expected: torch.Tensor) -> Buff
     buckets, counts = np.unique(_bit_length(ulps), return_counts=True)
     return BufferDiff(
         name=name,
-        dtype=str(actual.dtype).removeprefix("torch."),
+        dtype=str(unit).removeprefix("torch."),
         numel=actual.numel(),
         mismatches=mismatches,
         max_ulp=int(ulps.max()) if ulps.size else 0,
@@ -182,9 +188,11 @@ def compare(
     actual: Mapping[str, torch.Tensor],
     expected: Mapping[str, torch.Tensor],
     order: Sequence[str] | None = None,
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> Comparison:
     """Compare two collections buffer by buffer. ``order`` (default: ``expected``'s order) must list
-    every name exactly once; it decides which buffer is reported as the first divergent one."""
+    every name exactly once; it decides which buffer is reported as the first divergent one.
+    ``dtypes``: per buffer, the dtype to count ULPs in (default: the tensor's own)."""
     only_actual = sorted(set(actual) - set(expected))
     only_expected = sorted(set(expected) - set(actual))
     if only_actual or only_expected:
@@ -194,7 +202,7 @@ def compare(
         missing = sorted(set(expected) - set(names))
         unknown = sorted(set(names) - set(expected))
         raise ValueError(f"order must list every buffer once: missing {missing}, unknown {unknown}, or repeated names")
-    return Comparison(tuple(diff_buffer(n, actual[n], expected[n]) for n in names))
+    return Comparison(tuple(diff_buffer(n, actual[n], expected[n], (dtypes or {}).get(n)) for n in names))
 
 
 def assert_bit_exact(

@@ -22,11 +22,11 @@ import yaml
 from numerics.plan import AccumulationPlan
 from numerics.precision import DEFAULT_THRESHOLD, buffer_precision
 from numerics.reference_step import ReferenceRun
-from reference_trainer.config import ConfigError, TrainConfig
+from numerics.run_config import RunConfig, RunConfigError
 
 
-def load_config(path: str | Path) -> TrainConfig:
-    """A TrainConfig from a JSON/YAML file of its fields, or from a run's manifest.json."""
+def load_config(path: str | Path) -> RunConfig:
+    """A RunConfig from a JSON/YAML file of its fields, or from a run's manifest.json."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -35,20 +35,16 @@ def load_config(path: str | Path) -> TrainConfig:
         except json.JSONDecodeError:
             data = yaml.safe_load(text)
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot read a config: {exc}") from None
-    if isinstance(data, dict) and isinstance(data.get("config"), dict):
+        raise RunConfigError(f"{path}: cannot read a config: {exc}") from None
+    manifest = isinstance(data, dict) and isinstance(data.get("config"), dict)
+    if manifest:
         data = data["config"]
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of TrainConfig fields (or a manifest with 'config')")
-    try:
-        return TrainConfig.from_dict(data).validate()
-    except TypeError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
-    except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        raise RunConfigError(f"{path}: expected a mapping of the trainer's config fields (or a manifest with 'config')")
+    return RunConfig.from_dict(data, str(path), strict=not manifest)
 
 
-def gradient_terms(cfg: TrainConfig) -> dict[str, torch.Tensor]:
+def gradient_terms(cfg: RunConfig) -> dict[str, torch.Tensor]:
     """Per canonical parameter, its gradient terms (micro_batches, dp*cp, numel) in fp64, backward order."""
     cfg = cfg.replace(compute_dtype="fp32", steps=1)
     plan = AccumulationPlan.from_config(cfg)
@@ -74,7 +70,7 @@ def gradient_terms(cfg: TrainConfig) -> dict[str, torch.Tensor]:
     return {name: terms[name] for name in plan.backward_order()}
 
 
-def model_precision(cfg: TrainConfig, threshold: float = DEFAULT_THRESHOLD) -> pl.DataFrame:
+def model_precision(cfg: RunConfig, threshold: float = DEFAULT_THRESHOLD) -> pl.DataFrame:
     """One row per gradient buffer of ``cfg``'s model (see ``precision.BufferPrecision``)."""
     order = AccumulationPlan.from_config(cfg).order.name
     rows = [asdict(buffer_precision(name, t, order=order, threshold=threshold)) for name, t in gradient_terms(cfg).items()]

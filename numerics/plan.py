@@ -1,5 +1,5 @@
 """Accumulation plan: every order and dtype in which a parallel training step adds numbers, derived
-from the trainer's ``TrainConfig`` (not from its parallel code).
+from the run's config values (``numerics.run_config``; nothing of the trainer's code).
 
 The sequential reference (``numerics.reference_model``) follows this plan to reproduce a parallel
 step bit for bit. What it fixes:
@@ -30,10 +30,9 @@ import polars as pl
 import torch
 
 from numerics.reduction_order import ReductionOrder, get_order
-from reference_trainer.config import TrainConfig
-from reference_trainer.model import stage_layers
+from numerics.run_config import RunConfig
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}  # fp64: precision experiments only
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w1", "w3", "w2")
 
 
@@ -85,26 +84,35 @@ class BucketPlan:
         return slice(total - n_rep, total)
 
 
-def _params(cfg: TrainConfig, vstage: int) -> list[Param]:
+def _params(cfg: RunConfig, vstage: int) -> list[Param]:
     h, hd, f = cfg.dim, cfg.head_dim, cfg.ffn_dim
     shapes = {"attn_norm": ((h,), None), "wq": ((cfg.n_heads * hd, h), 0), "wk": ((cfg.n_kv_heads * hd, h), 0),
               "wv": ((cfg.n_kv_heads * hd, h), 0), "wo": ((h, cfg.n_heads * hd), 1), "mlp_norm": ((h,), None),
               "w1": ((f, h), 0), "w3": ((f, h), 0), "w2": ((h, f), 1)}
     out = [Param("embed.weight", (cfg.vocab_size, h), 0)] if vstage == 0 else []
-    for i in stage_layers(cfg.n_layers, cfg.n_vstages_total)[vstage]:
+    for i in cfg.stage_layers()[vstage]:
         out += [Param(f"layers.{i}.{n}.weight", *shapes[n]) for n in LAYER_PARAMS]
     if vstage == cfg.n_vstages_total - 1:
         out += [Param("norm.weight", (h,), None), Param("head.weight", (cfg.vocab_size, h), 0)]
     return out
 
 
+# Where the reference adds over ranks or micro-batches; each can be given another order (the
+# bug-or-order envelope re-runs the reference with one site changed at a time).
+SITES = {"tp": "TP collectives (sequence reduce-scatter, vocab-parallel loss sums, norm-weight grads)",
+         "cp": "CP K/V gradient reduce-scatter", "dp": "DP x CP gradient reduce-scatter",
+         "loss": "loss all-reduce over DP x CP", "accum": "micro-batch gradient accumulation"}
+
+
 @dataclass(frozen=True)
 class AccumulationPlan:
-    cfg: TrainConfig
+    cfg: RunConfig
+    overrides: tuple[tuple[str, str], ...] = ()  # (site, order name): an alternative order at that site
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig) -> "AccumulationPlan":
-        cfg.validate()
+    def from_config(cls, cfg) -> "AccumulationPlan":
+        """From a RunConfig or the values of any config (a mapping, or an object with ``as_dict``)."""
+        cfg = RunConfig.coerce(cfg)
         if cfg.reduce_order == "native" and cfg.backend == "nccl":
             raise PlanError("native NCCL reductions have no bit-exact model: run with reduce_order=canonical")
         return cls(cfg)
@@ -127,11 +135,20 @@ class AccumulationPlan:
         """How every sum over ranks (TP, CP, DP x CP) associates."""
         return get_order("canonical" if self.cfg.reduce_order == "canonical" else "gloo_ring")
 
+    def order_of(self, site: str) -> ReductionOrder:
+        """The order of the sums at ``site`` (``SITES``): the run's, unless overridden."""
+        return get_order(dict(self.overrides)[site]) if site in dict(self.overrides) else self.order
+
+    def with_order(self, site: str, order: str) -> "AccumulationPlan":
+        if site not in SITES:
+            raise ValueError(f"unknown reduction site {site!r}; expected one of {sorted(SITES)}")
+        return AccumulationPlan(self.cfg, tuple(sorted({**dict(self.overrides), site: order}.items())))
+
     # -- parameters and buckets ----------------------------------------------------------------
     @cached_property
     def stage_layers(self) -> list[range]:
         """Layers of each virtual stage (the trainer's partition: first and last stages shed one)."""
-        return stage_layers(self.cfg.n_layers, self.cfg.n_vstages_total)
+        return self.cfg.stage_layers()
 
     @cached_property
     def stage_params(self) -> list[list[Param]]:

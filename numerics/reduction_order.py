@@ -159,12 +159,61 @@ class Canonical:
         return _split_rows(self.all_reduce(inputs, op), len(inputs))
 
 
+class _Alternative:
+    """Orders a collective could plausibly use instead (for the bug-or-order envelope, not a model of a
+    real backend): all-gather, then a fixed association; ``reduce_scatter`` takes one's own slice."""
+
+    name = ""
+
+    def _sum(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def all_reduce(self, inputs: Sequence[torch.Tensor], op: str = "sum") -> torch.Tensor:
+        _check_inputs(inputs, op)
+        return _finish(self._sum(inputs), op, len(inputs))
+
+    def reduce_scatter(self, inputs: Sequence[torch.Tensor], op: str = "sum") -> list[torch.Tensor]:
+        _check_inputs(inputs, op)
+        return _split_rows(self.all_reduce(inputs, op), len(inputs))
+
+
+class Reversed(_Alternative):
+    """The chained sum in descending rank order: ``((x[n-1] + x[n-2]) + ...) + x0``."""
+
+    name = "reversed"
+
+    def _sum(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        return chained_sum(list(reversed(inputs)))
+
+
+class Pairwise(_Alternative):
+    """A binary tree over ranks in order (recursive halving/doubling, NCCL's tree): ``(x0 + x1) + (x2 + x3)``."""
+
+    name = "pairwise"
+
+    def _sum(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        level = [t.clone() for t in inputs]
+        while len(level) > 1:
+            level = [level[i] + level[i + 1] if i + 1 < len(level) else level[i] for i in range(0, len(level), 2)]
+        return level[0]
+
+
+class Exact(_Alternative):
+    """Summed in fp64 and rounded once to the dtype: the best any order can do."""
+
+    name = "fp64"
+
+    def _sum(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        return chained_sum([t.double() for t in inputs]).to(inputs[0].dtype)
+
+
 ORDERS: dict[str, ReductionOrder] = {o.name: o for o in (GlooRing(), Canonical())}
+ALTERNATIVES: dict[str, ReductionOrder] = {o.name: o for o in (GlooRing(), Canonical(), Reversed(), Pairwise(), Exact())}
 
 
 def get_order(name: str) -> ReductionOrder:
     """The reduction-order model called ``name`` (``gloo_ring`` or ``canonical``)."""
     try:
-        return ORDERS[name]
+        return ALTERNATIVES[name]
     except KeyError:
         raise ValueError(f"unknown reduction order {name!r}; expected one of {sorted(ORDERS)}") from None

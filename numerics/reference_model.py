@@ -166,7 +166,7 @@ class ReplicaStep:
     def __init__(self, plan: AccumulationPlan, weights: list[list[dict[str, torch.Tensor]]],
                  record: Callable[[str, Members], None] | None = None):
         self.plan, self.c, self.w = plan, plan.cfg, weights
-        self.order = plan.order
+        self.tp_order, self.cp_order = plan.order_of("tp"), plan.order_of("cp")
         self.n = self.c.tp * self.c.cp
         self.record = record  # (point, members' tensors) at the trainer's recording points
 
@@ -182,23 +182,24 @@ class ReplicaStep:
     def _cp_groups(self) -> list[list[int]]:
         return [[c * self.c.tp + t for c in range(self.c.cp)] for t in range(self.c.tp)]
 
-    def _collective(self, fn: type[torch.autograd.Function], xs: Members, groups: list[list[int]]) -> Members:
+    def _collective(self, fn: type[torch.autograd.Function], xs: Members, groups: list[list[int]],
+                    order: ReductionOrder) -> Members:
         if len(groups[0]) == 1:
             return xs
         out: list[torch.Tensor | None] = [None] * len(xs)
         for g in groups:
-            for m, y in zip(g, fn.apply(self.order, 1, *(xs[m] for m in g))):
+            for m, y in zip(g, fn.apply(order, 1, *(xs[m] for m in g))):
                 out[m] = y
         return out  # type: ignore[return-value]
 
     def tp_gather(self, xs: Members) -> Members:
-        return self._collective(_AllGather, xs, self._tp_groups())
+        return self._collective(_AllGather, xs, self._tp_groups(), self.tp_order)
 
     def tp_reduce_scatter(self, xs: Members) -> Members:
-        return self._collective(_ReduceScatter, xs, self._tp_groups())
+        return self._collective(_ReduceScatter, xs, self._tp_groups(), self.tp_order)
 
     def cp_gather(self, xs: Members) -> Members:
-        return self._collective(_AllGather, xs, self._cp_groups())
+        return self._collective(_AllGather, xs, self._cp_groups(), self.cp_order)
 
     def _cp_of(self, m: int) -> int:
         return m // self.c.tp
@@ -245,7 +246,7 @@ class ReplicaStep:
         logits = [lg.float() for lg in self._rec("logits", [F.linear(hf[m], w[m]["head.weight"]) for m in n])]
         losses: list[torch.Tensor | None] = [None] * self.n
         for g in self._tp_groups():
-            for m, loss in zip(g, _CrossEntropy.apply(self.order, mb.targets[self._cp_of(g[0])], *(logits[m] for m in g))):
+            for m, loss in zip(g, _CrossEntropy.apply(self.tp_order, mb.targets[self._cp_of(g[0])], *(logits[m] for m in g))):
                 losses[m] = loss
         self._rec("token_loss", losses)  # type: ignore[arg-type]
         return [losses[m].sum() / c.tokens_per_step for m in n]

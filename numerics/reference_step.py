@@ -13,9 +13,9 @@ from typing import Callable
 import torch
 
 from numerics.plan import AccumulationPlan, BucketPlan
+from numerics.reduction_order import get_order
 from numerics.reference_model import ReplicaStep, micro_batch_view
-from reference_trainer.activations import positions_key, shard_key
-from reference_trainer.data import Corpus
+from numerics.corpus import global_batch, positions_key, shard_key
 
 
 def adamw(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int, c) -> None:
@@ -84,7 +84,7 @@ class ReferenceRun:
         With ``record_activations`` also ``activations`` and ``positions``, keyed like the trainer's."""
         plan, c = self.plan, self.plan.cfg
         torch.set_num_threads(1)  # the ranks run single-threaded; thread count changes GEMM bits
-        batches = Corpus(c).global_batch(self.steps_taken)
+        batches = global_batch(c, self.steps_taken)
         per_replica = c.micro_batches * c.micro_batch_size
         # bucket buffers per (vstage, dp, cp, tp) in grad_accum_dtype; ZeRO-2 shard sums per the same
         bufs = {(bp.vstage, d, cp, t): torch.zeros(bp.padded, dtype=plan.accum_dtype)
@@ -92,6 +92,8 @@ class ReferenceRun:
         zero2 = {key: torch.zeros(plan.buckets[key[0]].shard_len, dtype=plan.accum_dtype) for key in bufs}
         reduced: dict[tuple[int, int, int, int], torch.Tensor] = {}
         loss_parts = [torch.zeros((), dtype=torch.float32) for _ in range(c.dp * c.cp)]
+        accum = dict(plan.overrides).get("accum")
+        pending: dict[tuple[int, int, int, int], list[torch.Tensor]] = {}
         replicas = [batches[d * per_replica:(d + 1) * per_replica].split(c.micro_batch_size, 0) for d in range(c.dp)]
         acts: dict[str, torch.Tensor] = {}
         positions: dict[str, torch.Tensor] = {}
@@ -113,21 +115,34 @@ class ReferenceRun:
                     term_hook(d, i, weights)
                 for bp in plan.buckets:
                     for m in range(c.cp * c.tp):
-                        buf = bufs[(bp.vstage, d, m // c.tp, m % c.tp)]
+                        key = (bp.vstage, d, m // c.tp, m % c.tp)
+                        # the run's order adds each micro-batch as it comes; another order collects them
+                        buf = bufs[key]
+                        if accum is not None:
+                            buf = torch.zeros(bp.padded, dtype=plan.accum_dtype)
+                            pending.setdefault(key, []).append(buf)
                         for p, off, numel in zip(bp.params, bp.offsets, bp.shard_numels):
                             buf[off:off + numel].add_(weights[bp.vstage][m][p.name].grad.reshape(-1))
             if c.zero_stage == 2:
                 for bp in plan.buckets:
-                    self._reduce(bp, bufs, zero2, reduced)
+                    self._reduce(bp, self._accumulated(bufs, pending, accum), zero2, reduced)
         if c.zero_stage == 1:
             for bp in plan.buckets:
-                self._reduce(bp, bufs, zero2, reduced)
-        loss = plan.order.all_reduce(loss_parts)
+                self._reduce(bp, self._accumulated(bufs, pending, accum), zero2, reduced)
+        loss = plan.order_of("loss").all_reduce(loss_parts)
         self.steps_taken += 1
         out = self._update(reduced, float(loss))
         if c.record_activations:
             out["activations"], out["positions"] = acts, positions
         return out
+
+    def _accumulated(self, bufs: dict, pending: dict, accum: str | None) -> dict:
+        """The bucket buffers; under another accumulation order, its sum of the collected terms."""
+        if accum is not None:
+            for key, terms in pending.items():
+                bufs[key] = get_order(accum).all_reduce(terms) if len(terms) > 1 else terms[0]
+            pending.clear()
+        return bufs
 
     def _reduce(self, bp: BucketPlan, bufs: dict, zero2: dict, reduced: dict) -> None:
         """TP all-reduce of the norm-weight slice, then reduce-scatter over DP x CP in reduce_dtype.
@@ -137,13 +152,13 @@ class ReferenceRun:
         if c.tp > 1 and rep.stop > rep.start:
             for d in range(c.dp):
                 for cp in range(c.cp):
-                    total = plan.order.all_reduce([bufs[(bp.vstage, d, cp, t)][rep].clone() for t in range(c.tp)])
+                    total = plan.order_of("tp").all_reduce([bufs[(bp.vstage, d, cp, t)][rep].clone() for t in range(c.tp)])
                     for t in range(c.tp):
                         bufs[(bp.vstage, d, cp, t)][rep] = total
         for t in range(c.tp):
             keys = [(bp.vstage, d, cp, t) for d in range(c.dp) for cp in range(c.cp)]
             flats = [bufs[k].to(plan.reduce_dtype) for k in keys]
-            shards = plan.order.reduce_scatter(flats) if len(keys) > 1 else [flats[0].clone()]
+            shards = plan.order_of("dp").reduce_scatter(flats) if len(keys) > 1 else [flats[0].clone()]
             for k, sh in zip(keys, shards):
                 if c.zero_stage == 1:
                     reduced[k] = sh.to(torch.float32, copy=True)

@@ -24,9 +24,17 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from numerics.reduction_order import chained_sum  # the one definition of the canonical order
 from tracekit.conventions import CommAnnotation
 
+
+
+def chained_sum(terms: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The canonical order: ``((t0 + t1) + t2) + ...``, each add rounded in the terms' dtype.
+    (numerics has its own copy; tests/test_numerics_independence.py checks the two agree.)"""
+    acc = terms[0].clone()
+    for t in terms[1:]:
+        acc.add_(t)  # elementwise, one rounding per add (torch's bf16 sum would accumulate in fp32)
+    return acc
 
 class CommError(RuntimeError):
     """Misuse of the comm layer (unknown group, wrong peer, size mismatch)."""

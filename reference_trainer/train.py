@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -48,6 +49,7 @@ class Trainer:
                                      c.micro_batches, self.spans, on_backward=self.optimizer.after_backward)
         self.corpus = Corpus(c)
         self.step_index = 0
+        self.data_hashes: dict[str, str] = {}  # this step's micro-batches, for the numerics check
         self.recorder = ActivationRecorder() if c.record_activations else None
         for stage in self.stages.values():
             stage.recorder = self.recorder
@@ -72,6 +74,10 @@ class Trainer:
             self.recorder.clear()
         tokens = self.corpus.micro_batches(self.step_index, self.ctx.coords.dp)
         mbs = [self.micro_batch(i, t) for i, t in enumerate(tokens)]
+        if self.cfg.dump_state:
+            xy = self.ctx.coords  # sha256 of the int64 ids: the check compares its own batches with these
+            self.data_hashes = {f"dp{xy.dp}/cp{xy.cp}/tp{xy.tp}/pp{xy.pp}/mb{i}": hashlib.sha256(
+                t.to(torch.int64).contiguous().numpy().tobytes()).hexdigest() for i, t in enumerate(tokens)}
         local_loss = self.runner.run(mbs)
         with self.spans.span("opt"):
             self.optimizer.step()
@@ -91,13 +97,14 @@ class Trainer:
         grads, params = self.optimizer.local_state()
         comm, xy = self.ctx.comm, self.ctx.coords
         records = ({}, {}) if self.recorder is None else self.recorder.export(xy.dp, xy.cp, xy.tp)
-        parts = comm.gather_object((xy.as_dict(), grads, params, *records), comm.world)
+        parts = comm.gather_object((xy.as_dict(), grads, params, *records, self.data_hashes), comm.world)
         if parts is None:
             return None
         c = self.cfg
         specs = {s.name: s for vs in range(c.n_vstages_total) for s in stage_specs(c, vs)}
         owners = sorted((p for p in parts if p[0]["dp"] == 0 and p[0]["cp"] == 0), key=lambda p: p[0]["tp"])
-        out: dict = {"loss": loss, "grads": {}, "params": {}}
+        out: dict = {"loss": loss, "grads": {}, "params": {},
+                     "data_hashes": {k: v for p in parts for k, v in p[5].items()}}
         for key, idx in (("grads", 1), ("params", 2)):
             for name, spec in specs.items():
                 shards = [p[idx][name] for p in owners if name in p[idx]]

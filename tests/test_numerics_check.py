@@ -7,6 +7,8 @@ config (launch_many)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,9 @@ import torch
 
 from numerics.check import CheckReport, RunStateError, check_run, compare_states, load_states, reference_states
 from numerics.plan import AccumulationPlan
+from numerics.run_config import RunConfigError
+from numerics.verdict import classify
+from numerics.check import flatten_state
 from reference_trainer.activations import activation_points
 from reference_trainer.config import TrainConfig
 from reference_trainer.data import Corpus
@@ -52,7 +57,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[TrainConfig, Path]]:
 @pytest.mark.parametrize("name", list(EXACT))
 def test_parallel_run_matches_reference_bit_for_bit(runs, name):
     cfg, out = runs[name]
-    report = check_run(cfg, out)
+    report = check_run(out, cfg)
     assert report.bit_exact, report.summary()
     table = report.table()
     n_params = len(AccumulationPlan.from_config(cfg).params)
@@ -87,13 +92,57 @@ def test_reduction_order_is_not_vacuous(runs):
     grads = [b for b in first.buffers if b.name.startswith("grad/")]
     assert sum(not b.bit_exact for b in grads) >= len(grads) // 2
     assert max(b.rel_err for b in grads) < 1e-2  # rounding-sized, not a bug
+    # judged against that canonical belief, every mismatch is explained by a reordering (the DP
+    # reduce-scatter in gloo's ring order, bit for bit; step 1 also the loss all-reduce): order, not bug
+    verdicts = classify(AccumulationPlan.from_config(cfg.replace(reduce_order="canonical")), report.steps,
+                        load_states(out, cfg.steps), wrong, flatten_state)
+    assert len(verdicts) == sum(not b.bit_exact for s in report.steps for b in s.comparison.buffers)
+    assert {v.kind for v in verdicts} == {"order"}, [v for v in verdicts if v.kind != "order"][:2]
+    causes = {v.buffer: v.cause for v in verdicts if v.step == 0}
+    assert causes["grad/head.weight"] == "dp (DP x CP gradient reduce-scatter) in gloo_ring order"
+
+
+def test_a_run_missing_a_layer_is_a_bug_not_a_crash(runs, tmp_path):
+    """A pipeline split that drops a layer: the run's manifest and dumps lack it. The check names
+    the split and the missing buffers as findings instead of failing on a missing key."""
+    cfg, out = runs["dp4_bf16buf_native_2steps"]
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["stage_layers"] = [[0, 1, 2]]
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    for k in range(cfg.steps):
+        state = torch.load(run / "state" / f"step{k}.pt", weights_only=True)
+        for key in ("grads", "params"):
+            state[key] = {n: t for n, t in state[key].items() if not n.startswith("layers.3.")}
+        state["activations"] = {n: t for n, t in state["activations"].items() if not n.startswith("layers.3")}
+        torch.save(state, run / "state" / f"step{k}.pt")
+    report = check_run(run)
+    assert report.status == "bug" and not report.bit_exact
+    assert report.findings[0] == ("pipeline split: the run placed layers [[0, 1, 2]], the config gives "
+                                  "[[0, 1, 2, 3]]; layer(s) [3] on no stage")
+    assert "layers [3] missing" in report.findings[1]
+
+
+def test_other_tokens_on_one_rank_are_named_by_rank_and_micro_batch(runs, tmp_path):
+    cfg, out = runs["tp2_dp2_bf16buf_native"]
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    state = torch.load(run / "state" / "step0.pt", weights_only=True)
+    assert len(state["data_hashes"]) == cfg.world_size * cfg.micro_batches
+    state["data_hashes"]["dp1/cp0/tp1/pp0/mb2"] = "0" * 64
+    torch.save(state, run / "state" / "step0.pt")
+    report = check_run(run)
+    assert report.status == "bug"
+    assert report.findings == ("data: step 0 micro-batch 2: rank 3 (dp 1, pp 0, cp 0, tp 1) trained on other "
+                               "tokens than the config specifies",)
 
 
 def test_cp_chunk_bug_is_localized_to_the_embedding_of_the_misassigned_chunks(runs):
     """CP rank 0 embeds chunk 2 where the plan puts chunk 3, CP rank 1 chunk 1 twice where the plan
     puts chunks 1 and 2: the first activation already holds wrong tokens, at positions 64..127 only."""
     cfg, out = runs["bug_cp-chunk"]
-    report = check_run(cfg, out)
+    report = check_run(out, cfg)
     assert report.first_divergent == (0, "act/embed")
     step = report.steps[0]
     where = step.divergence["act/embed"]
@@ -114,7 +163,7 @@ def test_doc_mask_bug_is_localized_to_layer_0_attention_from_the_first_document_
     attention window (and takes an eos out of its own): attention of layer 0 is the first
     activation to differ, from the first eos of the sequence on; the embedding is exact."""
     cfg, out = runs["bug_doc-mask-off-by-one"]
-    report = check_run(cfg, out)
+    report = check_run(out, cfg)
     assert report.first_divergent == (0, "act/layers.0.attention.heads")
     rows = {r["buffer"]: r for r in report.table().iter_rows(named=True)}
     assert rows["act/embed"]["mismatches"] == 0
@@ -130,7 +179,7 @@ def test_doc_mask_bug_is_localized_to_layer_0_attention_from_the_first_document_
 
 def test_missing_tp_backward_reduction_is_localized_to_the_last_mlp(runs):
     cfg, out = runs["bug_tp-bwd-reduce"]
-    report = check_run(cfg, out)
+    report = check_run(out, cfg)
     assert report.first_divergent == (0, f"grad/layers.{cfg.n_layers - 1}.mlp_norm.weight")
     rows = {r["buffer"]: r for r in report.table().iter_rows(named=True)}
     # the loss and every gradient computed before the bug in backward order stay exact
@@ -139,11 +188,14 @@ def test_missing_tp_backward_reduction_is_localized_to_the_last_mlp(runs):
                  f"grad/layers.{last}.w3.weight", f"grad/layers.{last}.w1.weight"):
         assert rows[name]["mismatches"] == 0, name
     assert all(r["mismatches"] == 0 for n, r in rows.items() if n.startswith("act/"))  # a backward bug
-    assert report.diagnosis == f"backward: the loss matches; the first wrong gradient in backward order is layers.{last}.mlp_norm.weight"
+    assert report.diagnosis.startswith(f"backward: the loss matches; the first wrong gradient in backward order is layers.{last}.mlp_norm.weight")
+    # located: the last layer's mlp_norm weight is replicated over TP; its first wrong element's shard and rank
+    assert report.status == "bug" and report.first_bug.buffer == f"grad/layers.{last}.mlp_norm.weight"
+    assert "every TP rank (replicated), dp x cp shard" in report.first_bug.location
 
 
 def test_double_scaled_dp_gradient_is_a_reduction_bug(runs):
-    report = check_run(*runs["bug_dp-double-scale"])
+    report = check_run(runs["bug_dp-double-scale"][1])
     rows = report.table()
     assert rows.filter(rows["buffer"] == "loss")["mismatches"].item() == 0
     grads = rows.filter(rows["buffer"].str.starts_with("grad/"))
@@ -156,15 +208,18 @@ def test_double_scaled_dp_gradient_is_a_reduction_bug(runs):
 
 def test_missing_state_is_a_clear_error(runs, tmp_path):
     cfg, _ = runs["tp2_dp2_bf16buf_native"]
+    with pytest.raises(RunConfigError, match="manifest.json: cannot read"):
+        check_run(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({"config": cfg.as_dict()}))
     with pytest.raises(RunStateError, match="step0.pt: missing"):
-        check_run(cfg, tmp_path)
+        check_run(tmp_path)
     (tmp_path / "state").mkdir()
     torch.save({"loss": 1.0}, tmp_path / "state" / "step0.pt")
     with pytest.raises(RunStateError, match="expected a dict with loss, grads and params"):
-        check_run(cfg, tmp_path)
+        check_run(tmp_path)
     torch.save({"loss": 1.0, "grads": {}, "params": {}}, tmp_path / "state" / "step0.pt")
     with pytest.raises(RunStateError, match="step0.pt: no activation records .*--record-activations"):
-        check_run(cfg, tmp_path)
+        check_run(tmp_path)
 
 
 def test_a_missing_activation_shard_is_named(runs):
@@ -174,3 +229,23 @@ def test_a_missing_activation_shard_is_named(runs):
     del state["activations"]["layers.1.mlp/dp1/cp0/tp1/mb2"]
     with pytest.raises(RunStateError, match="parallel step 0: no activation record 'layers.1.mlp/dp1/cp0/tp1/mb2'"):
         compare_states([state], reference_states(cfg), plan)
+
+
+def test_an_order_only_difference_exits_4_or_0_when_accepted(runs, tmp_path):
+    """The gloo-ring run with a manifest claiming the canonical order: every mismatch is a reordering."""
+    from click.testing import CliRunner
+
+    from numerics.cli import check_exit_code, main
+
+    cfg, out = runs["dp4_bf16buf_native_2steps"]
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["config"]["reduce_order"] = "canonical"
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    result = CliRunner().invoke(main, ["check", "--run", str(run), "--json"])
+    assert result.exit_code == 4, result.output
+    report = json.loads(result.output)
+    assert report["status"] == "order" and report["first_bug"] is None and report["verdicts"]
+    assert report["summary"].startswith("ORDER ONLY: first diverging buffer")
+    assert check_exit_code("order", accept_order=True) == 0 and check_exit_code("bug", accept_order=True) == 1

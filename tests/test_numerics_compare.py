@@ -137,3 +137,20 @@ def test_ulp_distance_is_additive_along_the_float_line(x, up, down):
         return
     assert int(ulp_distance(hi, mid)[0]) == up and int(ulp_distance(mid, lo)[0]) == down
     assert int(ulp_distance(hi, lo)[0]) == int(ulp_distance(lo, hi)[0]) == up + down
+
+
+def test_ulps_are_counted_in_the_dtype_the_value_was_rounded_to():
+    """A bf16 gradient stored as fp32: one bf16 step is 1 ULP, not 65,536 fp32 ULPs."""
+    a = torch.tensor([1.0, 2.0, -3.0]).to(torch.bfloat16)
+    b = a.clone()
+    b[1] = torch.tensor(2.015625, dtype=torch.bfloat16)  # the next bf16 after 2.0 (8 bits of mantissa)
+    as_fp32 = diff_buffer("g", b.float(), a.float())
+    assert as_fp32.max_ulp == 65536 and as_fp32.dtype == "float32"
+    in_bf16 = diff_buffer("g", b.float(), a.float(), torch.bfloat16)
+    assert in_bf16.max_ulp == 1 and in_bf16.dtype == "bfloat16" and in_bf16.mismatches == 1
+    # bits below bf16 resolution still count: a mismatch is never 0 ULP
+    c = a.float().clone()
+    c[0] = torch.nextafter(c[0:1], torch.tensor([2.0]))[0]
+    assert diff_buffer("g", c, a.float(), torch.bfloat16).max_ulp == 1
+    comparison = compare({"g": b.float()}, {"g": a.float()}, dtypes={"g": torch.bfloat16})
+    assert comparison.buffers[0].max_ulp == 1

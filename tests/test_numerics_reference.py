@@ -137,20 +137,29 @@ def test_check_cli_names_the_layer_of_a_forward_bug(tmp_path):
     assert not any(r["buffer"].startswith("act/") for r in report["buffers"])
 
 
-def test_precision_model_config_flags_real_buffers(tmp_path):
+def test_precision_model_config_measures_accumulation_and_reduce_apart(tmp_path):
     path = tmp_path / "cfg.yaml"
-    path.write_text("n_layers: 2\ndim: 64\nseq_len: 128\n")
-    assert load_config(path).n_layers == 2
-    result = CliRunner().invoke(main, ["precision", "--model-config", str(path), "-m", "1", "-m", "32", "--json"])
+    path.write_text("n_layers: 1\ndim: 32\nseq_len: 64\ndp: 2\nmicro_batches: 8\n")
+    assert load_config(path).n_layers == 1
+    result = CliRunner().invoke(main, ["precision", "--model-config", str(path), "--steps", "2", "--seeds", "2", "--json"])
     assert result.exit_code == 0, result.output
-    rows = json.loads(result.output)
+    report = json.loads(result.output)
     n_buffers = len(AccumulationPlan.from_config(load_config(path)).params)
-    assert len(rows) == 2 * n_buffers
-    assert {r["terms"] for r in rows} == {1, 32}
-    one = [r for r in rows if r["terms"] == 1]
-    many = [r for r in rows if r["terms"] == 32]
-    assert not any(r["needs_fp32"] for r in one)  # a single term is rounded once: at the floor
-    assert sum(r["needs_fp32"] for r in many) > n_buffers // 2
+    rows = report["buffers"]
+    assert len(rows) == n_buffers and {r["terms"] for r in rows} == {16}  # the config's dp x micro-batches
+    for r in rows:
+        # fp32 accumulation of bf16 gradients and an fp32 two-rank reduce sit far below the bf16 floor
+        assert r["accum_fp32"] < 1e-5 * r["floor"] + 1e-12 and r["reduce_fp32"] < 1e-5 * r["floor"] + 1e-12
+        assert r["accum_bf16"] > r["floor"] / 2 and r["reduce_bf16"] > 0
+        assert r["accumulation"] in ("needs FP32", "bf16 ok") or r["accumulation"].startswith("borderline (1/2")
+    assert report["summary"].startswith(("accumulate in FP32", "accumulate in BF16"))
+    assert "dp 2 x cp 1 x 8 micro-batches, 2 steps" in report["summary"] and "Llama 3" in report["summary"]
+    assert set(report["loss_divergence"]) == {"bf16/bf16", "bf16/fp32", "fp32/bf16", "fp32/fp32"}
+    assert report["loss_divergence"]["bf16/bf16"] > report["loss_divergence"]["fp32/fp32"]
+    human = CliRunner().invoke(main, ["precision", "--model-config", str(path), "--steps", "1", "--seeds", "1",
+                                      "-m", "2"])
+    assert human.exit_code == 0, human.output
+    assert human.output.startswith("accumulate in") and "x 2 micro-batches" in human.output.splitlines()[0]
     bad = tmp_path / "bad.yaml"
     bad.write_text("n_layers: 2\nwarp: 9\n")
     result = CliRunner().invoke(main, ["precision", "--model-config", str(bad)])

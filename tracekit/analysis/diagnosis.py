@@ -30,6 +30,7 @@ from tracekit.analysis.localize import Localization, localize
 from tracekit.analysis.rootcause import Cause, explain, peers, rank_step_metrics, ratio_to_peers, stage_ratios
 from tracekit.analysis.tables import RunTables
 from tracekit.analysis.tunables import Tunables
+from tracekit.analysis.whatif import WhatIfError, saving
 
 NEXT_STEP = {
     "slow_compute": "drain or test the node of {who} (GPU clocks and thermals, ECC/XID errors, `nvidia-smi -q`); "
@@ -161,10 +162,16 @@ def _rank_finding(tables: RunTables, f: RankFinding, loc: Localization, tun: Tun
     what = {"straggler": "is a straggler", "transient": "is a transient straggler",
             "moving": "is slow in some steps (the slowness moves)"}[kind]
     summary = f"{_where(tables, (f.rank,))} {what}: {cause.summary}"
-    return Finding(kind, (f.rank,), _where(tables, (f.rank,)), f.steps, max(f.cost_ns, 0.0),
-                   max(f.cost_ns, 0.0) / step_ns, f.confidence, cause.kind, summary,
-                   NEXT_STEP.get(cause.kind, NEXT_STEP["unexplained"]).format(who=f"rank {f.rank}"),
-                   {**cause.evidence, "compute_ratio": f.ratio, "margin": f.margin})
+    cost, share, how = max(f.cost_ns, 0.0), max(f.cost_ns, 0.0) / step_ns, "extra compute"
+    try:  # what the step would be with this rank at its peers' speed (the what-if replay), where it replays
+        saved, saved_share = saving(tables, [f.rank], list(f.steps) if kind != "straggler" else None)
+        cost, share, how = max(saved, 0.0), max(saved_share, 0.0), "what-if replay"
+    except WhatIfError:
+        pass
+    return Finding(kind, (f.rank,), _where(tables, (f.rank,)), f.steps, cost, share, f.confidence, cause.kind,
+                   summary, NEXT_STEP.get(cause.kind, NEXT_STEP["unexplained"]).format(who=f"rank {f.rank}"),
+                   {**cause.evidence, "compute_ratio": f.ratio, "margin": f.margin,
+                    "extra_compute_ns": max(f.cost_ns, 0.0), "cost_from": how})
 
 
 def _link_findings(tables: RunTables, links: pl.DataFrame, step_ns: float, metrics: pl.DataFrame) -> list[Finding]:

@@ -47,6 +47,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                  "Simulate a 4D-parallel NCCL job: Kineto traces, flight-recorder dumps and ground truth."),
     "export": ("tracekit.cli.export", "export_group",
                "Export a stored run for other tools: a Chrome-JSON trace for Perfetto."),
+    "whatif": ("tracekit.cli.whatif", "whatif_command",
+               "How fast the step would be without its stragglers: replay, ideal step, slowdown by part."),
     "dashboard": ("tracekit.cli.dashboard", "dashboard_command",
                   "Serve the dashboard for a tracekit store, or for a run directory (ingested on the fly)."),
 }
