@@ -183,15 +183,12 @@ def check(run_dir, out, as_json, activations, strict_order, accept_order, traine
     keep = run_dir if run_dir is not None else out
     if keep is not None:
         # Kept beside the run so the dashboard's numerics view (and later readers) find the report.
-<<<<<<< HEAD
-        (out / "numerics.json").write_text(json.dumps(report.table().to_dicts(), default=str))
-        # the verdict as the check words it, so readers (the dashboard) show it rather than re-derive it
-        (out / "numerics_verdict.json").write_text(json.dumps(
-            {"bit_exact": report.bit_exact, "summary": report.summary(), "diagnosis": report.diagnosis}))
-=======
         (keep / "numerics.json").write_text(json.dumps(report.table().to_dicts(), default=str))
+        # the verdict as the check words it, so readers (the dashboard) show it rather than re-derive it
+        (keep / "numerics_verdict.json").write_text(json.dumps(
+            {"bit_exact": report.bit_exact, "status": report.status, "summary": report.summary(),
+             "diagnosis": report.diagnosis}))
     layout = report.config.layout
->>>>>>> main
     if as_json:
         hist = report.ulp_histogram()
         if first is not None:
