@@ -202,9 +202,11 @@ def run_case(case: Case, work: Path, cache: Path | None, hta_python: Path | None
                         noise=case.noise, spikes=case.spikes, skew_ms=case.skew_ms, drift_ppm=case.drift_ppm,
                         layers=4)
         simulate(cfg, out)
-        (out / "manifest.json").rename(truth)  # judge from the traces alone, not the manifest
+        pending = keep / "truth.pending"  # judge from the traces alone, not the manifest
+        (out / "manifest.json").rename(pending)
         store.unlink(missing_ok=True)
         ingest([out], store, workers=1)
+        pending.rename(truth)  # last: a case stopped halfway is done again
         if not want_traces:
             shutil.rmtree(out)
     manifest = json.loads(truth.read_text())

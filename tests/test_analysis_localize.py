@@ -106,11 +106,12 @@ def test_heavy_stage_is_stage_imbalance_not_a_rank():
 def test_data_imbalance_moves_and_has_no_single_culprit():
     tables, d = run(Faults(data_imbalance=0.3), steps=10)
     loc = d.localization
-    assert loc.verdict == "moving" and loc.culprit_rank is None
+    # the waits see the slowest replica move ...
     picks = loc.per_step["dp"].drop_nulls()
     assert picks.n_unique() == 2 and picks.len() >= 5
-    assert d.cause.kind == "data_imbalance" and d.cause.ranks == ()
-    assert d.cause.evidence["imbalance_degree"] > 1.03
+    # ... but no rank's compute stands out (every replica's work varies alike, an imbalance degree of
+    # about 1.05, which WLB-LLM calls balanced): no single culprit, and no finding on waits alone
+    assert loc.culprit_rank is None and d.localization.verdict == "no_straggler" and not d.findings
 
 
 def test_extra_work_on_some_microbatches_is_data_imbalance_not_a_slow_device():

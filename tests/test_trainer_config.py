@@ -64,9 +64,10 @@ def test_tracekit_train_command_is_registered():
 
 
 def test_no_torch_distributed_outside_comm_layer():
-    """The choke point: only comm.py may touch torch.distributed."""
+    """The choke point: only comm.py may touch torch.distributed (native_job.py is the torch-native job,
+    FSDP2/DTensor/pipelining on a DeviceMesh, which the trainer's comm layer deliberately is not)."""
     pattern = re.compile(r"torch\.distributed|import\s+torch\.distributed|\bdist\.|from torch import distributed")
-    offenders = [f"{p.name}:{i}" for p in PKG.glob("*.py") if p.name != "comm.py"
+    offenders = [f"{p.name}:{i}" for p in PKG.glob("*.py") if p.name not in ("comm.py", "native_job.py")
                  for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert offenders == []
     assert "torch.distributed" in (PKG / "comm.py").read_text()  # the grep itself can hit

@@ -259,7 +259,9 @@ def _data_or_device(tables: RunTables, loc: Localization, findings: list[Finding
     finding, of the data rather than of ranks; it replaces the moving ranks' findings."""
     moving = [f for f in findings if f.kind == "moving"]
     others = [f for f in findings if f.kind != "moving"]
-    if loc.verdict != "moving" or any(f.kind == "straggler" for f in others):
+    # compute must see the slowness move too: on waits alone, noise and preemption move the slowest
+    # member of a clean run from step to step as well (measured on the fault grid's clean runs)
+    if loc.verdict != "moving" or len({f.ranks for f in moving}) < 2 or any(f.kind == "straggler" for f in others):
         return findings
     cause = explain(tables, loc, tun, work)
     if cause.kind != "data_imbalance":
@@ -273,7 +275,7 @@ def _data_or_device(tables: RunTables, loc: Localization, findings: list[Finding
     cost = float(per.group_by("step").agg(pl.col("x").max())["x"].median() or 0.0) if per.height else 0.0
     what = {"dp": "replica", "pp": "stage", "cp": "CP rank", "tp": "TP rank"}.get(level, level)
     steps = tuple(sorted({s for f in moving for s in f.steps}))
-    conf = max([f.confidence for f in moving], default=min(loc.confidence, 0.9))
+    conf = max(f.confidence for f in moving)
     return [Finding("data_imbalance", (), f"every {what} in turn ({level.upper()} groups of {getattr(lay, level)})",
                     steps, cost, cost / step_ns, conf, "data_imbalance", cause.summary,
                     NEXT_STEP["data_imbalance"], dict(cause.evidence))] + others

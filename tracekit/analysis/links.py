@@ -52,9 +52,16 @@ def _transfer_instances(tables: RunTables) -> pl.DataFrame:
                   for x in ("send", "recv"))
     pairs = send.join(recv, on=["src", "dst", "step", "k"])
     if pairs.height:
+        # a link is compared with the links between the same two stages of the other pipelines: the
+        # stages' positions in the schedule (ends, or middle stages whose sends and receives overlap)
+        # shape their transfers, not only the link
+        stage = tables.coords().select(pl.col("rank").cast(pairs["src"].dtype), "pp")
+        pairs = pairs.join(stage.rename({"rank": "src", "pp": "pp_src"}), on="src", how="left").join(
+            stage.rename({"rank": "dst", "pp": "pp_dst"}), on="dst", how="left")
         parts.append(pairs.select(
             pl.lit("p2p").alias("link"), pl.format("{}->{}", "src", "dst").alias("name"),
-            pl.concat_list("src", "dst").cast(pl.List(pl.Int32)).alias("ranks"), pl.lit("p2p").alias("kind"),
+            pl.concat_list("src", "dst").cast(pl.List(pl.Int32)).alias("ranks"),
+            pl.format("p2p:{}->{}", "pp_src", "pp_dst").alias("kind"),
             pl.col("step").cast(pl.Int64), pl.min_horizontal("send", "recv").clip(lower_bound=0).cast(pl.Float64)
             .alias("t")))
     m = match_collectives(tables)

@@ -49,11 +49,11 @@ class Tunables:
     # A link is slow when its median transfer (end minus last arrival) is this many times the same
     # kind's elsewhere, its instances rank above the others' (one-sided Mann-Whitney) beyond the
     # Bonferroni bar for link_alpha over all links (and at least link_z_min) (links.py) ...
-    slow_link_ratio: float = 1.05
+    slow_link_ratio: float = 1.1
     link_alpha: float = 0.001
     link_z_min: float = 3.0
     # ... and the link's excess transfer time costs at least this share of a step.
-    link_effect_min_frac: float = 0.01
+    link_effect_min_frac: float = 0.02
     # Spread (coefficient of variation) of a rank's per-micro-batch compute within a step, above
     # its peers' spread by this much: the extra compute is uneven work (data), not a slow device.
     data_cv_min: float = 0.10
