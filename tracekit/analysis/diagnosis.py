@@ -263,6 +263,15 @@ def _data_or_device(tables: RunTables, loc: Localization, findings: list[Finding
     # member of a clean run from step to step as well (measured on the fault grid's clean runs)
     if loc.verdict != "moving" or len({f.ranks for f in moving}) < 2 or any(f.kind == "straggler" for f in others):
         return findings
+    # where kernels are named, the kind of extra compute decides: more data lands in the attention
+    # kernels (their cost follows the documents), a slow device slows every kernel alike
+    splits = [attention_split(tables, f.ranks[0], list(f.steps)) for f in moving]
+    known = [sp for sp in splits if sp is not None]
+    if known:
+        in_attention = sum(1 for attn, other in known
+                           if attn >= tun.attention_imbalance_ratio and other - 1 <= 0.5 * (attn - 1))
+        if in_attention * 2 <= len(known):
+            return findings
     cause = explain(tables, loc, tun, work)
     if cause.kind != "data_imbalance":
         return findings
