@@ -182,9 +182,32 @@ def test_hta_sample_reports_what_it_can(tmp_path: Path) -> None:
     assert blob["stragglers"]["localization"]["verdict"] in ("no_data", "no_straggler", "straggler", "moving")
 
 
-def test_demo_without_a_bundled_sample_is_bad_input(tmp_path: Path) -> None:
-    bundled = Path(__file__).resolve().parents[1] / "sample_traces" / "slow_rank_8" / "manifest.json"
-    if bundled.exists():
-        pytest.skip("this checkout bundles a sample run")
-    code, out = _cli("demo", "--no-train", "--out", str(tmp_path))
-    assert code == 2 and "no bundled sample run" in out
+def test_demo_without_a_bundled_sample_is_bad_input(tmp_path: Path, monkeypatch) -> None:
+    from tracekit.cli import analysis as analysis_cli
+
+    missing = tmp_path / "no_such_sample"
+    monkeypatch.setattr(analysis_cli, "BUNDLED_SAMPLE", missing)
+    code, out = _cli("demo", "--no-train", "--out", str(tmp_path / "out"))
+    assert code == 2
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    assert len(lines) == 1 and str(missing) in lines[0] and "no bundled sample run" in lines[0], out
+
+
+def test_demo_on_the_bundled_sample_names_rank_5_slow_compute(tmp_path: Path) -> None:
+    """The happy path of `tracekit demo --no-train` on sample_traces/slow_rank_8 (rank 5 computes 2x,
+    sample_traces/README.md); its store goes to --out, not beside the sample."""
+    from tracekit.cli import analysis as analysis_cli
+
+    before = sorted(p.name for p in analysis_cli.BUNDLED_SAMPLE.parent.iterdir())
+    code, out = _cli("demo", "--no-train", "--json", "--out", str(tmp_path))
+    assert code == 0, out
+    blob = json.loads(out[out.index("{"):])
+    assert blob["injected"][0]["spec"] == "slow:rank=5,factor=2"
+    loc, cause = blob["stragglers"]["localization"], blob["stragglers"]["cause"]
+    assert loc["verdict"] == "straggler" and loc["culprit_ranks"] == [5]
+    assert loc["coords"] == {"dp": 0, "pp": 1, "cp": 0, "tp": 1}
+    assert cause["kind"] == "slow_compute"
+    assert 0.5 < loc["confidence"] < 1.0
+    assert blob["hangs"]["hung"] is False
+    assert (tmp_path / "slow_rank_8.tracekit.duckdb").is_file()
+    assert sorted(p.name for p in analysis_cli.BUNDLED_SAMPLE.parent.iterdir()) == before

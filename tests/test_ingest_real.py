@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import polars as pl
@@ -104,7 +105,6 @@ def test_wia_traces_dispatch_to_optable_reader(tmp_path: Path, name: str, rows: 
 
 
 def test_wia_with_the_real_optable_reader(tmp_path: Path) -> None:
-    pytest.importorskip("tracekit.ingest.optable", reason="op-table reader not merged on this branch yet")
     report = ingest([WIA / "AR", WIA / "SE", WIA / "ST"], tmp_path / "wia.duckdb", workers=1)
     assert [f.status for f in report.files] == ["ok"] * 3, [f.error for f in report.files]
     with tracekit.open(tmp_path / "wia.duckdb") as s:
@@ -112,12 +112,12 @@ def test_wia_with_the_real_optable_reader(tmp_path: Path) -> None:
         assert s.sql("SELECT count(*) FROM events WHERE run_id = 'ST'").item() > 0
 
 
-def test_wia_without_reader_fails_cleanly(tmp_path: Path) -> None:
-    try:
-        import tracekit.ingest.optable  # noqa: F401
-        pytest.skip("the real op-table reader is present")
-    except ImportError:
-        pass
-    report = ingest([WIA / "ST" / "trace-ST.parquet"], tmp_path / "x.duckdb")
-    assert report.failed and "trace-ST.parquet" in report.failed[0].error
-    assert "op-table" in report.failed[0].error
+def test_wia_without_reader_fails_cleanly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An install without the op-table reader: importing it fails (None in sys.modules); parse in
+    # this process (processes=False) so that the patch applies.
+    monkeypatch.setitem(sys.modules, "tracekit.ingest.optable", None)
+    report = ingest([WIA / "ST" / "trace-ST.parquet"], tmp_path / "x.duckdb", workers=1, processes=False)
+    assert len(report.failed) == 1 and not report.ok
+    error = report.failed[0].error
+    assert "trace-ST.parquet" in error and "op-table" in error and "not installed" in error
+    assert "\n" not in error.strip()

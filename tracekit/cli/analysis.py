@@ -22,6 +22,9 @@ import click
 from tracekit.cli._common import EXIT_FINDING, EXIT_OK, fail, store_of
 from tracekit.report import Findings, gather, markdown
 
+# The run `tracekit demo --no-train` reports on (sample_traces/README.md).
+BUNDLED_SAMPLE = Path(__file__).resolve().parents[2] / "sample_traces" / "slow_rank_8"
+
 
 def open_source(path: Path, run_id: str | None, quiet: bool, store: Path | None = None):
     """(Store, run_id) for a store file or a run directory (``_common.store_of``)."""
@@ -125,18 +128,19 @@ def demo_command(out: Path | None, no_train: bool, as_json: bool) -> None:
     from tracekit import demo_run
 
     out = out or Path(tempfile.mkdtemp(prefix="tracekit-demo-"))
+    out.mkdir(parents=True, exist_ok=True)
     err = Console(stderr=True)
     if no_train:
-        bundled = Path(__file__).resolve().parents[2] / "sample_traces" / "slow_rank_8"
-        if not (bundled / "manifest.json").exists():
-            fail(f"{bundled}: no bundled sample run in this checkout; run without --no-train")
-        run_dir = bundled
+        if not (BUNDLED_SAMPLE / "manifest.json").exists():
+            fail(f"{BUNDLED_SAMPLE}: no bundled sample run in this checkout; run without --no-train")
+        run_dir = BUNDLED_SAMPLE
     else:
         run_dir = out / "demo-run"
         with err.status(f"training 4 ranks (tp 2, dp 2), rank {demo_run.DEMO_FAULT.rank} "
                         f"{demo_run.DEMO_FAULT.factor}x slower ..."):
             demo_run.run_scenarios([demo_run.Scenario(demo_run.DEMO_CONFIG, str(run_dir), (demo_run.DEMO_FAULT,))])
-    store, rid = open_source(run_dir, None, quiet=as_json)
+    # The store goes to --out, never beside the bundled sample (the checkout may be read-only or shared).
+    store, rid = open_source(run_dir, None, quiet=as_json, store=out / f"{run_dir.name}.tracekit.duckdb")
     try:
         findings = gather(store, rid, ("stragglers", "steps", "cp_wait", "hangs"))
     finally:
