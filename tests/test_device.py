@@ -104,10 +104,15 @@ def test_comm_inside_a_span_splits_it_and_is_not_compute() -> None:
     dev.comm_hook.during(Record())
     clock.t += 0.5  # half a second inside the op (waiting for a peer): not compute
     dev.comm_hook.after(Record())
-    _ = torch.randn(32, 32) @ torch.randn(32, 32)
+    _ = torch.randn(16, 16) @ torch.randn(16, 16)  # other work than the first segment's
     dev.compute_hook.after(ann)
-    assert len(dev.stats.work["fwd|0"]) == 2 and first > 0
-    assert clock.slept[-1] == pytest.approx(first, rel=0.5)  # the second segment's own work, not less
+    work = dev.stats.work["fwd|0"]
+    assert len(work) == 2 and (work[0][0], work[1][0]) == (2 * 32 ** 3, 2 * 16 ** 3)
+    # 1 GFLOP/s, 1 GB/s, 10 us per kernel (device() above); the fake clock moved only by the sleeps
+    # and the op, so each sleep is exactly its segment's own work: the 0.5 s in the op counts for none.
+    seconds = [f / 1e9 + b / 1e9 + k * 10e-6 for f, b, k in work]
+    assert first == pytest.approx(seconds[0], rel=1e-12)
+    assert len(clock.slept) == 2 and clock.slept[1] == pytest.approx(seconds[1], rel=1e-12)
 
 
 def test_the_device_changes_no_bit_of_the_step() -> None:

@@ -266,43 +266,36 @@ def test_spool_files_keep_arrow_buffers_aligned(tmp_path: Path) -> None:
     assert addr % procs.ALIGN == 0
 
 
-def test_parsers_cpu_time_counts_as_the_ingests_children(tmp_path: Path) -> None:
-    """The zygote waits for its parsers, so their CPU reaches the ingest process's children's
-    (what `time` and the benchmark's CPU figure read) instead of vanishing with auto-reaped orphans."""
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_CHILD_SUBREAPER is Linux's")
+def test_the_zygote_waits_for_its_parsers(tmp_path: Path) -> None:
+    """The zygote reaps its parsers, so that their CPU reaches the ingest process's children's (what
+    `time` and benchmarks/ingest_vs_hta.py read; the CPU figure itself is a benchmark's, not a
+    test's). Checked without a clock: the ingest process makes itself a child subreaper, so a parser
+    the zygote left unreaped would be handed to it when the zygote exits; after the ingest it must
+    have no child left to wait for."""
     code = f"""
-import resource, sys, time
+import ctypes, os, sys
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 sys.path.insert(0, {str(ROOT / 'benchmarks')!r})
 from pathlib import Path
-import duckdb
 from gen_traces import write_rank
-from tracekit.ingest import parse, procs
 from tracekit.ingest.pipeline import ingest
 tmp = Path({str(tmp_path)!r})
 files = [tmp / "run" / f"rank{{r}}.json" for r in range(3)]
 files[0].parent.mkdir()
 for r, f in enumerate(files):
-    write_rank(f, r, 3, 60_000)
-def children():
-    u = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return u.ru_utime + u.ru_stime
-c = children()
-with procs.Parsers():
-    pass
-zygote = children() - c
-t = time.process_time()
-con = duckdb.connect()
-for f in files:
-    assert parse.run(f, True, frozenset(), con).status == "ok"
-parsing = time.process_time() - t
-c = children()
+    write_rank(f, r, 3, 2_000)
 rep = ingest([tmp / "run"], tmp / "s.duckdb", workers=2, processes=True)
 assert len(rep.ok) == 3, rep.files
-print(zygote, parsing, children() - c)
+try:
+    pid, status = os.waitpid(-1, 0)
+    print("left", pid, status)
+except ChildProcessError:
+    print("none")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    zygote, parsing, with_parsers = map(float, out.stdout.split())
-    assert with_parsers >= zygote + 0.5 * parsing, (zygote, parsing, with_parsers)
+    assert out.stdout.split() == ["none"], out.stdout
 
 
 def test_a_spool_that_cannot_take_the_tables_fails_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
