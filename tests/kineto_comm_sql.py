@@ -1,23 +1,123 @@
-"""The oracle for tracekit.ingest.kineto_comm: the SQL derivation of a Kineto trace's collectives,
-p2p and groups that ingest ran (over a scratch schema of DuckDB tables) until the numpy version
-replaced it. Kept verbatim but for this docstring and Query (a SELECT for commit, which ran it
-with $rank), so that tests/test_ingest_kineto_comm.py can hold the new code to it. Not used by
-tracekit itself.
+"""The oracle for tracekit.ingest.kineto_comm: a Kineto trace's collectives, p2p and groups derived in
+SQL straight from the trace file, written from the format (FORMATS.md section 1, Kineto/NCCL/gloo;
+docs/trace_conventions.md, the tk.comm spans), never from tracekit's code: it imports nothing of
+tracekit. Its SQL core is the derivation ingest ran before the numpy version replaced it; what it
+used to take from tracekit (the event rows of kineto_rows, the op names of classify, the tk.comm
+parser of conventions) is written here again from the documents, so that a bug there is not
+shared. ``comm_args`` reads the raw JSON events; ``tables`` and ``groups`` derive the tables.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import duckdb
 
-from tracekit import classify
-from tracekit.conventions import COMM_PREFIX, ConventionError
-from tracekit.ingest.common import IngestError
-from tracekit.ingest.kineto_rows import COMM_FIELDS
+
+class OracleError(ValueError):
+    """The trace is malformed in a way the format does not allow (the numpy code must refuse it too)."""
+
+
+# FORMATS.md section 1: what is communication, by name.
+NCCL_KERNEL = re.compile(r"nccl(?:Dev)?Kernel_([A-Za-z0-9]+)")  # ncclKernel_AllReduce_..., ncclDevKernel_...
+SPAN_PREFIXES = ("gloo:", "nccl:", "c10d::")  # gloo worker spans, nccl annotations, c10d cpu ops
+PARAM_COMMS = "record_param_comms"  # NCCL's CPU side: its op is in args["Collective name"]
+COMM_PREFIX = "tk.comm "  # docs/trace_conventions.md
+# The op spellings of record_param_comms args, kernel names and gloo spans (FORMATS.md), as one
+# vocabulary; any other spelling is itself, lowercased and stripped.
+OP_NAMES = {
+    "allreduce": "all_reduce", "all_reduce": "all_reduce", "allgather": "all_gather", "all_gather": "all_gather",
+    "_allgather_base": "all_gather", "reducescatter": "reduce_scatter", "reduce_scatter": "reduce_scatter",
+    "broadcast": "broadcast", "barrier": "barrier", "send": "send", "recv": "recv", "sendrecv": "sendrecv",
+    "alltoall": "all_to_all", "all_to_all": "all_to_all",
+}
+P2P = ("recv", "send", "sendrecv")
+# Kineto arg names of communication events, by the column name used below.
+ARG_NAMES = {"coll": "Collective name", "pg": "Process Group Name", "pg_desc": "Process Group Description",
+             "pg_ranks": "Process Group Ranks", "in_nelems": "In msg nelems", "out_nelems": "Out msg nelems",
+             "dtype": "dtype", "seq_arg": "Seq", "seq_num": "seq_num", "ext": "External id",
+             "dst_rank": "Dst Rank", "src_rank": "Src Rank", "rank_arg": "Rank", "rank_start": "Global rank start",
+             "rank_stride": "Global rank stride"}
+STEP_NAME = re.compile(r"ProfilerStep#([0-9]+)")
+
+
+def normalize(op: str) -> str:
+    key = op.strip().lower()
+    return OP_NAMES.get(key, key)
+
+
+def name_op(name: str) -> str | None:
+    """The op of a communication event's name; None for other names and record_param_comms."""
+    m = NCCL_KERNEL.match(name)
+    if m:
+        return normalize(m.group(1))
+    if name.startswith(COMM_PREFIX):
+        ann = parse_tk_comm(name)
+        return normalize(ann["op"]) if ann else None
+    for prefix in SPAN_PREFIXES:
+        if name.startswith(prefix):
+            return normalize(name[len(prefix):].split(" ", 1)[0])
+    return None
+
+
+def is_comm(name: str) -> bool:
+    return (NCCL_KERNEL.match(name) is not None or name == PARAM_COMMS
+            or name.startswith(SPAN_PREFIXES + (COMM_PREFIX,)))
+
+
+def parse_tk_comm(name: str) -> dict | None:
+    """``tk.comm op=.. pg=.. dim=.. seq=.. ranks=a,b [peer=..] bytes=.. dtype=..``; None if malformed."""
+    fields = {}
+    for tok in name[len(COMM_PREFIX):].split():
+        key, sep, val = tok.partition("=")
+        if not sep or not key:
+            return None
+        fields[key] = val
+    try:
+        return {"name": name, "op": normalize(fields["op"]), "pg": fields["pg"], "dim": fields.get("dim", "other"),
+                "seq": int(fields["seq"]), "ranks": [int(r) for r in fields["ranks"].split(",") if r],
+                "nbytes": int(fields.get("bytes", 0)), "dtype": fields.get("dtype", ""),
+                "peer": int(fields["peer"]) if "peer" in fields else None}
+    except (KeyError, ValueError):
+        return None
+
+
+def _text(v: Any) -> str | None:
+    return None if v is None else v if isinstance(v, str) else json.dumps(v)
+
+
+def comm_args(con: duckdb.DuckDBPyConnection, ns: str, path: Path) -> tuple[int | None, list[dict]]:
+    """Table ``comm_args`` of the file's communication events (X events; ts and dur in microseconds
+    as integer ns; the step: the first ProfilerStep#N span, by start, holding the event's start; the
+    args as text), the first step's start, and the parsed tk.comm names."""
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    steps = sorted((round(e["ts"] * 1000), round((e["ts"] + e.get("dur", 0)) * 1000), int(m.group(1)))
+                   for e in events if e.get("cat") in ("cpu_op", "user_annotation")
+                   and (m := STEP_NAME.fullmatch(e["name"])))
+
+    def step_of(ts: int) -> int | None:
+        return next((n for lo, hi, n in steps if lo <= ts < hi), None)
+
+    rows = []
+    for e in events:
+        if not is_comm(e["name"]):
+            continue
+        ts = round(e["ts"] * 1000)
+        args = e.get("args") or {}
+        rows.append({"ts_ns": ts, "dur_ns": round(e.get("dur", 0) * 1000), "kind": e.get("cat"), "name": e["name"],
+                     "tid": _text(e.get("tid")), "step": step_of(ts),
+                     **{col: _text(args.get(key)) for col, key in ARG_NAMES.items()}})
+    create_table(con, f"{ns}.comm_args", [("ts_ns", "BIGINT"), ("dur_ns", "BIGINT"), ("kind", "VARCHAR"),
+                                          ("name", "VARCHAR"), ("tid", "VARCHAR"), ("step", "INTEGER")]
+                 + [(c, "VARCHAR") for c in ARG_NAMES], rows)
+    names = sorted({r["name"] for r in rows if r["name"].startswith(COMM_PREFIX)})
+    anns = [a for a in map(parse_tk_comm, names) if a is not None]
+    return (steps[0][0] if steps else None), anns
+
 
 DTYPE_BYTES = {
     "float": 4, "float32": 4, "half": 2, "float16": 2, "bfloat16": 2, "double": 8, "float64": 8,
@@ -43,14 +143,14 @@ class Annotations:
 
 
 def register_annotations(con: duckdb.DuckDBPyConnection, ns: str, comm: list[dict]) -> Annotations:
-    """Table comm_ann: the trace's tk.comm names, parsed (kineto_rows)."""
+    """Table comm_ann: the trace's tk.comm names, parsed (parse_tk_comm)."""
     create_table(con, f"{ns}.comm_ann", [("name", "VARCHAR"), ("op", "VARCHAR"), ("pg", "VARCHAR"),
                                          ("dim", "VARCHAR"), ("seq", "BIGINT"), ("ranks", "INTEGER[]"),
                                          ("nbytes", "BIGINT"), ("dtype", "VARCHAR"), ("peer", "INTEGER")], comm)
     return Annotations(comm=bool(comm))
 
 
-FIELDS = COMM_FIELDS  # comm_args's columns of event args, by the name used below
+FIELDS = ARG_NAMES  # comm_args's columns of event args, by the name used below
 
 
 def _int(expr: str) -> str:
@@ -78,29 +178,21 @@ def _create_comm_tables(con: duckdb.DuckDBPyConnection, ns: str) -> None:
                {_int(field['rank_arg'])} AS rank_arg, {_int(field['rank_start'])} AS rank_start,
                {_int(field['rank_stride'])} AS rank_stride
         FROM (SELECT * FROM {ns}.comm WHERE kind = 'kernel') k
-        LEFT JOIN (SELECT DISTINCT ON (ext) * FROM {ns}.comm WHERE name = '{classify.PARAM_COMMS}'
+        LEFT JOIN (SELECT DISTINCT ON (ext) * FROM {ns}.comm WHERE name = '{PARAM_COMMS}'
                    AND ext IS NOT NULL ORDER BY ext, ts_ns) r ON k.ext = r.ext
     """)
 
 
-def _name_op(name: str) -> str | None:
-    try:
-        return classify.comm_op(name) or None
-    except ConventionError:
-        return None  # a malformed tk.comm name: a plain event
-
-
 def _create_lookups(con: duckdb.DuckDBPyConnection, ns: str) -> None:
-    """The few distinct names, op spellings and dtypes, classified by tracekit.classify (the one
-    place) in Python: tables name_ops, coll_ops and widths (a huge SQL CASE costs milliseconds
-    to plan even on one row)."""
+    """The few distinct names, op spellings and dtypes, classified in Python (name_op, normalize):
+    tables name_ops, coll_ops and widths."""
     def distinct(col: str) -> list[str]:
         return [v for (v,) in con.execute(f"SELECT DISTINCT {col} FROM {ns}.comm_args WHERE {col} IS NOT NULL")
                 .fetchall()]
 
     lookups = {
-        "name_ops": [(n, _name_op(n)) for n in distinct("name")],
-        "coll_ops": [(c, classify.normalize_op(c)) for c in distinct("coll")],
+        "name_ops": [(n, name_op(n)) for n in distinct("name")],
+        "coll_ops": [(c, normalize(c)) for c in distinct("coll")],
         "widths": [(d, DTYPE_BYTES.get(d.lower())) for d in distinct("dtype")],
     }
     for table, rows in lookups.items():
@@ -118,8 +210,8 @@ def _ordinal(key: str, first_step_ns: int | None) -> str:
 
 def tables(con: duckdb.DuckDBPyConnection, ns: str, base: int, first_step_ns: int | None,
            ann: Annotations) -> dict[str, Query]:
-    """collectives and p2p of the communication events in table ``comm_args`` (kineto_rows.Built.comm,
-    times relative to ``base``)."""
+    """collectives and p2p of the communication events in table ``comm_args`` (``comm_args``; times
+    relative to ``base``)."""
     _create_comm_tables(con, ns)
     group = "coalesce(pg, 'stream ' || tid)"
     direction = "CASE op WHEN 'send' THEN 'send' WHEN 'recv' THEN 'recv' END"
@@ -129,12 +221,12 @@ def tables(con: duckdb.DuckDBPyConnection, ns: str, base: int, first_step_ns: in
     coll = [f"""
         SELECT pg, coalesce(seq, {_ordinal(group, first_step_ns)}), op, ts_ns, ts_ns + dur_ns,
                nelems * width, dtype, step, 'kernel'
-        FROM {ns}.ck WHERE op IS NOT NULL AND NOT {classify.sql_is_p2p('op')}"""]
+        FROM {ns}.ck WHERE op IS NOT NULL AND NOT op IN ('recv', 'send', 'sendrecv')"""]
     p2p = [f"""
         SELECT peer, direction, pg, coalesce(seq, {_ordinal(f'{group}, peer, direction', first_step_ns)}),
                ts_ns, ts_ns + dur_ns, nelems * width, step, NULL, 'kernel',
                CASE WHEN len(ranks) = 2 THEN ranks END
-        FROM (SELECT *, {peer} AS peer, {direction} AS direction FROM {ns}.ck WHERE {classify.sql_is_p2p('op')})"""]
+        FROM (SELECT *, {peer} AS peer, {direction} AS direction FROM {ns}.ck WHERE op IN ('recv', 'send', 'sendrecv'))"""]
     if ann.comm:
         spans = f"(SELECT * FROM {ns}.comm WHERE starts_with(name, '{COMM_PREFIX}'))"
         coll.append(f"""
@@ -150,7 +242,7 @@ def tables(con: duckdb.DuckDBPyConnection, ns: str, base: int, first_step_ns: in
         coll.append(f"""
             SELECT NULL, row_number() OVER (PARTITION BY op ORDER BY ts_ns) - 1, op, ts_ns, ts_ns + dur_ns,
                    NULL, NULL, step, 'gloo'
-            FROM {gloo} WHERE kind = 'user_annotation' AND NOT {classify.sql_is_p2p('op')}""")
+            FROM {gloo} WHERE kind = 'user_annotation' AND NOT op IN ('recv', 'send', 'sendrecv')""")
         p2p.append(f"""
             SELECT NULL, op, NULL, row_number() OVER (PARTITION BY op ORDER BY ts_ns) - 1,
                    ts_ns, ts_ns + dur_ns, NULL, step, NULL, 'gloo', NULL
@@ -200,7 +292,7 @@ def groups(con: duckdb.DuckDBPyConnection, ns: str, info: dict, path: Path) -> l
         try:
             parsed = json.loads(ranks)
         except json.JSONDecodeError:
-            raise IngestError(f"{path}: unreadable 'Process Group Ranks' {ranks!r}") from None
+            raise OracleError(f"{path}: unreadable 'Process Group Ranks' {ranks!r}") from None
         if isinstance(parsed, list) and parsed:
             out.append({"pg_name": name, "pg_desc": desc, "ranks": [int(r) for r in parsed]})
     for name, dim, ranks in con.execute(f"SELECT DISTINCT pg, dim, ranks FROM {ns}.comm_ann").fetchall():

@@ -1,4 +1,5 @@
-"""kineto_comm (numpy) against its oracle, the SQL it replaced (tests/kineto_comm_sql.py), on
+"""kineto_comm (numpy) against its oracle (tests/kineto_comm_sql.py: SQL over the trace file, written
+from the format, sharing no code with tracekit), on
 hypothesis-generated traces: NCCL kernels with metadata on themselves, on the record_param_comms
 that launched them or nowhere (several launchers per External id among them); p2p peers from
 Dst/Src Rank, the group-local Rank, a global start and stride, or a two-rank group; args that are
@@ -86,13 +87,11 @@ def _built(path: Path, con: duckdb.DuckDBPyConnection) -> kineto_rows.Built:
     return rows.build()
 
 
-def _by_oracle(built: kineto_rows.Built, con: duckdb.DuckDBPyConnection, rank: int) -> dict[str, list]:
-    """The oracle's tables, inserted into tables of the store's types (as commit did)."""
+def _by_oracle(path: Path, con: duckdb.DuckDBPyConnection, rank: int) -> dict[str, list]:
+    """The oracle's tables, from the trace file itself, inserted into tables of the store's types."""
     con.execute("CREATE SCHEMA s")
-    con.register("comm_view", built.comm)
-    con.execute("CREATE TABLE s.comm_args AS SELECT * FROM comm_view")
-    ann = oracle.register_annotations(con, "s", built.comm_annotations)
-    first = built.steps[0].start_ns if built.steps else None
+    first, anns = oracle.comm_args(con, "s", path)
+    ann = oracle.register_annotations(con, "s", anns)
     out = {}
     for name, q in oracle.tables(con, "s", BASE, first, ann).items():
         sch = arrow_schema(name)
@@ -136,15 +135,16 @@ def test_comm_tables_match_the_sql_oracle(draw_ops: list[dict], anns: list[CommA
     times = data.draw(st.permutations(range(0, 3000, 3000 // max(n, 1))[:n]))
     path = tmp_path / "rank0.json"
     path.write_text(json.dumps({"traceEvents": _trace(draw_ops, anns, gloo_spans, steps, times)}))
-    con = duckdb.connect()
-    built = _built(path, con)
-    try:
-        want = _by_oracle(built, con, rank)
-    except (duckdb.Error, IngestError, TypeError, ValueError):  # overflow, a bad cast, unreadable ranks
-        with pytest.raises((IngestError, TypeError, ValueError)):
-            _by_numpy(built, con, path, rank)
-        return
-    assert _by_numpy(built, con, path, rank) == want
+    # One connection each, closed with the example: hypothesis runs hundreds of examples (and many
+    # more while shrinking) in one process, and an open connection keeps its tables in memory.
+    with duckdb.connect() as con_oracle, duckdb.connect() as con:
+        try:
+            want = _by_oracle(path, con_oracle, rank)
+        except (duckdb.Error, TypeError, ValueError):  # overflow, a bad cast, unreadable ranks
+            with pytest.raises((IngestError, TypeError, ValueError)):
+                _by_numpy(_built(path, con), con, path, rank)
+            return
+        assert _by_numpy(_built(path, con), con, path, rank) == want
 
 
 def test_overflowing_sizes_name_the_file(tmp_path: Path) -> None:
@@ -152,10 +152,10 @@ def test_overflowing_sizes_name_the_file(tmp_path: Path) -> None:
     kernel = {"ph": "X", "cat": "kernel", "name": KERNELS[0], "ts": 10, "dur": 4,
               "args": {"Collective name": "allreduce", "In msg nelems": 2**62, "dtype": "Float"}}
     path.write_text(json.dumps({"traceEvents": [kernel]}))
-    con = duckdb.connect()
-    ev = kineto_comm.CommEvents(_built(path, con).comm, con, path)
-    with pytest.raises(IngestError, match=r"rank3\.json: malformed trace events \(a message size out of"):
-        kineto_comm.tables(ev, 0, None, [])
+    with duckdb.connect() as con:
+        ev = kineto_comm.CommEvents(_built(path, con).comm, con, path)
+        with pytest.raises(IngestError, match=r"rank3\.json: malformed trace events \(a message size out of"):
+            kineto_comm.tables(ev, 0, None, [])
 
 
 def test_a_peer_beyond_integer_names_the_file(tmp_path: Path) -> None:
@@ -163,7 +163,21 @@ def test_a_peer_beyond_integer_names_the_file(tmp_path: Path) -> None:
     kernel = {"ph": "X", "cat": "kernel", "name": KERNELS[1], "ts": 10, "dur": 4,
               "args": {"Collective name": "send", "Dst Rank": 2**40}}
     path.write_text(json.dumps({"traceEvents": [kernel]}))
-    con = duckdb.connect()
-    ev = kineto_comm.CommEvents(_built(path, con).comm, con, path)
-    with pytest.raises(IngestError, match=r"rank3\.json: malformed trace events"):
-        kineto_comm.tables(ev, 0, None, [])
+    with duckdb.connect() as con:
+        ev = kineto_comm.CommEvents(_built(path, con).comm, con, path)
+        with pytest.raises(IngestError, match=r"rank3\.json: malformed trace events"):
+            kineto_comm.tables(ev, 0, None, [])
+
+
+@pytest.mark.parametrize("rank_arg, peer", [(0, 4), (1, 6), (3, 10)])
+def test_p2p_peer_from_global_start_and_stride(tmp_path: Path, rank_arg: int, peer: int) -> None:
+    """Hand-computed: with no Dst/Src Rank and no group ranks to index, the peer is
+    ``Global rank start + Rank * Global rank stride`` (4 + Rank * 2), Rank 0 included."""
+    path = tmp_path / "rank0.json"
+    kernel = {"ph": "X", "cat": "kernel", "name": KERNELS[1], "ts": 10, "dur": 4, "tid": 20,
+              "args": {"Collective name": "send", "Rank": rank_arg, "Global rank start": 4, "Global rank stride": 2,
+                       "In msg nelems": 8, "dtype": "Float", "Process Group Name": "1"}}
+    path.write_text(json.dumps({"traceEvents": [kernel]}))
+    with duckdb.connect() as con:
+        got = _by_numpy(_built(path, con), con, path, 0)
+    assert [(r[0], r[1], r[6]) for r in got["p2p"]] == [(peer, "send", 32)]
