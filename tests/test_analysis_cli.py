@@ -182,6 +182,23 @@ def test_hta_sample_reports_what_it_can(tmp_path: Path) -> None:
     assert blob["stragglers"]["localization"]["verdict"] in ("no_data", "no_straggler", "straggler", "moving")
 
 
+@pytest.mark.parametrize("command", ["cp-wait", "hangs"])
+def test_cp_wait_and_hangs_bad_input_is_one_line_naming_the_file(tmp_path: Path, stores, command: str) -> None:
+    junk = tmp_path / "junk.duckdb"
+    junk.write_bytes(b"not a database" * 50)
+    empty = tmp_path / "empty_run"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("no traces here")
+    cases = [((str(tmp_path / "missing.duckdb"),), f"error: {tmp_path / 'missing.duckdb'}: no such file or directory"),
+             ((str(junk),), f"error: {junk}: cannot open store"),
+             ((str(empty),), f"error: {empty}: nothing could be ingested (no traces, dumps or snapshots found)"),
+             ((str(stores["cp"]), "--run-id", "nope"), "no run 'nope'")]
+    for args, message in cases:
+        code, out = _cli(command, *args)
+        lines = [ln for ln in out.splitlines() if ln.strip()]
+        assert code == 2 and len(lines) == 1 and message in lines[0], (args, out)
+
+
 def test_demo_without_a_bundled_sample_is_bad_input(tmp_path: Path, monkeypatch) -> None:
     from tracekit.cli import analysis as analysis_cli
 

@@ -35,9 +35,15 @@ def test_precision_table_is_human_readable():
 
 
 def test_precision_rejects_bad_input_with_exit_code_2():
-    for args in (["-m", "0"], ["--threshold", "0"], ["--order", "tree"], ["-n", "-5"]):
+    cases = {("-m", "0"): "Invalid value for '-m' / '--micro-batches': 0 is not in the range x>=1.",
+             ("--threshold", "0"): "Invalid value for '--threshold': 0.0 is not in the range x>0.",
+             ("--order", "tree"): "Invalid value for '--order': 'tree' is not one of 'canonical', 'gloo_ring'.",
+             ("-n", "-5"): "Invalid value for '-n' / '--numel': -5 is not in the range x>=1."}
+    for args, message in cases.items():
         result = CliRunner().invoke(main, ["precision", *args])
         assert result.exit_code == 2, (args, result.output)
+        errors = [ln for ln in result.output.splitlines() if ln.startswith("Error:")]
+        assert errors == [f"Error: {message}"], (args, result.output)  # one line: the option and what is wrong
 
 
 def test_python_dash_m_entry_point():

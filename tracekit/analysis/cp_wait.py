@@ -73,7 +73,12 @@ def cp_wait(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFra
     if not m.height:
         empty = pl.DataFrame()
         return CPWait(empty, empty, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, None, "no_cp")
-    m = m.with_columns(pl.col("rank").cast(pl.Int32), pl.col("step").cast(pl.Int64))
+    # A member waits inside its own span only: one whose span ended before the last member arrived
+    # (an enqueue-only span, clocks that disagree) waited its whole span, no more, and transferred
+    # nothing; so wait + transfer = exposed and every share stays within [0, 1].
+    wait = pl.min_horizontal(pl.col("wait_ns").clip(lower_bound=0), pl.col("duration_ns").clip(lower_bound=0))
+    m = m.with_columns(pl.col("rank").cast(pl.Int32), pl.col("step").cast(pl.Int64), wait.alias("wait_ns"))
+    m = m.with_columns((pl.col("duration_ns").clip(lower_bound=0) - pl.col("wait_ns")).alias("transfer_ns"))
     comp = rank_step_metrics(tables).select("rank", "step", "compute_ns", "step_ns")
     per = m.group_by("pg_name", "step", "rank").agg(
         pl.col("duration_ns").sum().alias("exposed_ns"), pl.col("wait_ns").sum(), pl.col("transfer_ns").sum())
