@@ -83,3 +83,11 @@ def test_a_slow_rank_costs_its_extra_compute(factor: float) -> None:
     assert f.cost_ns == pytest.approx(compute_per_step * (1 - 1 / factor), rel=0.15)
     assert f.cost_share == pytest.approx(f.cost_ns / d.localization.step_time_ns)
     assert 0.0 < f.cost_share < 1.0
+
+
+def test_a_slow_link_finding_is_bounded_and_costs_its_excess() -> None:
+    _, d = _diagnose(Faults(slow_link=(9, 13)), seed=3)
+    (link,) = [f for f in d.findings if f.kind == "slow_link"]
+    assert set(link.ranks) == {9, 13} and link.cause == "slow_link"
+    assert 0.0 < link.confidence < 1.0
+    assert 0.0 < link.cost_share < 1.0 and link.cost_share == pytest.approx(link.cost_ns / d.localization.step_time_ns)
