@@ -6,8 +6,9 @@ tables (tracekit/ingest/kineto_comm.py): does the default suite notice a plausib
 Each mutant is one textual change (an operator swap, min/max, a comparison flipped, a constant
 changed, a term dropped) in a scratch copy of the repository (copied to a temporary directory once;
 the working tree is never touched), checked against the few default-suite test files that cover
-that code (``-x``, ``-m 'not slow'``, a per-mutant timeout). A mutant is killed when the tests fail
-(or time out: reported apart), survives when they pass. The unmutated copy must pass each test
+that code (``-x``, ``-m 'not slow'``, a per-mutant timeout); a mutant those pass is run against the
+rest of the default suite that exercises the same code (WIDE_*). A mutant is killed when the tests
+fail (or time out: reported apart), survives when both selections pass. The unmutated copy must pass each test
 selection first (the baseline), else its mutants are not run. Prints a markdown table, the kill
 rate and the survivors.
 """
@@ -36,6 +37,16 @@ HANGS = ("tests/test_analysis_hangs.py",)
 COLL = ("tests/test_analysis_collectives.py", "tests/test_analysis_bounds.py")
 STEPS = ("tests/test_analysis_cli.py", "-k", "steps or blip or report")
 COMM = ("tests/test_ingest_kineto_comm.py",)
+# What a survivor of its small selection is run against next: the rest of the default suite that
+# exercises the analysis (simulated NCCL jobs, the CLI, the what-if traces, the dashboard's data).
+WIDE_ANALYSIS = ("tests/test_analysis_cli.py", "tests/test_analysis_wia.py", "tests/test_diagnosis_faults.py")
+WIDE_COMM = ("tests/test_ingest_real.py", "tests/test_ingest_equivalence.py", "tests/test_ingest_gpu_fixtures.py")
+# In the scratch copy only: hypothesis reports a failing example without shrinking it (shrinking a
+# mutant's failure can take minutes; the verdict is the same).
+NO_SHRINK = """from hypothesis import Phase, settings
+settings.register_profile("mutants", phases=[Phase.explicit, Phase.reuse, Phase.generate])
+settings.load_profile("mutants")
+"""
 
 
 @dataclass(frozen=True)
@@ -150,6 +161,8 @@ def _scratch() -> Path:
     ignore = shutil.ignore_patterns(".git", "__pycache__", "*.duckdb", "*.duckdb.wal", ".hypothesis", ".pytest_cache",
                                     "_work", "runs")
     shutil.copytree(ROOT, dst, ignore=ignore, symlinks=True)
+    conftest = dst / "tests" / "conftest.py"
+    conftest.write_text((conftest.read_text() if conftest.exists() else "") + "\n" + NO_SHRINK)
     return dst
 
 
@@ -170,6 +183,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per mutant's test run")
     ap.add_argument("--only", default="", help="comma-separated mutant names")
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--no-wide", action="store_true", help="do not rerun survivors against the wider selection")
     args = ap.parse_args()
     mutants = [m for m in MUTANTS if not args.only or m.name in args.only.split(",")]
     if args.list:
@@ -179,7 +193,8 @@ def main() -> None:
     repo = _scratch()
     print(f"scratch copy: {repo}  ({len(mutants)} mutants)", flush=True)
     baseline: dict[tuple[str, ...], str] = {}
-    for tests in dict.fromkeys(m.tests for m in mutants):
+    selections = [m.tests for m in mutants] + ([] if args.no_wide else [WIDE_ANALYSIS, WIDE_COMM])
+    for tests in dict.fromkeys(selections):
         baseline[tests], secs = _pytest(repo, tests, args.timeout * 2)
         print(f"baseline {' '.join(tests)}: {baseline[tests]} ({secs:.0f} s)", flush=True)
     rows = []
@@ -192,12 +207,18 @@ def main() -> None:
         if baseline[m.tests] != "passed":
             rows.append((m, "no baseline", 0.0))
             continue
+        wide = WIDE_COMM if m.path == KC else WIDE_ANALYSIS
         target.write_text(original.replace(m.old, m.new))
         try:
             status, secs = _pytest(repo, m.tests, args.timeout)
+            if status == "passed" and not args.no_wide and baseline[wide] == "passed":  # the rest that covers it
+                status, more = _pytest(repo, wide, args.timeout * 2)
+                secs += more
+                status = {"failed": "failed wide", "timeout": "timeout wide"}.get(status, status)
         finally:
             target.write_text(original)
-        result = {"failed": "killed", "timeout": "killed (timeout)", "passed": "SURVIVED"}[status]
+        result = {"failed": "killed", "timeout": "killed (timeout)", "failed wide": "killed (wider suite)",
+                  "timeout wide": "killed (wider suite, timeout)", "passed": "SURVIVED"}[status]
         rows.append((m, result, secs))
         print(f"{m.name}: {result} ({secs:.0f} s)", flush=True)
     print("\n| mutant | file | change | tests | result | s |\n|---|---|---|---|---|---|")
