@@ -181,3 +181,17 @@ def test_p2p_peer_from_global_start_and_stride(tmp_path: Path, rank_arg: int, pe
     with duckdb.connect() as con:
         got = _by_numpy(_built(path, con), con, path, 0)
     assert [(r[0], r[1], r[6]) for r in got["p2p"]] == [(peer, "send", 32)]
+
+
+@pytest.mark.parametrize("rank, peer", [(0, 2), (2, 0)])
+def test_p2p_peer_in_a_two_rank_group_is_the_other_member(tmp_path: Path, rank: int, peer: int) -> None:
+    """Hand-computed: no Dst/Src Rank, no Rank arg, group ranks "[0, 2]": the file's rank is one
+    member, its peer the other."""
+    path = tmp_path / f"rank{rank}.json"
+    kernel = {"ph": "X", "cat": "kernel", "name": KERNELS[1], "ts": 10, "dur": 4, "tid": 20,
+              "args": {"Collective name": "recv", "Process Group Ranks": "[0, 2]", "Process Group Name": "3",
+                       "In msg nelems": 4, "dtype": "BFloat16"}}
+    path.write_text(json.dumps({"traceEvents": [kernel]}))
+    with duckdb.connect() as con:
+        got = _by_numpy(_built(path, con), con, path, rank)
+    assert [(r[0], r[1], r[2], r[6]) for r in got["p2p"]] == [(peer, "recv", "3", 8)]
