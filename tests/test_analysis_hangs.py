@@ -113,6 +113,14 @@ def test_ranks_waiting_on_p2p_from_the_hung_stage_are_blocked_not_culprits() -> 
     assert rep.culprits == (3,) and rep.blocked == (0, 1, 2) and rep.no_data == (4,)
 
 
+def test_a_member_without_records_beside_completed_collectives_is_no_hang() -> None:
+    """Ranks 0 and 1 completed #1-#4 of group [0, 1, 2], which needed rank 2 too: rank 2's records are
+    missing, nothing is stuck, and nobody is blamed."""
+    rows = [(r, "0", s, "completed", "nccl:all_reduce") for r in (0, 1) for s in range(1, 5)]
+    rep = diagnose_hang(_entries(rows), _groups({"0": [0, 1, 2]}), world_size=3)
+    assert not rep.hung and rep.culprits == () and rep.no_data == (2,)
+
+
 def test_no_hang_and_no_entries() -> None:
     rows = [(r, "0", s, "completed", "nccl:all_reduce") for r in range(2) for s in range(1, 4)]
     rep = diagnose_hang(_entries(rows), _groups({"0": [0, 1]}))

@@ -164,9 +164,10 @@ def diagnose_hang(fr_entries: pl.DataFrame, groups: pl.DataFrame, world_size: in
         if have_completion:
             first_open = min(done.get(r, min(last.values()) - 1) + 1 for r in recorded)
             if all(done.get(r, -1) >= last[r] for r in recorded) and len(set(last.values())) == 1:
-                if len(recorded) == len(mem):
-                    continue
-                first_open = max(last.values()) + 1  # everyone recorded is done; the rest never came
+                # everyone recorded completed all it entered: nothing is stuck here (a collective
+                # completes only with every member, so a member without records took part in them;
+                # its records are missing, which ``no_data`` says)
+                continue
             seq = first_open
         else:
             seq = max(last.values())
