@@ -31,8 +31,8 @@ KC = "tracekit/ingest/kineto_comm.py"
 
 # test selections (files and -k expressions), small so that a mutant costs a minute at most
 CP = ("tests/test_analysis_bounds.py",)
-DIAG = ("tests/test_diagnosis_kinds.py", "tests/test_analysis_localize.py")
-LOC = ("tests/test_analysis_localize.py",)
+DIAG = ("tests/test_diagnosis_kinds.py", "tests/test_diagnosis_units.py", "tests/test_analysis_localize.py")
+LOC = ("tests/test_diagnosis_units.py", "tests/test_analysis_localize.py")
 HANGS = ("tests/test_analysis_hangs.py",)
 COLL = ("tests/test_analysis_collectives.py", "tests/test_analysis_bounds.py")
 STEPS = ("tests/test_analysis_cli.py", "-k", "steps or blip or report")
@@ -112,8 +112,9 @@ MUTANTS = [
     # hangs.py
     Mutant("hangs.joined_ge_to_gt", A + "hangs.py", "joined = tuple(r for r in recorded if last[r] >= seq)",
            "joined = tuple(r for r in recorded if last[r] > seq)", HANGS),
-    Mutant("hangs.first_open_plus_1_dropped", A + "hangs.py", "first_open = max(last.values()) + 1",
-           "first_open = max(last.values())", HANGS),
+    Mutant("hangs.waiting_ignored", A + "hangs.py",
+           "waiting = {r for s in self.stuck for r in s.joined} | set(self.waiting)\n        absent",
+           "waiting = {r for s in self.stuck for r in s.joined}\n        absent", HANGS),
     Mutant("hangs.missing_lt_to_le", A + "hangs.py", "missing = tuple(r for r in recorded if last[r] < seq)",
            "missing = tuple(r for r in recorded if last[r] <= seq)", HANGS),
     # collectives.py

@@ -1,0 +1,96 @@
+"""The diagnosis's small decisions against hand-computed values: confidence, the link test's bar and
+its tie correction, a stage's persistence, a one-step standout. Each expected value is computed here
+from the formula the docs state (docs/analysis.md), not by calling the code under test twice."""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+import numpy as np
+import polars as pl
+import pytest
+from synthetic_job import Faults, make_job
+
+from tracekit.analysis.culprits import _confidence
+from tracekit.analysis.diagnosis import _link_findings, _stage_findings
+from tracekit.analysis.links import link_transfers, mann_whitney_z
+from tracekit.analysis.standout import standout
+from tracekit.analysis.tables import RunTables
+from tracekit.analysis.tunables import Tunables
+from tracekit.topology import Layout
+
+TUN = Tunables()
+
+
+@pytest.fixture(scope="module")
+def tables() -> RunTables:
+    return RunTables.from_mapping(make_job(Layout(tp=2, cp=1, pp=2, dp=2), faults=Faults(), seed=0))
+
+
+def test_confidence_is_a_coin_flip_at_the_bar_and_firm_only_well_past_it():
+    # share / (1 + exp(-4 (margin - bar) / bar)), capped at 0.99
+    assert _confidence(5.0, 5.0, 1.0) == pytest.approx(0.5)
+    assert _confidence(6.25, 5.0, 1.0) == pytest.approx(1 / (1 + math.exp(-1.0)))  # 0.731
+    assert _confidence(6.25, 5.0, 0.5) == pytest.approx(0.5 / (1 + math.exp(-1.0)))
+    assert _confidence(50.0, 5.0, 1.0) == 0.99
+
+
+def test_a_link_just_over_its_bar_is_not_a_confident_finding(tables):
+    row = {"link": "group", "name": "7", "ranks": [4, 5], "kind": "tp:all_reduce", "instances": 40,
+           "transfer_ns": 2e6, "ratio": 1.3, "z": 4.5, "z_bar": 4.0, "excess_per_step_ns": 3e6, "slow": True}
+    links = pl.DataFrame([row])
+    metrics = pl.DataFrame({"rank": [4, 5], "step": [0, 0], "compute_ns": [1e8, 1e8]},
+                           schema={"rank": pl.Int32, "step": pl.Int64, "compute_ns": pl.Float64})
+    (f,) = _link_findings(tables, links, 100e6, metrics)
+    assert f.confidence == pytest.approx(1 - 2 ** -1.5)  # 0.646: 1 - 2^-(z - bar + 1)
+    assert f.where == "TP group [4, 5]" and f.cost_share == pytest.approx(0.03)
+
+
+def test_the_link_bar_is_bonferroni_over_the_links_compared(tables):
+    links = link_transfers(tables, 100e6, TUN)
+    n = links.height
+    expected = max(TUN.link_z_min, NormalDist().inv_cdf(1 - TUN.link_alpha / n))
+    assert n > 1 and links["z_bar"].to_list() == pytest.approx([expected] * n)
+
+
+def _mann_whitney_by_hand(x: list[float], y: list[float]) -> float:
+    """Textbook U with mid-ranks and the tie-corrected variance n1 n2 / 12 ((n + 1) - sum(t^3 - t) / (n (n - 1)))."""
+    both = sorted(x + y)
+    rank = {v: (both.index(v) + 1 + len(both) - both[::-1].index(v)) / 2 for v in both}
+    n1, n2, n = len(x), len(y), len(x) + len(y)
+    u = sum(rank[v] for v in x) - n1 * (n1 + 1) / 2
+    ties = sum(both.count(v) ** 3 - both.count(v) for v in set(both))
+    return (u - n1 * n2 / 2) / math.sqrt(n1 * n2 / 12 * ((n + 1) - ties / (n * (n - 1))))
+
+
+def test_mann_whitney_z_with_ties_matches_the_textbook():
+    x, y = [1.0, 1.0, 2.0, 3.0, 3.0, 3.0], [1.0, 2.0, 2.0, 2.0, 0.5]
+    assert mann_whitney_z(np.array(x), np.array(y)) == pytest.approx(_mann_whitney_by_hand(x, y))
+
+
+def test_a_stage_heavy_in_barely_half_the_steps_is_not_stage_imbalance(tables):
+    # stage 1's least loaded rank computes 1.4e8 against stage 0's 1e8 in 6 of 11 steps: 1.167x the
+    # median of the two stages (1.2e8), so its median ratio clears a 1.1 bar; its share of steps
+    # (6/11 = 0.545) stays below persist_min (0.6)
+    lay = tables.layout
+    late = [r for r in range(lay.world_size) if lay.coords(r).pp == 1]
+
+    def metrics(heavy_steps: set[int]) -> pl.DataFrame:
+        rows = [(r, t, 1.4e8 if r in late and t in heavy_steps else 1e8) for t in range(11) for r in range(lay.world_size)]
+        return pl.DataFrame(rows, schema={"rank": pl.Int32, "step": pl.Int64, "compute_ns": pl.Float64}, orient="row")
+
+    tun = Tunables(stage_compute_ratio=1.1)
+    assert _stage_findings(tables, metrics(set(range(6))), tun, 1e9) == []
+    (f,) = _stage_findings(tables, metrics(set(range(11))), tun, 1e9)  # heavy in every step
+    assert f.kind == "stage_imbalance" and "stage 1" in f.where and f.cost_ns == pytest.approx(0.2e8)
+    assert f.evidence["stage_compute_ratio"] == pytest.approx(1.4 / 1.2)
+
+
+def test_a_step_stands_out_only_beyond_noise_and_a_share_of_the_step():
+    # peers without spread: the noise unit is its floor, 0.1% of the step (1 ms of 1 s), and the bar
+    # margin_min (4) of those, 4 ms; 4.5 ms clears it but stays below effect_min_frac (0.5%, 5 ms)
+    row = np.array([0.0, 0.0, 0.0, 4.5e6])
+    step_ns = 1e9
+    assert standout(row, step_ns, TUN, TUN.effect_min_frac) == (3, 4.5e6, False)
+    assert standout(row * 10, step_ns, TUN, TUN.effect_min_frac) == (3, 4.5e7, True)
