@@ -170,7 +170,7 @@ def _rank_finding(tables: RunTables, f: RankFinding, loc: Localization, tun: Tun
         pass
     return Finding(kind, (f.rank,), _where(tables, (f.rank,)), f.steps, cost, share, f.confidence, cause.kind,
                    summary, NEXT_STEP.get(cause.kind, NEXT_STEP["unexplained"]).format(who=f"rank {f.rank}"),
-                   {**cause.evidence, "compute_ratio": f.ratio, "margin": f.margin,
+                   {"compute_ratio": f.ratio, **cause.evidence, "span_ratio": f.ratio, "margin": f.margin,
                     "extra_compute_ns": max(f.cost_ns, 0.0), "cost_from": how})
 
 
