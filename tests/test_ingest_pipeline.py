@@ -203,7 +203,7 @@ def test_a_failing_consumer_stops_the_workers_and_keeps_the_store(tmp_path: Path
     def parse(*a, **k):  # type: ignore[no-untyped-def]
         calls.append(1)
         if len(calls) > 1:
-            time.sleep(0.05)  # the others take long enough for the consumer to stop first
+            time.sleep(0.3)  # the others take long enough for the consumer to stop first, even on a busy machine
         return real(*a, **k)
 
     def progress(done: int, total: int, path: Path, status: str) -> None:
