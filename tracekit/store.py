@@ -100,15 +100,16 @@ class Store:
             raise StoreError(f"{self.path}: no run {run_id!r}; runs: {', '.join(self.run_ids) or 'none'}")
         return run_id
 
-    def run_tables(self, run_id: str | None = None) -> RunTables:
-        """One run's tables, the input of every analysis."""
+    def run_tables(self, run_id: str | None = None, ranks: list[tuple[int, int]] | None = None) -> RunTables:
+        """One run's tables, the input of every analysis (with ``ranks``, inclusive rank ranges, only
+        those ranks' rows of the per-rank tables)."""
         from dataclasses import replace
 
         import polars as pl
 
         from tracekit.analysis.tables import RunTables
 
-        tables = RunTables.from_duckdb(self._con, self._run(run_id))
+        tables = RunTables.from_duckdb(self._con, self._run(run_id), ranks)
         row = tables.runs.row(0, named=True)
         if any(row[d] is None for d in ("tp", "cp", "pp", "dp")):
             # No layout (e.g. traces without process-group metadata): compare every rank with every
@@ -122,18 +123,31 @@ class Store:
     def attention_work(self, run_id: str | None = None) -> pl.DataFrame | None:
         """Attention work per (rank, step) where the run's manifest records it
         (``attention_work``: {step: {rank: work}}); None when unknown."""
+        import json
+
         from tracekit.analysis.work import work_from_manifest
 
-        return work_from_manifest(self.run_tables(run_id).manifest)
+        rows = self._con.execute("SELECT manifest FROM runs WHERE run_id = ?", [self._run(run_id)]).fetchall()
+        return work_from_manifest(json.loads(rows[0][0]) if rows and rows[0][0] else {})
 
     def diagnose(self, run_id: str | None = None, tunables: Tunables | None = None) -> Diagnosis:
         """Which rank made the run slow, and why (localization + root cause)."""
         from tracekit.analysis.diagnosis import diagnose
         from tracekit.analysis.tunables import Tunables
 
-        tables = self.run_tables(run_id)
-        return diagnose(tables, tunables or Tunables(), self.attention_work(tables.run_id), self.hangs(tables.run_id),
-                        self.damaged_ranks(tables.run_id, formats=("kineto",)))
+        tun = tunables or Tunables()
+        rid = self._run(run_id)
+        world = self.sql("SELECT world_size, tp, cp, pp, dp FROM runs WHERE run_id = ?", [rid]).row(0, named=True)
+        scope = None
+        if (world["world_size"] or 0) >= tun.scope_above_ranks and all(world[d] for d in ("tp", "cp", "pp", "dp")):
+            from tracekit.analysis.scope import narrow
+            from tracekit.topology import Layout
+
+            lay = Layout(tp=world["tp"], cp=world["cp"], pp=world["pp"], dp=world["dp"])
+            scope = narrow(self._con, rid, lay, tun)
+        tables = self.run_tables(rid, scope.ranges() if scope else None)
+        return diagnose(tables, tun, self.attention_work(rid), self.hangs(rid),
+                        self.damaged_ranks(rid, formats=("kineto",)), scope)
 
     def cp_wait(self, run_id: str | None = None, tunables: Tunables | None = None) -> CPWait:
         """Exposed CP communication split into wait and transfer, and what the waiting is due to."""

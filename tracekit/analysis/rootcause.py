@@ -22,7 +22,7 @@ import polars as pl
 from tracekit.analysis import work as attention
 from tracekit.analysis.links import link_transfers, slowest_link
 from tracekit.analysis.localize import Localization
-from tracekit.analysis.tables import RunTables, compute_events
+from tracekit.analysis.tables import RunTables, compute_events, per_tables
 from tracekit.analysis.tunables import Tunables
 
 CATEGORY = {"slow_compute": "worker", "cpu_bound": "worker", "slow_link": "link", "data_imbalance": "data",
@@ -47,6 +47,7 @@ class Cause:
         return {**asdict(self), "evidence": evidence, "category": self.category}
 
 
+@per_tables
 def rank_step_metrics(tables: RunTables) -> pl.DataFrame:
     """Per (rank, step): compute_ns, busy_ns (union of compute and communication), step_ns, gap_ns.
 
