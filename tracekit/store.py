@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # polars is imported by DuckDB's .pl() when a query result is
     from tracekit.analysis.cp_wait import CPWait
     from tracekit.analysis.hangs import HangReport
     from tracekit.analysis.diagnosis import Diagnosis
+    from tracekit.analysis.scope import Scope
     from tracekit.analysis.steps import StepReport
     from tracekit.analysis.tables import RunTables
     from tracekit.analysis.tunables import Tunables
@@ -54,6 +55,7 @@ class Store:
         self.path = Path(path)
         self._read_only = read_only
         self._con = connect(self.path, read_only=read_only)
+        self._scopes: dict = {}
         present = {r[0] for r in self._con.execute(
             "SELECT table_name FROM information_schema.tables WHERE table_schema = 'main'").fetchall()}
         missing = [t for t in schema.TABLES if t not in present]
@@ -120,6 +122,12 @@ class Store:
                 pl.lit(int(world), pl.Int32).alias("dp"), pl.lit("assumed-dp").alias("layout_source")))
         return tables
 
+    def layout_source(self, run_id: str | None = None) -> str:
+        """How the run's layout was found (``runs.layout_source``; ``assumed-dp`` when none was)."""
+        row = self.sql("SELECT layout_source, tp, cp, pp, dp FROM runs WHERE run_id = ?", [self._run(run_id)]).row(
+            0, named=True)
+        return "assumed-dp" if any(row[d] is None for d in ("tp", "cp", "pp", "dp")) else row["layout_source"]
+
     def attention_work(self, run_id: str | None = None) -> pl.DataFrame | None:
         """Attention work per (rank, step) where the run's manifest records it
         (``attention_work``: {step: {rank: work}}); None when unknown."""
@@ -130,6 +138,30 @@ class Store:
         rows = self._con.execute("SELECT manifest FROM runs WHERE run_id = ?", [self._run(run_id)]).fetchall()
         return work_from_manifest(json.loads(rows[0][0]) if rows and rows[0][0] else {})
 
+    def scope(self, run_id: str | None = None, tunables: Tunables | None = None) -> Scope | None:
+        """For a job of at least ``scope_above_ranks`` ranks with a layout, the ranks the analyses
+        read, chosen top-down from aggregates (tracekit.analysis.scope); None for smaller jobs."""
+        from tracekit.analysis.tunables import Tunables
+
+        tun = tunables or Tunables()
+        rid = self._run(run_id)
+        key = (rid, tun)
+        if key not in self._scopes:
+            row = self.sql("SELECT world_size, tp, cp, pp, dp FROM runs WHERE run_id = ?", [rid]).row(0, named=True)
+            scope = None
+            if (row["world_size"] or 0) >= tun.scope_above_ranks and all(row[d] for d in ("tp", "cp", "pp", "dp")):
+                from tracekit.analysis.scope import narrow
+                from tracekit.topology import Layout
+
+                lay = Layout(tp=row["tp"], cp=row["cp"], pp=row["pp"], dp=row["dp"])
+                scope = narrow(self._con, rid, lay, tun)
+            self._scopes[key] = scope
+        return self._scopes[key]
+
+    def _scoped_tables(self, run_id: str | None, tun: Tunables | None) -> tuple[RunTables, Scope | None]:
+        scope = self.scope(run_id, tun)
+        return self.run_tables(run_id, scope.ranges() if scope else None), scope
+
     def diagnose(self, run_id: str | None = None, tunables: Tunables | None = None) -> Diagnosis:
         """Which rank made the run slow, and why (localization + root cause)."""
         from tracekit.analysis.diagnosis import diagnose
@@ -137,15 +169,7 @@ class Store:
 
         tun = tunables or Tunables()
         rid = self._run(run_id)
-        world = self.sql("SELECT world_size, tp, cp, pp, dp FROM runs WHERE run_id = ?", [rid]).row(0, named=True)
-        scope = None
-        if (world["world_size"] or 0) >= tun.scope_above_ranks and all(world[d] for d in ("tp", "cp", "pp", "dp")):
-            from tracekit.analysis.scope import narrow
-            from tracekit.topology import Layout
-
-            lay = Layout(tp=world["tp"], cp=world["cp"], pp=world["pp"], dp=world["dp"])
-            scope = narrow(self._con, rid, lay, tun)
-        tables = self.run_tables(rid, scope.ranges() if scope else None)
+        tables, scope = self._scoped_tables(rid, tun)
         return diagnose(tables, tun, self.attention_work(rid), self.hangs(rid),
                         self.damaged_ranks(rid, formats=("kineto",)), scope)
 
@@ -154,7 +178,7 @@ class Store:
         from tracekit.analysis.cp_wait import cp_wait
         from tracekit.analysis.tunables import Tunables
 
-        tables = self.run_tables(run_id)
+        tables, _ = self._scoped_tables(run_id, tunables)
         return cp_wait(tables, tunables or Tunables(), self.attention_work(tables.run_id))
 
     def steps(self, run_id: str | None = None, tunables: Tunables | None = None) -> StepReport:
@@ -162,7 +186,8 @@ class Store:
         from tracekit.analysis.steps import step_report
         from tracekit.analysis.tunables import Tunables
 
-        return step_report(self.run_tables(run_id), tunables or Tunables())
+        tables, _ = self._scoped_tables(run_id, tunables)
+        return step_report(tables, tunables or Tunables())
 
     def hangs(self, run_id: str | None = None) -> HangReport:
         """Where the ranks stopped, from the flight-recorder entries."""

@@ -214,7 +214,8 @@ def _stage_findings(tables: RunTables, metrics: pl.DataFrame, tun: Tunables, ste
     for stage, ratio, excess_ns, share in stage_ratios(metrics, tables, tun.stage_compute_ratio):
         if ratio >= tun.stage_compute_ratio and share >= tun.persist_min:
             ranks = tuple(r for r in range(lay.world_size) if lay.coords(r).pp == stage)
-            out.append(Finding("stage_imbalance", ranks, f"pipeline stage {stage} (ranks {list(ranks)})", (), excess_ns,
+            members = f"ranks {list(ranks)}" if len(ranks) <= 16 else f"{len(ranks):,} ranks: pp {stage} of every replica"
+            out.append(Finding("stage_imbalance", ranks, f"pipeline stage {stage} ({members})", (), excess_ns,
                                excess_ns / step_ns, min(0.95, share), "stage_imbalance",
                                f"pipeline stage {stage} computes {ratio:.2f}x the median stage in every replica",
                                NEXT_STEP["stage_imbalance"].format(who=stage),

@@ -50,8 +50,27 @@ class Scope:
                 out.append((r, r))
         return out
 
+    @property
+    def summary(self) -> str:
+        """What was read, in one line."""
+        said = []
+        for lv in self.levels:
+            picked = lv.get("candidates") or lv.get("late_replicas") or lv.get("stages") or lv.get("heavy")
+            if lv["level"] == "compute":
+                said.append(f"compute of every rank: {len(picked or [])} stand out")
+            elif lv["level"] == "dp" and "rows" in lv:
+                said.append(f"DP collectives of every rank: late replicas {picked or 'none'}"
+                            + (f", slow DP group {lv['slow_group']['pg_name']}" if lv.get("slow_group") else ""))
+            elif lv["level"] == "pp":
+                said.append(f"pipeline waits of two replicas: stages {picked or 'none'}")
+            elif lv["level"] == "stage" and picked:
+                said.append(f"heavy stages {picked}")
+        return (f"large job: the diagnosis read {len(self.ranks):,} of {self.world_size:,} ranks, chosen top-down ("
+                + "; ".join(said) + ") with reference replicas as their peers")
+
     def to_dict(self) -> dict:
-        return {"ranks": len(self.ranks), "world_size": self.world_size, "levels": list(self.levels)}
+        return {"ranks": len(self.ranks), "world_size": self.world_size, "summary": self.summary,
+                "levels": list(self.levels)}
 
 
 def _cell(lay: Layout, dp: int, pp: int) -> range:
@@ -139,30 +158,59 @@ def _dp_level(con, run_id: str, lay: Layout, tun: Tunables, step_ns: float) -> t
 
 def _pp_level(con, run_id: str, lay: Layout, replica: int, ref: int, tun: Tunables, step_ns: float
               ) -> tuple[list[int], dict]:
-    """The stages of ``replica`` whose communication waits grew against the same stage of ``ref``:
-    reads only those two replicas' p2p and non-DP collectives."""
+    """The stages of ``replica`` to read: the ends of its pipeline link whose transfers (the shorter of
+    send and receive, one clock) grew most against the same stage pair of ``ref``, and the stage whose
+    in-stage collectives grew most. Reads only those two replicas' p2p and non-DP collectives."""
     size = lay.world_size // lay.dp
     within = (f"(rank BETWEEN {replica * size} AND {(replica + 1) * size - 1} "
               f"OR rank BETWEEN {ref * size} AND {(ref + 1) * size - 1})")
-    rows = con.sql(
+    stage = (pl.col("rank") // (lay.tp * lay.cp)) % lay.pp
+    evidence: dict = {"level": "pp", "read": f"p2p and in-stage collectives of replicas {replica} and {ref}"}
+    stages: list[int] = []
+    p2p = con.sql(f"SELECT rank, peer, direction, step, start_ns, end_ns FROM p2p WHERE run_id = $r AND source <> 'fr' "
+                  f"AND {within} AND peer IS NOT NULL AND step IS NOT NULL", params={"r": run_id}).pl()
+    if p2p.height:
+        send = pl.col("direction") == "send"
+        p2p = p2p.with_columns(pl.when(send).then("rank").otherwise("peer").alias("src"),
+                               pl.when(send).then("peer").otherwise("rank").alias("dst"),
+                               (pl.col("end_ns") - pl.col("start_ns")).alias("d")).sort("start_ns")
+        p2p = p2p.with_columns(pl.int_range(pl.len()).over("src", "dst", "step", "direction").alias("k"))
+        pairs = p2p.filter(send).select("src", "dst", "step", "k", pl.col("d").alias("s")).join(
+            p2p.filter(~send).select("src", "dst", "step", "k", pl.col("d").alias("r")), on=["src", "dst", "step", "k"])
+        # each link against the link at the same position of the reference replica
+        shift = (replica - ref) * size
+        per = pairs.with_columns(pl.min_horizontal("s", "r").alias("t")).group_by("src", "dst").agg(
+            pl.col("t").median(), (pl.col("t").sum() / pl.col("step").n_unique()).alias("per_step"))
+        mine = per.filter(pl.col("src") // size == replica)
+        theirs = per.filter(pl.col("src") // size == ref).select(
+            (pl.col("src") + shift).alias("src"), (pl.col("dst") + shift).alias("dst"), pl.col("t").alias("t_ref"),
+            pl.col("per_step").alias("ps_ref"))
+        both = mine.join(theirs, on=["src", "dst"]).with_columns(
+            (pl.col("t") / pl.col("t_ref")).alias("ratio"), (pl.col("per_step") - pl.col("ps_ref")).alias("excess"))
+        both = both.filter((pl.col("ratio") >= tun.slow_link_ratio)
+                           & (pl.col("excess") >= tun.link_effect_min_frac * step_ns)).sort("ratio", descending=True)
+        if both.height:
+            top = both.row(0, named=True)
+            a, b = (int(top[x]) // (lay.tp * lay.cp) % lay.pp for x in ("src", "dst"))
+            stages += [a, b]
+            evidence["link"] = {"ranks": [int(top["src"]), int(top["dst"])], "ratio": float(top["ratio"])}
+    coll = con.sql(
         "WITH dpg AS (SELECT pg_name FROM groups WHERE run_id = $r AND dim = 'dp') "
-        f"SELECT rank, step, sum(end_ns - start_ns)::DOUBLE AS ns FROM ("
-        f"SELECT rank, step, start_ns, end_ns FROM p2p WHERE run_id = $r AND source <> 'fr' AND {within} "
-        f"UNION ALL SELECT rank, step, start_ns, end_ns FROM collectives WHERE run_id = $r AND source <> 'fr' "
-        f"AND {within} AND pg_name NOT IN (SELECT pg_name FROM dpg)) WHERE step IS NOT NULL GROUP BY ALL",
-        params={"r": run_id}).pl()
-    if not rows.height:
-        return [], {"level": "pp", "read": "nothing recorded"}
-    rows = rows.with_columns((pl.col("rank") // size).alias("dp"),
-                             ((pl.col("rank") // (lay.tp * lay.cp)) % lay.pp).alias("pp"))
-    per = rows.group_by("dp", "pp").agg(pl.col("ns").mean())  # per rank and step
-    a = dict(per.filter(pl.col("dp") == replica).select("pp", "ns").iter_rows())
-    b = dict(per.filter(pl.col("dp") == ref).select("pp", "ns").iter_rows())
-    grown = {p: a[p] - b.get(p, a[p]) for p in a}
-    order = sorted(grown, key=lambda p: -grown[p])
-    stages = [p for p in order[:2] if grown[p] >= tun.link_effect_min_frac * step_ns]
-    return stages, {"level": "pp", "read": f"p2p and in-stage collectives of replicas {replica} and {ref}",
-                    "rows": rows.height, "stages": stages, "grown_ns": {str(p): grown[p] for p in stages}}
+        f"SELECT rank, step, sum(end_ns - start_ns)::DOUBLE AS ns FROM collectives WHERE run_id = $r "
+        f"AND source <> 'fr' AND {within} AND step IS NOT NULL AND pg_name NOT IN (SELECT pg_name FROM dpg) "
+        "GROUP BY ALL", params={"r": run_id}).pl()
+    if coll.height:
+        per = coll.with_columns((pl.col("rank") // size).alias("dp"), stage.alias("pp")).group_by("dp", "pp").agg(
+            pl.col("ns").mean())  # per rank and step
+        a = dict(per.filter(pl.col("dp") == replica).select("pp", "ns").iter_rows())
+        b = dict(per.filter(pl.col("dp") == ref).select("pp", "ns").iter_rows())
+        grown = {p: a[p] - b.get(p, a[p]) for p in a}
+        top = max(grown, key=lambda p: grown[p]) if grown else None
+        if top is not None and grown[top] >= tun.link_effect_min_frac * step_ns:
+            stages.append(int(top))
+            evidence["in_stage"] = {"stage": int(top), "grown_ns": grown[top]}
+    evidence["stages"] = sorted(set(stages))
+    return sorted(set(stages)), evidence
 
 
 def _stage_level(compute: pl.DataFrame, lay: Layout, tun: Tunables) -> tuple[list[int], dict]:
@@ -193,8 +241,7 @@ def narrow(con, run_id: str, lay: Layout, tun: Tunables = Tunables()) -> Scope:
         if refs:
             stages, ev = _pp_level(con, run_id, lay, replica, refs[0], tun, step_ns)
             levels.append(ev)
-            for p in stages:
-                cells |= {(replica, q) for q in (p - 1, p, p + 1) if 0 <= q < lay.pp}
+            cells |= {(replica, q) for q in stages}
     heavy, ev = _stage_level(compute, lay, tun)
     levels.append(ev)
     for p in heavy:

@@ -238,8 +238,14 @@ class _Stage:
         prof = [PROFILING_NAME[o.name] if o.kind == "collective" else
                 (f"nccl:send {me}->{o.peer_stage}" if o.kind == "send" else f"nccl:recv {me}<-{o.peer_stage}")
                 for o in ops]
-        rng = np.random.default_rng([self.cfg.seed, 4, self.p])
-        phase = rng.uniform(0.0, POLL_MS, len(self.rank))[lane]
+        # each rank's recorder draws its poll phase and launch leads as flight.dump does
+        phase, lead = np.empty(len(self.rank)), np.empty((len(self.ops), len(self.rank)))
+        for j, r in enumerate(self.rank.tolist()):
+            rng = np.random.default_rng([self.cfg.seed, 4, r])
+            phase[j] = rng.uniform(0.0, POLL_MS)
+            lead[:, j] = rng.uniform(0.015, 0.08, len(self.ops))
+        phase = phase[lane]
+        created = start[k, lane] - lead[comm[k], lane]
         s_true, e_true = start[k, lane], end[k, lane]
         polled = lambda t: phase + np.ceil((t - phase) / POLL_MS) * POLL_MS  # noqa: E731
         to_ns = lambda t: EPOCH_NS + np.rint((self.skew[lane] + np.where(np.isfinite(t), t, 0.0)  # noqa: E731
@@ -257,7 +263,7 @@ class _Stage:
             "op_id": per(op_id, pl.Int64), "is_p2p": per([o.kind != "collective" for o in ops], pl.Boolean),
             "profiling_name": per(prof, pl.Utf8), "input_sizes": per(sizes, pl.Utf8), "input_dtypes": per(dts, pl.Utf8),
             "output_sizes": per(out_sizes, pl.Utf8), "output_dtypes": per(dts, pl.Utf8),
-            "time_created_ns": to_ns(s_true) - 40_000,
+            "time_created_ns": to_ns(created),
             "time_started_ns": pl.Series(np.where(st != "scheduled", to_ns(polled(s_true)), 0)).set(
                 pl.Series(st == "scheduled"), None),
             "time_completed_ns": pl.Series(to_ns(np.maximum(polled(e_true), polled(s_true)))).set(
@@ -284,3 +290,19 @@ def write_duckdb(cfg: SimConfig, path, run_id: str, fr_tail: int = FR_TAIL) -> N
         con.execute("COMMIT")
     finally:
         con.close()
+
+
+def write_dataset(cfg: SimConfig, out, run_id: str, fr_tail: int = FR_TAIL) -> None:
+    """The simulated run's tables as a Parquet dataset store at ``out`` (tracekit/dataset.py), one
+    part per pipeline stage; the manifest beside it, as a run directory has it."""
+    from pathlib import Path
+
+    from tracekit.analysis.tables import conform
+    from tracekit.dataset import write_tables
+
+    out = Path(out)
+    for i, chunk in enumerate(run_tables(cfg, run_id, fr_tail)):
+        if i == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "manifest.json").write_text(chunk["runs"]["manifest"][0])
+        write_tables(out, {t: conform(df, t) for t, df in chunk.items() if df.height}, part=f"sim-{i:03d}")
