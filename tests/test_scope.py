@@ -25,6 +25,7 @@ CASES = {  # name: (faults, what the verdict must name)
     "transient": (("slow:rank=50,factor=1.8,steps=2+5",), {"transient": [(50,)]}),
     "p2p_link": (("link:a=36,b=40,delay_ms=20",), {"slow_link": [(36, 40)]}),
     "clean": ((), {}),
+    "hang": (("hang:rank=45,step=4",), {}),
 }
 
 
@@ -54,6 +55,10 @@ def test_scoped_verdict_is_the_full_verdict_and_the_truth(verdicts, name):
     full, scoped, _ = verdicts[name]
     want = CASES[name][1]
     assert full.scope is None and scoped.scope is not None
+    if name == "hang":  # no performance verdict; the one rank that never joined, from a few groups' entries
+        for d in (full, scoped):
+            assert d.localization.verdict == "hang" and not d.findings, d.headline
+            assert d.cause.ranks == (45,), d.headline
     assert _named(full) == want, full.headline
     assert _named(scoped) == want, scoped.headline
 

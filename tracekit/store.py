@@ -102,6 +102,23 @@ class Store:
             raise StoreError(f"{self.path}: no run {run_id!r}; runs: {', '.join(self.run_ids) or 'none'}")
         return run_id
 
+    def check(self, run_id: str | None = None) -> str:
+        """The run id (newest by default), after checking that the run exists and that every table the
+        analyses read has the schema's columns: a bad store fails here, with its name, not halfway
+        through an analysis. Reads no rows."""
+        from tracekit.analysis.tables import TABLE_NAMES, TablesError
+
+        rid = self._run(run_id)
+        for t in TABLE_NAMES:
+            try:
+                have = set(self._con.sql(f"SELECT * FROM {t} LIMIT 0").columns)
+            except duckdb.Error as e:
+                raise TablesError(f"cannot read table {t!r} from the store: {str(e).splitlines()[0]}") from None
+            lacking = [c for c in schema.columns(t) if c not in have]
+            if lacking:
+                raise TablesError(f"table {t!r} lacks columns {lacking}")
+        return rid
+
     def run_tables(self, run_id: str | None = None, ranks: list[tuple[int, int]] | None = None) -> RunTables:
         """One run's tables, the input of every analysis (with ``ranks``, inclusive rank ranges, only
         those ranks' rows of the per-rank tables)."""
@@ -170,7 +187,7 @@ class Store:
         tun = tunables or Tunables()
         rid = self._run(run_id)
         tables, scope = self._scoped_tables(rid, tun)
-        return diagnose(tables, tun, self.attention_work(rid), self.hangs(rid),
+        return diagnose(tables, tun, self.attention_work(rid), self.hangs(rid, tun),
                         self.damaged_ranks(rid, formats=("kineto",)), scope)
 
     def cp_wait(self, run_id: str | None = None, tunables: Tunables | None = None) -> CPWait:
@@ -189,15 +206,26 @@ class Store:
         tables, _ = self._scoped_tables(run_id, tunables)
         return step_report(tables, tunables or Tunables())
 
-    def hangs(self, run_id: str | None = None) -> HangReport:
+    def hangs(self, run_id: str | None = None, tunables: Tunables | None = None) -> HangReport:
         """Where the ranks stopped, from the flight-recorder entries."""
         from tracekit.analysis.hangs import diagnose_hang
 
+        from tracekit.analysis.tunables import Tunables
+
         rid = self._run(run_id)
         world = self.table("runs", rid)["world_size"]
-        return diagnose_hang(self.table("fr_entries", rid), self.table("groups", rid),
-                             int(world[0]) if world.len() and world[0] is not None else None,
-                             self.damaged_ranks(rid, formats=("fr",)))
+        size = int(world[0]) if world.len() and world[0] is not None else None
+        if (size or 0) >= (tunables or Tunables()).scope_above_ranks:
+            # a large job: only the groups where some entry never completed can hold the stuck
+            # collective, and a clean run has none (the rest is a million completed entries)
+            fr = self.sql("SELECT * FROM fr_entries WHERE run_id = $r AND pg_name IN (SELECT DISTINCT pg_name "
+                          "FROM fr_entries WHERE run_id = $r AND coalesce(state, '') <> 'completed')", {"r": rid})
+            names = fr["pg_name"].unique().to_list()
+            groups = self.sql("SELECT * FROM groups WHERE run_id = $r AND list_contains($n, pg_name)",
+                              {"r": rid, "n": names})
+        else:
+            fr, groups = self.table("fr_entries", rid), self.table("groups", rid)
+        return diagnose_hang(fr, groups, size, self.damaged_ranks(rid, formats=("fr",)))
 
     def damaged_ranks(self, run_id: str | None = None, formats: tuple[str, ...] | None = None) -> dict[int, str]:
         """{rank: why} for the ranks an analysis cannot judge: a file failed to ingest, or no data of a

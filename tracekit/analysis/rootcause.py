@@ -238,7 +238,7 @@ def _explain_rank(tables, loc, metrics, links, tun: Tunables, step_ns: float, wo
     work_ratio = attention.work_ratio(work, r, same, steps) if work is not None else None
     explained = None
     ev["work_ratio"] = work_ratio
-    stage_peers = [q for q in range(tables.layout.world_size) if q != r and tables.layout.coords(q).pp == stage]
+    stage_peers = [q for q in tables.layout.group(r, ("dp", "cp", "tp")) if q != r]
     if work is not None:
         stage_compute_ratio = ratio_to_peers(metrics, r, stage_peers, "compute_ns", steps)
         explained = attention.explained_share(work, m, r, stage_peers, tun)

@@ -132,7 +132,7 @@ class RunTables:
         row = self.runs.row(0, named=True)
         return all(row.get(d) is not None for d in ("tp", "cp", "pp", "dp"))
 
-    @property
+    @functools.cached_property
     def layout(self) -> Layout:
         row = self.runs.row(0, named=True)
         sizes = {d: row[d] for d in ("tp", "cp", "pp", "dp")}
@@ -147,11 +147,15 @@ class RunTables:
 
     def coords(self) -> pl.DataFrame:
         """rank, dp, pp, cp, tp (from the layout) and host (each rank its own host if unknown)."""
+        if "coords" not in self.cache:
+            self.cache["coords"] = self._coords()
+        return self.cache["coords"]
+
+    def _coords(self) -> pl.DataFrame:
         lay = self.layout
-        coords = [lay.coords(r) for r in range(lay.world_size)]
-        ranks = pl.DataFrame({"rank": list(range(lay.world_size)), **{d: [getattr(c, d) for c in coords]
-                                                                       for d in ("tp", "cp", "pp", "dp")}},
-                             schema={"rank": pl.Int32, "tp": pl.Int64, "cp": pl.Int64, "pp": pl.Int64, "dp": pl.Int64})
+        r = pl.int_range(0, lay.world_size, dtype=pl.Int64)
+        ranks = pl.select(r.cast(pl.Int32).alias("rank"), (r % lay.tp).alias("tp"), (r // lay.tp % lay.cp).alias("cp"),
+                          (r // (lay.tp * lay.cp) % lay.pp).alias("pp"), (r // (lay.tp * lay.cp * lay.pp)).alias("dp"))
         hosts = self.ranks.select(pl.col("rank").cast(pl.Int32), "host")
         ranks = ranks.join(hosts, on="rank", how="left")
         return ranks.with_columns(pl.coalesce("host", pl.format("rank{}", "rank")).alias("host"))

@@ -34,7 +34,7 @@ def open_source(path: Path, run_id: str | None, quiet: bool, store: Path | None 
     path, run_id = store_of(path, run_id, quiet, store, warn=_warn)
     try:
         opened = tracekit.open(path)
-        opened.run_tables(run_id)  # fails early, with the file's name, on a bad store or run id
+        opened.check(run_id)  # fails early, with the file's name, on a bad store or run id
     except (StoreError, ValueError) as e:
         fail(f"{path}: {e}" if str(path) not in str(e) else str(e))
     return opened, run_id

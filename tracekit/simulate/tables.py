@@ -40,13 +40,26 @@ def run_tables(cfg: SimConfig, run_id: str, fr_tail: int = FR_TAIL) -> Iterator[
     trace, faults = run_model(cfg)
     groups = Groups(cfg)
     clocks = Clocks(cfg)
-    stages = [_Stage(trace, p, clocks, groups) for p in range(cfg.pp)]
-    blocked = sorted(r for s in stages for r in s.blocked())
-    man = manifest(cfg, faults, trace, clocks, groups, blocked)
+    man = manifest(cfg, faults, trace, clocks, groups, _blocked(trace))
     yield {"runs": _runs(cfg, run_id, man), "ranks": _ranks(cfg, run_id, clocks), "groups": _groups(cfg, run_id, groups)}
     new = new_nccl(cfg.seed)
-    for s in stages:
-        yield {t: df.with_columns(pl.lit(run_id).alias("run_id")) for t, df in s.tables(new, fr_tail).items()}
+    for p in range(cfg.pp):  # one stage's arrays at a time: 16,384 ranks' would not fit at once
+        stage = _Stage(trace, p, clocks, groups)
+        yield {t: df.with_columns(pl.lit(run_id).alias("run_id")) for t, df in stage.tables(new, fr_tail).items()}
+        del stage
+
+
+def _blocked(trace: Trace) -> list[int]:
+    """Ranks with an op issued and never completed (the ranks a hang blocks)."""
+    cfg = trace.cfg
+    out = []
+    for p, ops in enumerate(trace.ops):
+        stuck = np.zeros((cfg.dp, cfg.cp, cfg.tp), dtype=bool)
+        for o in ops:
+            stuck |= np.isfinite(o.start) & ~np.isfinite(o.end)
+        d, c, t = np.nonzero(stuck)
+        out += (t + cfg.tp * (c + cfg.cp * (p + cfg.pp * d))).tolist()
+    return sorted(out)
 
 
 def _runs(cfg: SimConfig, run_id: str, man: dict) -> pl.DataFrame:
@@ -97,10 +110,6 @@ class _Stage:
         with np.errstate(invalid="ignore"):
             v = np.where(np.isfinite(true_ms), true_ms, 0.0)
         return EPOCH_NS + np.rint((self.skew + v * self.rate) * 1e6).astype(np.int64)
-
-    def blocked(self) -> list[int]:
-        open_ = np.isfinite(self.start) & ~np.isfinite(self.end)
-        return self.rank[open_.any(axis=0)].tolist()
 
     def tables(self, new: bool, fr_tail: int) -> dict[str, pl.DataFrame]:
         kinds = np.array([o.kind for o in self.ops])
