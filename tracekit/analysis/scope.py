@@ -80,34 +80,37 @@ def _cell(lay: Layout, dp: int, pp: int) -> range:
 
 def _compute_level(con, run_id: str, lay: Layout, tun: Tunables) -> tuple[list[int], dict, pl.DataFrame]:
     """Ranks whose compute stands out, and the per-(rank, step) compute (for the stage level)."""
-    by_name = con.sql(f"SELECT rank, step, name, sum(dur_ns)::DOUBLE AS ns FROM events WHERE run_id = $r "
-                      f"AND {COMPUTE_SQL} GROUP BY ALL", params={"r": run_id}).pl()
-    if not by_name.height:
-        return [], {"level": "compute", "read": "events (none recorded)"}, by_name
-    pp_of = (pl.col("rank") // (lay.tp * lay.cp)) % lay.pp
-    by_name = by_name.with_columns(pp_of.alias("pp"))
-    peers = ["pp", "step", "name"]
+    # per (rank, step): the compute without its longest span, so that one descheduled kernel (the
+    # longest by far) moves nothing; summed where the data lies, no span leaves DuckDB
+    compute = con.sql(f"SELECT rank, step, sum(dur_ns)::DOUBLE AS compute_ns, (sum(dur_ns) - max(dur_ns))::DOUBLE "
+                      f"AS trimmed_ns FROM events WHERE run_id = $r AND {COMPUTE_SQL} GROUP BY ALL",
+                      params={"r": run_id}).pl()
+    if not compute.height:
+        return [], {"level": "compute", "read": "events (none recorded)"}, compute
+    compute = compute.with_columns(((pl.col("rank") // (lay.tp * lay.cp)) % lay.pp).alias("pp"))
+    peers = ["pp", "step"]
     n = pl.len().over(peers)
-    ref = (pl.col("ns").sum().over(peers) - pl.col("ns")) / (n - 1)
-    # per (rank, step): the median over kernel names of its time against its stage peers' mean, so that
-    # one descheduled kernel (one name, one step) moves nothing
-    ratios = by_name.filter(n > 1).with_columns((pl.col("ns") / ref).log().alias("lr")).filter(
-        pl.col("lr").is_finite()).group_by("rank", "step").agg(pl.col("pp").first(), pl.col("lr").median())
+    ref = (pl.col("trimmed_ns").sum().over(peers) - pl.col("trimmed_ns")) / (n - 1)
+    ratios = compute.filter(n > 1).with_columns((pl.col("trimmed_ns") / ref).log().alias("lr")).filter(
+        pl.col("lr").is_finite())
     wide = ratios.pivot(on="step", index="rank", values="lr").sort("rank")
     ranks = wide["rank"].to_numpy()
     mat = wide.drop("rank").to_numpy().astype(float)
     mat = mat - np.nanmedian(mat, axis=0, keepdims=True)
     sigma = max(spread(mat[np.isfinite(mat)]), 1e-4)
     steps = np.isfinite(mat).sum(axis=1).clip(min=1)
-    persistent = np.nanmean(mat, axis=1) / (sigma / np.sqrt(steps))
+    # persistent: the steps' mean without the two most extreme (a step or two of preemption); episodic: one step
+    ordered = np.sort(np.where(np.isfinite(mat), mat, np.nan), axis=1)
+    kept = ordered[:, 1:-1] if mat.shape[1] >= 6 else ordered
+    persistent = np.nanmean(kept, axis=1) / (sigma / np.sqrt(np.isfinite(kept).sum(axis=1).clip(min=1)))
     episodic = np.nanmax(mat, axis=1) / sigma
     pick = set()
     for score, bar in ((persistent, tun.scope_z_persistent), (episodic, tun.scope_z_step)):
         order = np.argsort(-np.nan_to_num(score, nan=-np.inf))[: tun.scope_candidates]
         pick |= {int(ranks[i]) for i in order if score[i] >= bar}
-    compute = by_name.group_by("rank", "step").agg(pl.col("pp").first(), pl.col("ns").sum().alias("compute_ns"))
-    return sorted(pick), {"level": "compute", "read": "events: compute per rank, step and kernel name",
-                          "rows": by_name.height, "sigma": sigma, "candidates": sorted(pick)}, compute
+    return sorted(pick), {"level": "compute", "read": "events: compute per rank and step, summed in place",
+                          "rows": compute.height, "sigma": sigma, "candidates": sorted(pick),
+                          "steps": int(steps.max())}, compute
 
 
 def _dp_level(con, run_id: str, lay: Layout, tun: Tunables, step_ns: float) -> tuple[list[int], list[int], dict]:
