@@ -240,7 +240,9 @@ def narrow(con, run_id: str, lay: Layout, tun: Tunables = Tunables()) -> Scope:
     cells: set[tuple[int, int]] = {(lay.coords(r).dp, lay.coords(r).pp) for r in candidates}
     busy = {d for d, _ in cells} | set(late)
     refs = [d for d in range(lay.dp) if d not in busy][: max(1, math.ceil(tun.scope_min_peers / (lay.cp * lay.tp)))]
-    for replica in late[:2]:
+    # a late replica holding a rank whose compute stands out is explained by it; the others are searched
+    explained = {d for d, _ in cells}
+    for replica in [d for d in late if d not in explained][:2]:
         if refs:
             stages, ev = _pp_level(con, run_id, lay, replica, refs[0], tun, step_ns)
             levels.append(ev)
