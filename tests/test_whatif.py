@@ -301,3 +301,45 @@ def test_real_nccl_kernel_traces_are_refused_in_one_line(tmp_path):
     shutil.copytree(ROOT / "tests" / "fixtures" / "real" / "hta" / "two_rank_train", run)
     r = CliRunner().invoke(cli, ["whatif", str(run), "--store", str(tmp_path / "s.duckdb")])
     assert r.exit_code == 2 and "GPU kernels" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+# -- the steady step and the healed rank's peers (hand-built graphs, hand-computed times) -------------
+
+def _two_rank_allreduce(w1: list[float], transfer: list[float]) -> StepGraph:
+    """Per step: rank 0 works 0-10, rank 1 works 0-w1, then both all-reduce for ``transfer``."""
+    S = len(w1)
+    start = np.array([[0.0] * S, [max(10.0, w) for w in w1], [0.0] * S, [max(10.0, w) for w in w1]])
+    end = np.array([[10.0] * S, [max(10.0, w) + t for w, t in zip(w1, transfer)], list(w1),
+                    [max(10.0, w) + t for w, t in zip(w1, transfer)]])
+    nodes = pl.DataFrame({"node": range(4), "rank": [0, 0, 1, 1]})
+    return StepGraph([1, 2, 3], nodes, [[], [0], [], [2]], np.array([-1, 0, -1, 0]), start, end, end.max(axis=0))
+
+
+def test_the_steady_step_drops_a_disturbance_that_hits_one_step():
+    from tracekit.analysis.whatif import counterfactual as cf
+
+    g = _two_rank_allreduce([10, 30, 10], [2, 2, 4])  # step 2: rank 1 descheduled for 20
+    rec = [recorded(g)]
+    assert list(replay(g, rec[0]).step_ns) == [12, 32, 14]
+    steady = cf.steady([g], rec, {1, 2, 3})
+    assert list(replay(g, steady[0]).step_ns) == [12, 12, 12]  # medians: work 10 and 10, transfer 2
+    steady = cf.steady([g], rec, {2, 3})  # the first step left out as warm-up
+    assert list(replay(g, steady[0]).step_ns) == [23, 23, 23]  # work 10 and (30 + 10) / 2, transfer (2 + 4) / 2
+
+
+def _tp2dp2_compute(fwd: list[float]) -> StepGraph:
+    """Four ranks (tp 2 x dp 2, rank = 2 * dp + tp), one forward compute node each, one step."""
+    nodes = pl.DataFrame({"node": range(4), "rank": [0, 1, 2, 3], "kind": ["work"] * 4, "label": ["fwd"] * 4,
+                          "pp": [0] * 4, "tp": [0, 1, 0, 1], "cp": [0] * 4, "dp": [0, 0, 1, 1],
+                          "peer_key": ["0|0"] * 4})
+    end = np.array(fwd, float)[:, None]
+    return StepGraph([1], nodes, [[], [], [], []], np.full(4, -1), np.zeros((4, 1)), end, np.array([end.max()]))
+
+
+def test_a_healed_rank_takes_its_dp_replicas_compute_else_its_stages():
+    from tracekit.analysis.whatif import counterfactual as cf
+
+    g = _tp2dp2_compute([10, 14, 10, 30])  # TP rank 1 does more work; rank 3 (its DP replica: rank 1) is slow
+    rec = [recorded(g)]
+    assert cf.heal_rank([g], rec, {3})[0].dur[:, 0].tolist() == [10, 14, 10, 14]  # not the stage's median, 10
+    assert cf.heal_rank([g], rec, {1, 3})[0].dur[:, 0].tolist() == [10, 10, 10, 10]  # no healthy replica: the stage
