@@ -331,7 +331,7 @@ def _tp2dp2_compute(fwd: list[float]) -> StepGraph:
     """Four ranks (tp 2 x dp 2, rank = 2 * dp + tp), one forward compute node each, one step."""
     nodes = pl.DataFrame({"node": range(4), "rank": [0, 1, 2, 3], "kind": ["work"] * 4, "label": ["fwd"] * 4,
                           "pp": [0] * 4, "tp": [0, 1, 0, 1], "cp": [0] * 4, "dp": [0, 0, 1, 1],
-                          "peer_key": ["0|0"] * 4})
+                          "peer_key": ["0|0"] * 4, "is_comm": [False] * 4})
     end = np.array(fwd, float)[:, None]
     return StepGraph([1], nodes, [[], [], [], []], np.full(4, -1), np.zeros((4, 1)), end, np.array([end.max()]))
 
