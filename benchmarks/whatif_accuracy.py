@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -113,6 +114,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="profiled steps per run")
     ap.add_argument("--warmup", type=int, default=1, help="profiled steps left out of both statistics")
     ap.add_argument("--clean-repeats", type=int, default=3, help="runs of each reference (clean) configuration")
+    ap.add_argument("--background-load", type=int, default=0, metavar="N",
+                    help="N processes spinning on the CPU while training (a more loaded machine, reproducibly)")
     args = ap.parse_args()
     from tracekit.demo_run import DEMO_CONFIG, FaultSpec, Scenario, run_scenarios
 
@@ -123,10 +126,16 @@ def main() -> None:
         print(f"{len(runs)} runs into {out}: " + ", ".join(r[0] for r in runs), flush=True)
         scenarios = [Scenario({**DEMO_CONFIG, **LAYOUTS[lay], **extra, "steps": args.steps, "profile_memory": False},
                               str(out / name), (FaultSpec(spec),) if spec else ()) for name, lay, spec, extra in runs]
-        for i in range(0, len(scenarios), 8):  # one spawned world trains up to 8 runs, one after another
-            run_scenarios(scenarios[i:i + 8])
-            print(f"trained {min(i + 8, len(scenarios))}/{len(scenarios)} ({time.time() - t0:.0f} s, load "
-                  f"{os.getloadavg()[0]:.1f})", flush=True)
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.background_load)]
+        try:
+            for i in range(0, len(scenarios), 8):  # one spawned world trains up to 8 runs, one after another
+                run_scenarios(scenarios[i:i + 8])
+                print(f"trained {min(i + 8, len(scenarios))}/{len(scenarios)} ({time.time() - t0:.0f} s, load "
+                      f"{os.getloadavg()[0]:.1f})", flush=True)
+        finally:
+            for sp in spinners:
+                sp.kill()
+                sp.wait()
     ref = {r: analyse(out / r, None, args.warmup) for name, *_ in EXTRA for r in repeats(name, args.clean_repeats)}
     faulty = {name: analyse(out / name, whatif, args.warmup) for name, _, _, whatif, _ in PAIRS}
     rows = rows_for(faulty, ref, args.clean_repeats, args.warmup)
