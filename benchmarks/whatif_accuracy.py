@@ -204,7 +204,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         line = f"{r['run']:24s} {r['whatif']:22s} {r['measured'] / 1e6:8.1f} {r['replay_err']:7.2%} | "
         if "pred_steady" in r:
-            line += (f"{r['pred_steady'] / 1e6:7.1f} {r['clean_steady'] / 1e6:7.1f} {r['pred_steady'] / r['clean_steady'] - 1:+6.1%} | "
+            line += (f"{r['pred_steady'] / 1e6:7.1f} {r['clean_steady'] / 1e6:7.1f} "
+                     f"{r['pred_steady'] / r['clean_steady'] - 1:+6.1%} | "
                      f"{r['pred_min'] / 1e6:7.1f} {r['clean_min'] / 1e6:7.1f} {r['pred_min'] / r['clean_min'] - 1:+6.1%} | "
                      f"{r['pred_steady'] / r['clean_median'] - 1:+15.1%}  {r['twin']}")
         else:

@@ -343,3 +343,13 @@ def test_a_healed_rank_takes_its_dp_replicas_compute_else_its_stages():
     rec = [recorded(g)]
     assert cf.heal_rank([g], rec, {3})[0].dur[:, 0].tolist() == [10, 14, 10, 14]  # not the stage's median, 10
     assert cf.heal_rank([g], rec, {1, 3})[0].dur[:, 0].tolist() == [10, 10, 10, 10]  # no healthy replica: the stage
+
+
+def test_a_warmup_that_leaves_no_step_is_refused(trainer_tables, tmp_path):
+    t = trainer_tables["slow_rank_8"]  # 4 replayed steps
+    with pytest.raises(WhatIfError, match="--warmup 4: the run has 4 replayed steps"):
+        analyze(t, warmup=4, decompose=False)
+    w = analyze(t, heal=("rank=5",), warmup=3, decompose=False)  # the steady step is the last step, as recorded
+    last = w.per_step.sort("step").tail(1)
+    assert w.steady_ns == pytest.approx(last["nodelay_ns"][0]) and w.scenarios[1].steady_ns == pytest.approx(
+        last["heal_rank=5_ns"][0])

@@ -71,7 +71,8 @@ class WhatIf:
                for name, frame in (("dp_rank", self.by_dp), ("stage", self.by_stage), ("optype", self.by_optype))}
         return {"run_id": self.run_id, "model": self.model, "steps": self.steps, "measured_ns": self.measured_ns,
                 "replay_ns": self.replay_ns, "replay_error": self.replay_error, "nodelay_ns": self.nodelay_ns,
-                "ideal_ns": self.ideal_ns, "steady_ns": self.steady_ns, "slowdown": self.slowdown, "blocking_slowdown": self.blocking_slowdown,
+                "ideal_ns": self.ideal_ns, "steady_ns": self.steady_ns, "slowdown": self.slowdown,
+                "blocking_slowdown": self.blocking_slowdown,
                 "violations": self.violations, "missing_ranks": list(self.missing_ranks), "decomposition": dec,
                 "scenarios": [s.__dict__ for s in self.scenarios],
                 "wlb": None if self.data is None else {"attention_weight": self.data.attention_weight,
@@ -162,7 +163,8 @@ def analyze(tables: RunTables, heal: tuple[str, ...] = (), balance: tuple[str, .
     seen = {int(r) for g in gs for r in g.nodes["rank"].unique().to_list()}
     missing = tuple(r for r in range(tables.layout.world_size) if r not in seen)
     out = WhatIf(tables.run_id, model, len(steps), float(measured.mean()), replay_ns, nodelay_ns, ideal_ns,
-                 _steady_step(gs, steady_ps, keep_mask), sum(p.violations for p in rec), scenarios, pl.DataFrame(per_step).sort("step"), data=data,
+                 _steady_step(gs, steady_ps, keep_mask), sum(p.violations for p in rec), scenarios,
+                 pl.DataFrame(per_step).sort("step"), data=data,
                  missing_ranks=missing)
     if decompose:
         out.by_dp, out.by_stage, out.by_optype = (_decompose(gs, ideal_ps, rec, col, ideal_ns)
