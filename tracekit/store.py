@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # polars is imported by DuckDB's .pl() when a query result is
     from tracekit.analysis.cp_wait import CPWait
     from tracekit.analysis.hangs import HangReport
     from tracekit.analysis.diagnosis import Diagnosis
+    from tracekit.analysis.scope import Scope
     from tracekit.analysis.steps import StepReport
     from tracekit.analysis.tables import RunTables
     from tracekit.analysis.tunables import Tunables
@@ -54,6 +55,7 @@ class Store:
         self.path = Path(path)
         self._read_only = read_only
         self._con = connect(self.path, read_only=read_only)
+        self._scopes: dict = {}
         present = {r[0] for r in self._con.execute(
             "SELECT table_name FROM information_schema.tables WHERE table_schema = 'main'").fetchall()}
         missing = [t for t in schema.TABLES if t not in present]
@@ -100,15 +102,33 @@ class Store:
             raise StoreError(f"{self.path}: no run {run_id!r}; runs: {', '.join(self.run_ids) or 'none'}")
         return run_id
 
-    def run_tables(self, run_id: str | None = None) -> RunTables:
-        """One run's tables, the input of every analysis."""
+    def check(self, run_id: str | None = None) -> str:
+        """The run id (newest by default), after checking that the run exists and that every table the
+        analyses read has the schema's columns: a bad store fails here, with its name, not halfway
+        through an analysis. Reads no rows."""
+        from tracekit.analysis.tables import TABLE_NAMES, TablesError
+
+        rid = self._run(run_id)
+        for t in TABLE_NAMES:
+            try:
+                have = set(self._con.sql(f"SELECT * FROM {t} LIMIT 0").columns)
+            except duckdb.Error as e:
+                raise TablesError(f"cannot read table {t!r} from the store: {str(e).splitlines()[0]}") from None
+            lacking = [c for c in schema.columns(t) if c not in have]
+            if lacking:
+                raise TablesError(f"table {t!r} lacks columns {lacking}")
+        return rid
+
+    def run_tables(self, run_id: str | None = None, ranks: list[tuple[int, int]] | None = None) -> RunTables:
+        """One run's tables, the input of every analysis (with ``ranks``, inclusive rank ranges, only
+        those ranks' rows of the per-rank tables)."""
         from dataclasses import replace
 
         import polars as pl
 
         from tracekit.analysis.tables import RunTables
 
-        tables = RunTables.from_duckdb(self._con, self._run(run_id))
+        tables = RunTables.from_duckdb(self._con, self._run(run_id), ranks)
         row = tables.runs.row(0, named=True)
         if any(row[d] is None for d in ("tp", "cp", "pp", "dp")):
             # No layout (e.g. traces without process-group metadata): compare every rank with every
@@ -119,28 +139,63 @@ class Store:
                 pl.lit(int(world), pl.Int32).alias("dp"), pl.lit("assumed-dp").alias("layout_source")))
         return tables
 
+    def layout_source(self, run_id: str | None = None) -> str:
+        """How the run's layout was found (``runs.layout_source``; ``assumed-dp`` when none was)."""
+        row = self.sql("SELECT layout_source, tp, cp, pp, dp FROM runs WHERE run_id = ?", [self._run(run_id)]).row(
+            0, named=True)
+        return "assumed-dp" if any(row[d] is None for d in ("tp", "cp", "pp", "dp")) else row["layout_source"]
+
     def attention_work(self, run_id: str | None = None) -> pl.DataFrame | None:
         """Attention work per (rank, step) where the run's manifest records it
         (``attention_work``: {step: {rank: work}}); None when unknown."""
+        import json
+
         from tracekit.analysis.work import work_from_manifest
 
-        return work_from_manifest(self.run_tables(run_id).manifest)
+        rows = self._con.execute("SELECT manifest FROM runs WHERE run_id = ?", [self._run(run_id)]).fetchall()
+        return work_from_manifest(json.loads(rows[0][0]) if rows and rows[0][0] else {})
+
+    def scope(self, run_id: str | None = None, tunables: Tunables | None = None) -> Scope | None:
+        """For a job of at least ``scope_above_ranks`` ranks with a layout, the ranks the analyses
+        read, chosen top-down from aggregates (tracekit.analysis.scope); None for smaller jobs."""
+        from tracekit.analysis.tunables import Tunables
+
+        tun = tunables or Tunables()
+        rid = self._run(run_id)
+        key = (rid, tun)
+        if key not in self._scopes:
+            row = self.sql("SELECT world_size, tp, cp, pp, dp FROM runs WHERE run_id = ?", [rid]).row(0, named=True)
+            scope = None
+            if (row["world_size"] or 0) >= tun.scope_above_ranks and all(row[d] for d in ("tp", "cp", "pp", "dp")):
+                from tracekit.analysis.scope import narrow
+                from tracekit.topology import Layout
+
+                lay = Layout(tp=row["tp"], cp=row["cp"], pp=row["pp"], dp=row["dp"])
+                scope = narrow(self._con, rid, lay, tun)
+            self._scopes[key] = scope
+        return self._scopes[key]
+
+    def _scoped_tables(self, run_id: str | None, tun: Tunables | None) -> tuple[RunTables, Scope | None]:
+        scope = self.scope(run_id, tun)
+        return self.run_tables(run_id, scope.ranges() if scope else None), scope
 
     def diagnose(self, run_id: str | None = None, tunables: Tunables | None = None) -> Diagnosis:
         """Which rank made the run slow, and why (localization + root cause)."""
         from tracekit.analysis.diagnosis import diagnose
         from tracekit.analysis.tunables import Tunables
 
-        tables = self.run_tables(run_id)
-        return diagnose(tables, tunables or Tunables(), self.attention_work(tables.run_id), self.hangs(tables.run_id),
-                        self.damaged_ranks(tables.run_id, formats=("kineto",)))
+        tun = tunables or Tunables()
+        rid = self._run(run_id)
+        tables, scope = self._scoped_tables(rid, tun)
+        return diagnose(tables, tun, self.attention_work(rid), self.hangs(rid, tun),
+                        self.damaged_ranks(rid, formats=("kineto",)), scope)
 
     def cp_wait(self, run_id: str | None = None, tunables: Tunables | None = None) -> CPWait:
         """Exposed CP communication split into wait and transfer, and what the waiting is due to."""
         from tracekit.analysis.cp_wait import cp_wait
         from tracekit.analysis.tunables import Tunables
 
-        tables = self.run_tables(run_id)
+        tables, _ = self._scoped_tables(run_id, tunables)
         return cp_wait(tables, tunables or Tunables(), self.attention_work(tables.run_id))
 
     def steps(self, run_id: str | None = None, tunables: Tunables | None = None) -> StepReport:
@@ -148,17 +203,29 @@ class Store:
         from tracekit.analysis.steps import step_report
         from tracekit.analysis.tunables import Tunables
 
-        return step_report(self.run_tables(run_id), tunables or Tunables())
+        tables, _ = self._scoped_tables(run_id, tunables)
+        return step_report(tables, tunables or Tunables())
 
-    def hangs(self, run_id: str | None = None) -> HangReport:
+    def hangs(self, run_id: str | None = None, tunables: Tunables | None = None) -> HangReport:
         """Where the ranks stopped, from the flight-recorder entries."""
         from tracekit.analysis.hangs import diagnose_hang
 
+        from tracekit.analysis.tunables import Tunables
+
         rid = self._run(run_id)
         world = self.table("runs", rid)["world_size"]
-        return diagnose_hang(self.table("fr_entries", rid), self.table("groups", rid),
-                             int(world[0]) if world.len() and world[0] is not None else None,
-                             self.damaged_ranks(rid, formats=("fr",)))
+        size = int(world[0]) if world.len() and world[0] is not None else None
+        if (size or 0) >= (tunables or Tunables()).scope_above_ranks:
+            # a large job: only the groups where some entry never completed can hold the stuck
+            # collective, and a clean run has none (the rest is a million completed entries)
+            fr = self.sql("SELECT * FROM fr_entries WHERE run_id = $r AND pg_name IN (SELECT DISTINCT pg_name "
+                          "FROM fr_entries WHERE run_id = $r AND coalesce(state, '') <> 'completed')", {"r": rid})
+            names = fr["pg_name"].unique().to_list()
+            groups = self.sql("SELECT * FROM groups WHERE run_id = $r AND list_contains($n, pg_name)",
+                              {"r": rid, "n": names})
+        else:
+            fr, groups = self.table("fr_entries", rid), self.table("groups", rid)
+        return diagnose_hang(fr, groups, size, self.damaged_ranks(rid, formats=("fr",)))
 
     def damaged_ranks(self, run_id: str | None = None, formats: tuple[str, ...] | None = None) -> dict[int, str]:
         """{rank: why} for the ranks an analysis cannot judge: a file failed to ingest, or no data of a

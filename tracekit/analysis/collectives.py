@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from tracekit.analysis.tables import RunTables
+from tracekit.analysis.tables import RunTables, per_tables
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,7 @@ def with_clock_offsets(tables: RunTables, alignment: ClockAlignment) -> pl.DataF
     return ranks.with_columns(pl.coalesce("_off", "clock_offset_ns").alias("clock_offset_ns")).drop("_off")
 
 
+@per_tables
 def match_collectives(tables: RunTables, offsets: pl.DataFrame | None = None) -> pl.DataFrame:
     """One row per (pg_name, seq, rank) with arrival, completion, wait and transfer.
 
