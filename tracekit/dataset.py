@@ -111,14 +111,27 @@ def write_tables(out_dir: str | Path, tables: Mapping[str, "pl.DataFrame | pa.Ta
     if not _PART_NAME.match(part):
         raise ValueError(f"part name {part!r}: letters, digits, '.', '_' and '-' only")
     out = create(out_dir)
-    for table, frame in tables.items():
-        data = conform(table, frame, run_id)
-        runs = set(data.column("run_id").unique().to_pylist()) | ({run_id} if run_id is not None else set())
-        written: set[Path] = set()
-        for path, piece in _split(out, table, data, part):
-            _atomic_parquet(path, piece)
-            written.add(path)
-        for rid in runs:  # the part's earlier files that this write did not replace
+    # Every file is written under a temporary name first and only then are all renamed into place,
+    # so a writer killed while writing leaves none of the part visible (only the quick renames
+    # stand between the first file of the part appearing and the last).
+    staged: list[tuple[Path, Path]] = []
+    scopes: list[tuple[str, set[str]]] = []
+    try:
+        for table, frame in tables.items():
+            data = conform(table, frame, run_id)
+            runs = set(data.column("run_id").unique().to_pylist()) | ({run_id} if run_id is not None else set())
+            scopes.append((table, runs))
+            for path, piece in _split(out, table, data, part):
+                staged.append((_write_temporary(path, piece), path))
+    except BaseException:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+        raise
+    for tmp, path in staged:
+        os.replace(tmp, path)
+    written = {path for _, path in staged}
+    for table, runs in scopes:  # the part's earlier files that this write did not replace
+        for rid in runs:
             for old in run_dir(out, table, rid).glob(f"**/{part}.parquet"):
                 if old not in written:
                     old.unlink(missing_ok=True)
@@ -196,15 +209,16 @@ def _split(out: Path, table: str, data: pa.Table, part: str) -> list[tuple[Path,
     return pieces
 
 
-def _atomic_parquet(path: Path, data: pa.Table) -> None:
+def _write_temporary(path: Path, data: pa.Table) -> Path:
+    """Write ``data`` beside ``path`` under a temporary name (never matched by readers' *.parquet)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")  # not *.parquet: readers never glob it
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         pq.write_table(data, tmp, row_group_size=ROW_GROUP_ROWS)
-        os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    return tmp
 
 
 def _atomic_bytes(path: Path, data: bytes) -> None:
@@ -228,22 +242,29 @@ def parts_source(path: str | Path, table: str) -> str | None:
     return f"read_parquet('{glob}', hive_partitioning = true, union_by_name = true, hive_types = {{{types}}})"
 
 
+def table_sql(path: str | Path, table: str, parts: bool = False) -> str:
+    """A SELECT of a table's rows in the dataset at ``path``, with the schema's columns and types
+    (and with ``parts`` the partition columns too); no files yet: no rows, the same columns."""
+    cols = schema.TABLES[table]
+    src = parts_source(path, table)
+    extra = [c for c in schema.PARTITION_BY[table] if c != "run_id"] if parts else []
+    if src is None:
+        nulls = [f'CAST(NULL AS {t}) AS "{c}"' for c, t in cols] + [f"CAST(NULL AS INTEGER) AS {c}" for c in extra]
+        return f"SELECT {', '.join(nulls)} WHERE false"
+    typed = [f'CAST("{c}" AS {t}) AS "{c}"' for c, t in cols] + extra
+    return f"SELECT {', '.join(typed)} FROM {src}"
+
+
 def connect(path: str | Path) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection with a view per table over the dataset at ``path`` (and
-    ``<table>_parts`` with the partition columns); an empty table is an empty view of its types."""
+    """An in-memory DuckDB connection with a view per table over the dataset at ``path``, and
+    ``<table>_parts`` with the partition columns as well (``WHERE rank_block = ...`` reads those
+    files alone); an empty table is an empty view of its types."""
     read_marker(path)
     con = duckdb.connect(":memory:")
     con.execute("SET enable_progress_bar = false")
-    for table, cols in schema.TABLES.items():
-        src = parts_source(path, table)
-        typed = ", ".join(f'CAST("{c}" AS {t}) AS "{c}"' for c, t in cols)
-        if src is None:
-            nulls = ", ".join(f'CAST(NULL AS {t}) AS "{c}"' for c, t in cols)
-            extra = "".join(f", CAST(NULL AS INTEGER) AS {c}" for c in schema.PARTITION_BY[table] if c != "run_id")
-            con.execute(f"CREATE VIEW {table}_parts AS SELECT {nulls}{extra} WHERE false")
-        else:
-            con.execute(f"CREATE VIEW {table}_parts AS SELECT * FROM {src}")
-        con.execute(f"CREATE VIEW {table} AS SELECT {typed} FROM {table}_parts")
+    for table in schema.TABLES:
+        con.execute(f"CREATE VIEW {table} AS {table_sql(path, table)}")
+        con.execute(f"CREATE VIEW {table}_parts AS {table_sql(path, table, parts=True)}")
     return con
 
 
