@@ -52,6 +52,13 @@ def is_dataset(path: str | Path) -> bool:
     return p.is_dir() and (p / MARKER).exists()
 
 
+def looks_like_dataset(path: str | Path) -> bool:
+    """A directory laid out as a dataset (a table's ``run_id=`` folders), marker or not: opening one
+    whose marker is missing then says so rather than ingesting its Parquet files as traces."""
+    p = Path(path)
+    return p.is_dir() and any(next((p / t).glob("run_id=*"), None) is not None for t in ("runs", "events"))
+
+
 def read_marker(path: str | Path) -> dict:
     """The marker's contents, checked; DatasetError naming the marker file otherwise."""
     marker = Path(path) / MARKER
@@ -239,7 +246,10 @@ def parts_source(path: str | Path, table: str) -> str | None:
         return None
     glob = str(d / "**" / "*.parquet").replace("'", "''")
     types = ", ".join(f"'{c}': {'VARCHAR' if c == 'run_id' else 'INTEGER'}" for c in schema.PARTITION_BY[table])
-    return f"read_parquet('{glob}', hive_partitioning = true, union_by_name = true, hive_types = {{{types}}})"
+    # Not union_by_name: it reads every file's footer whenever a query is planned, so a filter on
+    # rank_block would still open every file. Every part has exactly the schema's columns (conform);
+    # a change of the schema's columns is a new marker version.
+    return f"read_parquet('{glob}', hive_partitioning = true, hive_types = {{{types}}})"
 
 
 def table_sql(path: str | Path, table: str, parts: bool = False) -> str:
@@ -262,9 +272,13 @@ def connect(path: str | Path) -> duckdb.DuckDBPyConnection:
     read_marker(path)
     con = duckdb.connect(":memory:")
     con.execute("SET enable_progress_bar = false")
-    for table in schema.TABLES:
-        con.execute(f"CREATE VIEW {table} AS {table_sql(path, table)}")
-        con.execute(f"CREATE VIEW {table}_parts AS {table_sql(path, table, parts=True)}")
+    try:  # a view is bound from its table's first file: a damaged one shows here
+        for table in schema.TABLES:
+            con.execute(f"CREATE VIEW {table} AS {table_sql(path, table)}")
+            con.execute(f"CREATE VIEW {table}_parts AS {table_sql(path, table, parts=True)}")
+    except duckdb.Error as e:
+        con.close()
+        raise DatasetError(f"{path}: {str(e).splitlines()[0]}") from None
     return con
 
 

@@ -39,9 +39,9 @@ def connect(path: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConnect
     if read_only and not p.exists():
         raise StoreError(f"{p}: no such store")
     if p.is_dir():
-        from tracekit.dataset import is_dataset
+        from tracekit.dataset import is_dataset, looks_like_dataset
 
-        if is_dataset(p):
+        if is_dataset(p) or looks_like_dataset(p):
             raise StoreError(f"{p}: a Parquet dataset, not a DuckDB store file (write to it with "
                              "tracekit ingest ... --out DIR)")
         raise StoreError(f"{p}: a directory, not a store file")
@@ -65,7 +65,7 @@ class Store:
 
         self.path = Path(path)
         self._read_only = read_only
-        self.is_dataset = dataset.is_dataset(self.path)
+        self.is_dataset = dataset.is_dataset(self.path) or dataset.looks_like_dataset(self.path)
         if self.is_dataset:
             self._con = dataset.connect(self.path)  # DatasetError (a StoreError) names the bad file
             return
@@ -82,7 +82,14 @@ class Store:
 
     def sql(self, query: str, params: list | None = None) -> pl.DataFrame:
         """Run a query; the result as a polars DataFrame."""
-        return self._con.sql(query, params=params).pl()
+        if not self.is_dataset:
+            return self._con.sql(query, params=params).pl()
+        try:
+            return self._con.sql(query, params=params).pl()
+        except duckdb.IOException as e:  # a damaged part file; DuckDB's first line names it
+            raise StoreError(f"{self.path}: {str(e).splitlines()[0]}") from None
+        except duckdb.InvalidInputException as e:
+            raise StoreError(f"{self.path}: {str(e).splitlines()[0]}") from None
 
     def table(self, name: str, run_id: str | None = None) -> pl.DataFrame:
         """A whole table (optionally one run's rows) as a polars DataFrame."""

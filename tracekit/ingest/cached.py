@@ -23,10 +23,11 @@ STORE_SUFFIX = ".tracekit.duckdb"
 
 def is_store(path: Path) -> bool:
     """A store to read as it is: a file (a DuckDB store) or a dataset directory (its marker present,
-    even damaged: opening it then says what is wrong); any other directory is a run to ingest."""
-    from tracekit.dataset import is_dataset
+    even damaged, or its layout without the marker: opening it then says what is wrong); any other
+    directory is a run to ingest."""
+    from tracekit.dataset import is_dataset, looks_like_dataset
 
-    return not path.is_dir() or is_dataset(path)
+    return not path.is_dir() or is_dataset(path) or looks_like_dataset(path)
 
 
 def store_for(run_dir: Path, store: Path | None = None) -> Path:
