@@ -211,6 +211,15 @@ def test_damaged_datasets_are_one_line_naming_the_file(pair, tmp_path) -> None:
     code, _, err = _cli("stragglers", str(bad_part), "--json")
     assert code == 2 and str(victim) in _one_error_line(err)
 
+    bad_page = tmp_path / "badpage"  # footer intact (the view binds), data pages overwritten
+    shutil.copytree(ds, bad_page)
+    victim = next((bad_page / "events").rglob("*.parquet"))
+    data = bytearray(victim.read_bytes())
+    data[100:len(data) // 2] = b"\xab" * (len(data) // 2 - 100)
+    victim.write_bytes(bytes(data))
+    code, _, err = _cli("stragglers", str(bad_page), "--json")
+    assert code == 2 and str(victim) in _one_error_line(err)
+
     bad_runs = tmp_path / "badruns"
     shutil.copytree(ds, bad_runs)
     victim = next((bad_runs / "runs").rglob("*.parquet"))

@@ -265,6 +265,19 @@ def table_sql(path: str | Path, table: str, parts: bool = False) -> str:
     return f"SELECT {', '.join(typed)} FROM {src}"
 
 
+def find_damaged(path: str | Path, tables: tuple[str, ...] = ()) -> tuple[Path, str] | None:
+    """(file, why) of the first part file that cannot be read whole, looking in ``tables`` first
+    and then the rest; None when all read. For an error message after DuckDB's scan failed
+    without naming the file (a damaged data page): it reads every file, so only then."""
+    for table in dict.fromkeys([*tables, *schema.TABLES]):
+        for f in sorted((Path(path) / table).glob("**/*.parquet")):
+            try:
+                pq.read_table(f)
+            except (OSError, pa.ArrowException) as e:
+                return f, str(e).splitlines()[0] if str(e) else type(e).__name__
+    return None
+
+
 def connect(path: str | Path) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with a view per table over the dataset at ``path``, and
     ``<table>_parts`` with the partition columns as well (``WHERE rank_block = ...`` reads those
