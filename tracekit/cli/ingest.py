@@ -70,7 +70,7 @@ def ingest_cmd(paths: tuple[Path, ...], store_path: Path | None, out_dir: Path |
                                 processes=processes)
         except (IngestError, StoreError, ValueError) as e:  # the store cannot be opened, no input, no fork
             fail(str(e))
-        except RuntimeError as e:  # to_dataset.EngineUnavailable, or Ray failing to start or connect
+        except RuntimeError as e:  # to_dataset.EngineUnavailable: no Ray, or it cannot start or connect
             fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     if not report.files:
         fail(f"nothing to ingest in {', '.join(map(str, paths))}: no traces, flight-recorder dumps, memory "

@@ -60,6 +60,7 @@ class Done:
     error: str | None = None
     rows: int = 0
     seconds: float = 0.0
+    logged: bool = True  # its ingest_log row is written (False: its task died; the driver writes it)
 
 
 def part_name(path: Path) -> str:
@@ -101,10 +102,7 @@ def ingest_file(job: rundir.Job, out_dir: str) -> Done:
             done.status, done.error, tables = "failed", str(e), {}
     if done.status != "ok" and done.error is None:
         done.error = f"{job.path}: failed"
-    tables["ingest_log"] = pa.table({"path": [done.path], "format": [done.format], "rank": [done.rank],
-                                     "content_hash": [done.content_hash], "status": [done.status],
-                                     "error": [done.error], "rows": [done.rows], "seconds": [done.seconds],
-                                     "ingested_at": pa.array([time.time_ns() // 1000], pa.timestamp("us"))})
+    tables["ingest_log"] = _log_row(done)
     # an ingested file: every table it could have written, so that a new version of it leaves none of
     # the old version's rows; a failed one: its log row only (rows of an earlier version stay)
     written = {t: tables.get(t, pa.table({})) for t in schema.TABLES if t not in ("runs", "ranks", "groups")} \
@@ -116,6 +114,13 @@ def ingest_file(job: rundir.Job, out_dir: str) -> Done:
     except (OSError, pa.ArrowException, ValueError) as e:
         done.status, done.error = "failed", f"{job.path}: writing its part of {out_dir} failed ({e})"
     return done
+
+
+def _log_row(done: Done) -> pa.Table:
+    return pa.table({"path": [done.path], "format": [done.format], "rank": pa.array([done.rank], pa.int32()),
+                     "content_hash": [done.content_hash], "status": [done.status], "error": [done.error],
+                     "rows": [done.rows], "seconds": [done.seconds],
+                     "ingested_at": pa.array([time.time_ns() // 1000], pa.timestamp("us"))})
 
 
 def ingest_batch(jobs: list[rundir.Job], out_dir: str) -> list[Done]:
@@ -188,13 +193,26 @@ def _run_ray(work: list[list[rundir.Job]], out_dir: str, address: str | None) ->
     except ImportError:
         raise EngineUnavailable("the ray engine needs Ray: pip install 'tracekit[cluster]'") from None
     if not ray.is_initialized():
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
-    task = ray.remote(ingest_batch)
-    pending = [task.remote(b, out_dir) for b in work]
+        try:
+            ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        except Exception as e:  # noqa: BLE001 - no cluster at the address, a version mismatch, ...
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise EngineUnavailable(f"cannot start or reach Ray{f' at {address}' if address else ''}: {first}") from None
+    # A task that dies (its worker killed, out of memory) is retried by Ray; its part is replaced,
+    # so a retry never doubles rows. One that still fails fails its files, and the others go on.
+    task = ray.remote(max_retries=2)(ingest_batch)
+    batch_of = {task.remote(b, out_dir): b for b in work}
+    pending = list(batch_of)
     try:
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
-            yield ray.get(ready[0])
+            try:
+                yield ray.get(ready[0])
+            except ray.exceptions.RayError as e:
+                why = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+                yield [Done(str(j.path), part_name(j.path), j.run_id, *_stat(j.path), "failed",
+                            error=f"{j.path}: its Ray task failed ({why})", logged=False)
+                       for j in batch_of[ready[0]]]
     finally:
         for ref in pending:
             ray.cancel(ref)
@@ -214,10 +232,11 @@ def ingest(paths: list[str | Path], out_dir: str | Path, run_id: str | None = No
     results: dict[str, FileResult | None] = {}
     for job in jobs:
         prev = _read_done(out, part_name(job.path))
-        if prev is not None and prev.status == "ok" and (prev.size, prev.mtime_ns) == _stat(job.path) \
-                and prev.run_id == job.run_id:
-            results[str(job.path)] = FileResult(job.path, job.run_id, prev.format, prev.rank, "skipped",
-                                                "already ingested (same path, size and time)", 0, 0.0)
+        if prev is not None and prev.status in ("ok", "skipped") and prev.run_id == job.run_id \
+                and (prev.size, prev.mtime_ns) == _stat(job.path):
+            why = "already ingested (same path, size and time)" if prev.status == "ok" else \
+                "already ingested (same content)"
+            results[str(job.path)] = FileResult(job.path, job.run_id, prev.format, prev.rank, "skipped", why, 0, 0.0)
         else:
             todo.append(job)
     work = batches(todo)
@@ -232,13 +251,17 @@ def ingest(paths: list[str | Path], out_dir: str | Path, run_id: str | None = No
     for finished in stream:
         for d in finished:
             job = by_path[d.path]
+            if not d.logged:
+                dataset.write_tables(out, {"ingest_log": _log_row(d)}, d.part, d.run_id)
             results[d.path] = None if d.status == "ignored" else FileResult(
                 job.path, d.run_id, d.format, d.rank, d.status, d.error, d.rows, d.seconds)
             done_n += 1
             if progress is not None:
                 progress(done_n, len(jobs), job.path, d.status)
     _settle_duplicates(out, jobs, results)
-    for rid in dict.fromkeys(j.run_id for j in jobs if results.get(str(j.path)) is not None):
+    # the runs that hold a file of this ingest (as the local ingest: a run of failed files only is not one)
+    held = [r for r in results.values() if r is not None and r.status in ("ok", "skipped")]
+    for rid in dict.fromkeys(r.run_id for r in held):
         manifest = next((j.manifest for j in jobs if j.run_id == rid and j.manifest is not None), None)
         rb = topo.RunBatch(rid, manifest, touched=True)
         report.missing.update(finalize(out, rb))
@@ -293,10 +316,13 @@ def _settle_duplicates(out: Path, jobs: list[rundir.Job], results: dict[str, Fil
             continue
         part = part_name(Path(path))
         dataset.remove_part(out, part, rid)
-        (out / DONE_DIR / f"{part}.json").unlink(missing_ok=True)
-        log = pa.table({"path": [path], "format": [fmt], "rank": pa.array([rank], pa.int32()),
-                        "content_hash": [digest], "status": [status], "error": [why], "rows": [0],
-                        "seconds": [0.0], "ingested_at": pa.array([time.time_ns() // 1000], pa.timestamp("us"))})
+        record = _read_done(out, part)
+        if status == "skipped" and record is not None:  # a re-run skips it again, unread
+            record.status = "skipped"
+            _write_done(out, record)
+        else:  # a duplicate rank: tried again next time (the other file may be gone by then)
+            (out / DONE_DIR / f"{part}.json").unlink(missing_ok=True)
+        log = _log_row(Done(path, part, rid, 0, 0, status, fmt, rank, digest, why))
         dataset.write_tables(out, {"ingest_log": log}, part, rid)
         prev = results.get(path)
         if prev is not None:
