@@ -86,10 +86,21 @@ class Store:
             return self._con.sql(query, params=params).pl()
         try:
             return self._con.sql(query, params=params).pl()
-        except duckdb.IOException as e:  # a damaged part file; DuckDB's first line names it
-            raise StoreError(f"{self.path}: {str(e).splitlines()[0]}") from None
-        except duckdb.InvalidInputException as e:
-            raise StoreError(f"{self.path}: {str(e).splitlines()[0]}") from None
+        except (duckdb.IOException, duckdb.InvalidInputException) as e:  # a damaged part file
+            raise self._damaged(e) from None
+
+    def _damaged(self, e: Exception, tables: tuple[str, ...] = ()) -> StoreError:
+        """The error for a dataset whose scan failed, naming the damaged file (DuckDB does not
+        always, e.g. for a damaged data page)."""
+        import re
+
+        from tracekit.dataset import find_damaged
+
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        bad = find_damaged(self.path, tables or tuple(re.findall(r"table '(\w+)'", first)))
+        if bad is None:
+            return StoreError(f"{self.path}: {first}")
+        return StoreError(f"{bad[0]}: damaged Parquet file ({bad[1]})")
 
     def table(self, name: str, run_id: str | None = None) -> pl.DataFrame:
         """A whole table (optionally one run's rows) as a polars DataFrame."""
@@ -115,7 +126,7 @@ class Store:
         except duckdb.Error as e:
             if not self.is_dataset:
                 raise
-            raise StoreError(f"{self.path}: {str(e).splitlines()[0]}") from None
+            raise self._damaged(e, ("runs",)) from None
 
     def newest_run(self) -> str:
         """The run ingested last (the default of every analysis method)."""
@@ -139,7 +150,12 @@ class Store:
 
         from tracekit.analysis.tables import RunTables
 
-        tables = RunTables.from_duckdb(self._con, self._run(run_id))
+        try:
+            tables = RunTables.from_duckdb(self._con, self._run(run_id))
+        except ValueError as e:  # TablesError: on a dataset, a part file that cannot be read
+            if not self.is_dataset or "cannot read table" not in str(e):
+                raise
+            raise self._damaged(e) from None
         row = tables.runs.row(0, named=True)
         if any(row[d] is None for d in ("tp", "cp", "pp", "dp")):
             # No layout (e.g. traces without process-group metadata): compare every rank with every
