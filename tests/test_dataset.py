@@ -85,7 +85,7 @@ def test_layout_is_hive_partitioned_and_sorted(pair) -> None:
     assert coll.select("pg_name", "rank", "seq").equals(coll.select("pg_name", "rank", "seq").sort("pg_name", "rank", "seq"))
 
 
-@pytest.mark.parametrize("command", [["stragglers"], ["report"], ["hangs"], ["steps"], ["cp-wait"]])
+@pytest.mark.parametrize("command", [["stragglers"], ["report"], ["hangs"], ["steps"], ["cp-wait"], ["memory"]])
 def test_every_analysis_command_gives_the_same_json(pair, command) -> None:
     store, ds = pair
     code_a, out_a, err_a = _cli(*command, str(store), "--json")
