@@ -122,12 +122,11 @@ def write_tables(out_dir: str | Path, tables: Mapping[str, "pl.DataFrame | pa.Ta
     # so a writer killed while writing leaves none of the part visible (only the quick renames
     # stand between the first file of the part appearing and the last).
     staged: list[tuple[Path, Path]] = []
-    scopes: list[tuple[str, set[str]]] = []
+    scopes: dict[str, set[str]] = {}  # table -> the runs whose part of it this write replaces
     try:
         for table, frame in tables.items():
             data = conform(table, frame, run_id)
-            runs = set(data.column("run_id").unique().to_pylist()) | ({run_id} if run_id is not None else set())
-            scopes.append((table, runs))
+            scopes[table] = set(data.column("run_id").unique().to_pylist()) | ({run_id} if run_id is not None else set())
             for path, piece in _split(out, table, data, part):
                 staged.append((_write_temporary(path, piece), path))
     except BaseException:
@@ -136,19 +135,45 @@ def write_tables(out_dir: str | Path, tables: Mapping[str, "pl.DataFrame | pa.Ta
         raise
     for tmp, path in staged:
         os.replace(tmp, path)
-    written = {path for _, path in staged}
-    for table, runs in scopes:  # the part's earlier files that this write did not replace
+    # The part's earlier files that this write did not replace (a rank block the rows left) are
+    # found in its list of files per run, not by listing the table's directories: at thousands of
+    # parts a listing per write would cost the square of their number.
+    by_run: dict[str, dict[str, list[str]]] = {}
+    for table, runs in scopes.items():
         for rid in runs:
-            for old in run_dir(out, table, rid).glob(f"**/{part}.parquet"):
-                if old not in written:
-                    old.unlink(missing_ok=True)
+            by_run.setdefault(rid, {})[table] = []
+    for _, path in staged:
+        rel = path.relative_to(out)
+        by_run[_run_of(rel)][rel.parts[0]].append(rel.as_posix())
+    for rid, files in by_run.items():
+        listed = _parts_list(out, rid, part)
+        had = json.loads(listed.read_text()) if listed.exists() else {}
+        for table, now in files.items():
+            for gone in set(had.get(table, [])) - set(now):
+                (out / gone).unlink(missing_ok=True)
+            had[table] = sorted(now)
+        had = {t: fs for t, fs in had.items() if fs}
+        listed.parent.mkdir(parents=True, exist_ok=True)
+        if had:
+            _atomic_bytes(listed, json.dumps(had).encode())
+        else:
+            listed.unlink(missing_ok=True)
+
+
+def _parts_list(out: Path, run_id: str, part: str) -> Path:
+    """Where the files of one part of one run are listed (``write_tables`` keeps it)."""
+    return out / "_parts" / quote(run_id, safe="") / f"{part}.json"
+
+
+def _run_of(rel: Path) -> str:
+    from urllib.parse import unquote
+
+    return unquote(rel.parts[1].partition("=")[2])
 
 
 def remove_part(out_dir: str | Path, part: str, run_id: str, tables: tuple[str, ...] | None = None) -> None:
     """Remove part ``part`` of run ``run_id`` from the given tables (default: every table)."""
-    for table in tables or tuple(schema.TABLES):
-        for old in run_dir(out_dir, table, run_id).glob(f"**/{part}.parquet"):
-            old.unlink(missing_ok=True)
+    write_tables(out_dir, {t: pa.table({}) for t in tables or schema.TABLES}, part, run_id)
 
 
 def replace_run_table(out_dir: str | Path, table: str, run_id: str, frame: "pl.DataFrame | pa.Table",
