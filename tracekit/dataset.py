@@ -198,7 +198,7 @@ def conform(table: str, frame: "pl.DataFrame | pa.Table", run_id: str | None = N
     if "run_id" not in data.column_names:
         if run_id is None:
             raise ValueError(f"table {table!r}: rows lack run_id and none was given")
-        data = data.append_column("run_id", pa.array([run_id] * data.num_rows, pa.string()))
+        data = data.append_column("run_id", pa.repeat(pa.scalar(run_id, pa.string()), data.num_rows))
     sch = arrow_schema(table, without=())
     cols = [data.column(f.name).cast(f.type) if f.name in data.column_names else pa.nulls(data.num_rows, f.type)
             for f in sch]

@@ -142,7 +142,7 @@ def _with_rank(table: str, src: pa.Table | RankDependent, rank: int | None) -> p
     if isinstance(src, RankDependent):
         src = src.build(rank)
     if "rank" in schema.columns(table) and "rank" not in src.column_names:
-        src = src.append_column("rank", pa.array([rank] * src.num_rows, pa.int32()))
+        src = src.append_column("rank", pa.repeat(pa.scalar(rank, pa.int32()), src.num_rows))
     return src
 
 
