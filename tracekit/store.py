@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import duckdb
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - pa.compute
 
 from tracekit import schema
 
@@ -37,6 +39,13 @@ def connect(path: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConnect
     p = Path(path)
     if read_only and not p.exists():
         raise StoreError(f"{p}: no such store")
+    if p.is_dir():
+        from tracekit.dataset import is_dataset, looks_like_dataset
+
+        if is_dataset(p) or looks_like_dataset(p):
+            raise StoreError(f"{p}: a Parquet dataset, not a DuckDB store file (write to it with "
+                             "tracekit ingest ... --out DIR)")
+        raise StoreError(f"{p}: a directory, not a store file")
     try:
         con = duckdb.connect(str(p), read_only=read_only)
         con.execute("SET enable_progress_bar = false")  # a library does not draw on the terminal
@@ -49,13 +58,20 @@ def connect(path: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConnect
 
 
 class Store:
-    """Read access to a store. Use as a context manager, or call :meth:`close`."""
+    """Read access to a store: a DuckDB file, or a Parquet dataset directory (tracekit.dataset),
+    read through views of the same tables. Use as a context manager, or call :meth:`close`."""
 
     def __init__(self, path: str | Path, read_only: bool = True) -> None:
+        from tracekit import dataset
+
         self.path = Path(path)
         self._read_only = read_only
+        self.is_dataset = dataset.is_dataset(self.path) or dataset.looks_like_dataset(self.path)
+        self._scopes: dict = {}  # the scope of a large job's analyses, per run (scope())
+        if self.is_dataset:
+            self._con = dataset.connect(self.path)  # DatasetError (a StoreError) names the bad file
+            return
         self._con = connect(self.path, read_only=read_only)
-        self._scopes: dict = {}
         present = {r[0] for r in self._con.execute(
             "SELECT table_name FROM information_schema.tables WHERE table_schema = 'main'").fetchall()}
         missing = [t for t in schema.TABLES if t not in present]
@@ -68,7 +84,25 @@ class Store:
 
     def sql(self, query: str, params: list | None = None) -> pl.DataFrame:
         """Run a query; the result as a polars DataFrame."""
-        return self._con.sql(query, params=params).pl()
+        if not self.is_dataset:
+            return self._con.sql(query, params=params).pl()
+        try:
+            return self._con.sql(query, params=params).pl()
+        except (duckdb.IOException, duckdb.InvalidInputException) as e:  # a damaged part file
+            raise self._damaged(e) from None
+
+    def _damaged(self, e: Exception, tables: tuple[str, ...] = ()) -> StoreError:
+        """The error for a dataset whose scan failed, naming the damaged file (DuckDB does not
+        always, e.g. for a damaged data page)."""
+        import re
+
+        from tracekit.dataset import find_damaged
+
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        bad = find_damaged(self.path, tables or tuple(re.findall(r"table '(\w+)'", first)))
+        if bad is None:
+            return StoreError(f"{self.path}: {first}")
+        return StoreError(f"{bad[0]}: damaged Parquet file ({bad[1]})")
 
     def table(self, name: str, run_id: str | None = None) -> pl.DataFrame:
         """A whole table (optionally one run's rows) as a polars DataFrame."""
@@ -85,12 +119,20 @@ class Store:
 
     @property
     def run_ids(self) -> list[str]:
-        return [r[0] for r in self._con.execute("SELECT run_id FROM runs ORDER BY run_id").fetchall()]
+        return [r[0] for r in self._fetch("SELECT run_id FROM runs ORDER BY run_id")]
+
+    def _fetch(self, query: str) -> list[tuple]:
+        """Rows of a query; a dataset's damaged file is a StoreError naming it (DuckDB's first line)."""
+        try:
+            return self._con.execute(query).fetchall()
+        except duckdb.Error as e:
+            if not self.is_dataset:
+                raise
+            raise self._damaged(e, ("runs",)) from None
 
     def newest_run(self) -> str:
         """The run ingested last (the default of every analysis method)."""
-        rows = self._con.execute("SELECT run_id FROM runs ORDER BY ingested_at DESC NULLS LAST, run_id DESC "
-                                 "LIMIT 1").fetchall()
+        rows = self._fetch("SELECT run_id FROM runs ORDER BY ingested_at DESC NULLS LAST, run_id DESC LIMIT 1")
         if not rows:
             raise StoreError(f"{self.path}: the store holds no runs")
         return rows[0][0]
@@ -113,6 +155,8 @@ class Store:
             try:
                 have = set(self._con.sql(f"SELECT * FROM {t} LIMIT 0").columns)
             except duckdb.Error as e:
+                if self.is_dataset:
+                    raise self._damaged(e, (t,)) from None
                 raise TablesError(f"cannot read table {t!r} from the store: {str(e).splitlines()[0]}") from None
             lacking = [c for c in schema.columns(t) if c not in have]
             if lacking:
@@ -128,7 +172,12 @@ class Store:
 
         from tracekit.analysis.tables import RunTables
 
-        tables = RunTables.from_duckdb(self._con, self._run(run_id), ranks)
+        try:
+            tables = RunTables.from_duckdb(self._con, self._run(run_id), ranks)
+        except ValueError as e:  # TablesError: on a dataset, a part file that cannot be read
+            if not self.is_dataset or "cannot read table" not in str(e):
+                raise
+            raise self._damaged(e) from None
         row = tables.runs.row(0, named=True)
         if any(row[d] is None for d in ("tp", "cp", "pp", "dp")):
             # No layout (e.g. traces without process-group metadata): compare every rank with every
@@ -251,8 +300,13 @@ class Store:
                 [(o, tables.run_id, r) for r, o in ranks.iter_rows()]))
         return alignment
 
-    def _write(self, fn) -> None:
-        """Run ``fn(con)`` on a writable connection (a read-only store reopens around it)."""
+    def _write(self, fn, tables: tuple[str, ...] = ("ranks",)) -> None:
+        """Run ``fn(con)`` on a writable connection (a read-only store reopens around it). On a
+        dataset, ``fn`` runs on in-memory copies of ``tables`` (those it changes), and each run's
+        rows of them are then written back as that table's only part of the run."""
+        if self.is_dataset:
+            self._write_dataset(fn, tables)
+            return
         if not self._read_only:
             fn(self._con)
             return
@@ -265,6 +319,26 @@ class Store:
                 con.close()
         finally:
             self._con = connect(self.path, read_only=True)
+
+    def _write_dataset(self, fn, tables: tuple[str, ...]) -> None:
+        from tracekit import dataset
+
+        scratch = duckdb.connect(":memory:")
+        try:
+            for t in tables:
+                scratch.execute(schema.create_sql(t))
+                scratch.register("_tk_rows", self._con.sql(f"SELECT * FROM {t}").to_arrow_table())
+                scratch.execute(f"INSERT INTO {t} SELECT * FROM _tk_rows")
+                scratch.unregister("_tk_rows")
+            fn(scratch)
+            for t in tables:
+                rows = scratch.sql(f"SELECT * FROM {t}").to_arrow_table()
+                for rid in sorted(set(rows.column("run_id").to_pylist())):
+                    dataset.replace_run_table(self.path, t, rid, rows.filter(pa.compute.equal(rows["run_id"], rid)))
+        except OSError as e:
+            raise StoreError(f"{self.path}: cannot write ({e.strerror or e})") from None
+        finally:
+            scratch.close()
 
     def close(self) -> None:
         self._con.close()
@@ -280,5 +354,5 @@ class Store:
 
 
 def open(path: str | Path) -> Store:  # noqa: A001 - the public name is tracekit.open
-    """Open an existing store for reading."""
+    """Open an existing store (a DuckDB file or a Parquet dataset directory) for reading."""
     return Store(path, read_only=True)
