@@ -133,7 +133,7 @@ def run_size(size: int, kinds: list[str], steps: int, work: Path, ray: bool) -> 
             res = None
         ok = False
         if res is not None:
-            manifest = json.loads((run / "manifest.json").read_text()) if (run / "manifest.json").exists() else {}
+            manifest = _manifest(run)
             case = Case(kind, layout, 0, faults, "mesh", 0.05, 0.0005, 2000.0, 20.0, truth)
             hang = res["stragglers"]["cause"].get("ranks", [])
             ok, _ = judge(case, {"diagnosis": res["stragglers"], "layout": list(layout), "layout_note": None,
@@ -143,6 +143,16 @@ def run_size(size: int, kinds: list[str], steps: int, work: Path, ray: bool) -> 
                              "headline": (res or {}).get("stragglers", {}).get("headline", strag["err"])[:300]})
         shutil.rmtree(case_dir, ignore_errors=True)
     return row
+
+
+def _manifest(run: Path) -> dict:
+    """The ground truth: the run directory's manifest, or the dataset's runs.manifest."""
+    if (run / "manifest.json").exists():
+        return json.loads((run / "manifest.json").read_text())
+    import tracekit
+
+    with tracekit.open(run) as s:
+        return json.loads(s.sql("SELECT manifest FROM runs")["manifest"][0])
 
 
 def _brief(m: dict | None) -> dict | None:

@@ -24,6 +24,7 @@ import numpy as np
 import polars as pl
 
 from tracekit.analysis.standout import spread
+from tracekit.analysis.tables import ranked_source
 from tracekit.analysis.tunables import Tunables
 from tracekit.topology import Layout
 
@@ -61,6 +62,8 @@ class Scope:
             elif lv["level"] == "dp" and "rows" in lv:
                 said.append(f"DP collectives of every rank: late replicas {picked or 'none'}"
                             + (f", slow DP group {lv['slow_group']['pg_name']}" if lv.get("slow_group") else ""))
+            elif lv["level"] == "links" and "rows" in lv:
+                said.append(f"p2p of every rank: {len(lv.get('slow_links') or [])} slow links")
             elif lv["level"] == "pp":
                 said.append(f"pipeline waits of two replicas: stages {picked or 'none'}")
             elif lv["level"] == "stage" and picked:
@@ -159,19 +162,50 @@ def _dp_level(con, run_id: str, lay: Layout, tun: Tunables, step_ns: float) -> t
     return late, slow_group, evidence
 
 
+def _link_level(con, run_id: str, lay: Layout, tun: Tunables) -> tuple[list[tuple[int, int]], dict]:
+    """Pipeline links whose every message is slow: per link the fastest transfer of all its messages
+    (a send or receive's own duration, one clock; a slow link has no fast message, a late rank's
+    links do), against the links between the same two stages. Reads only the p2p records."""
+    if lay.pp < 2:
+        return [], {"level": "links", "read": "nothing (pp = 1)"}
+    rows = con.sql("SELECT rank, peer, direction, min(end_ns - start_ns)::DOUBLE AS t FROM p2p WHERE run_id = $r "
+                   "AND source <> 'fr' AND peer IS NOT NULL AND end_ns IS NOT NULL GROUP BY ALL",
+                   params={"r": run_id}).pl()
+    evidence: dict = {"level": "links", "read": "p2p records: each link's fastest message", "rows": rows.height}
+    if not rows.height:
+        return [], evidence
+    send = pl.col("direction") == "send"
+    stage = lambda c: (pl.col(c) // (lay.tp * lay.cp)) % lay.pp  # noqa: E731
+    links = rows.with_columns(pl.when(send).then("rank").otherwise("peer").alias("src"),
+                              pl.when(send).then("peer").otherwise("rank").alias("dst")).group_by("src", "dst").agg(
+        pl.col("t").min()).with_columns(stage("src").alias("a"), stage("dst").alias("b"))
+    links = links.with_columns(pl.col("t").median().over("a", "b").alias("ref"),
+                               ((pl.col("t") - pl.col("t").median().over("a", "b")).abs().median().over("a", "b")
+                                * 1.4826).alias("mad"))
+    links = links.with_columns((pl.col("t") / pl.col("ref")).alias("ratio"),
+                               ((pl.col("t") - pl.col("ref")) / pl.max_horizontal(pl.col("mad"), pl.col("ref") * 1e-3))
+                               .alias("z"))
+    slow = links.filter((pl.col("ratio") >= tun.slow_link_ratio) & (pl.col("z") >= tun.scope_z_step)).sort(
+        "z", descending=True).head(tun.scope_candidates)
+    pairs = [(int(a), int(b)) for a, b in slow.select("src", "dst").iter_rows()]
+    evidence["slow_links"] = [list(p) for p in pairs]
+    return pairs, evidence
+
+
 def _pp_level(con, run_id: str, lay: Layout, replica: int, ref: int, tun: Tunables, step_ns: float
               ) -> tuple[list[int], dict]:
     """The stages of ``replica`` to read: the ends of its pipeline link whose transfers (the shorter of
     send and receive, one clock) grew most against the same stage pair of ``ref``, and the stage whose
     in-stage collectives grew most. Reads only those two replicas' p2p and non-DP collectives."""
     size = lay.world_size // lay.dp
-    within = (f"(rank BETWEEN {replica * size} AND {(replica + 1) * size - 1} "
-              f"OR rank BETWEEN {ref * size} AND {(ref + 1) * size - 1})")
+    ranges = sorted([(replica * size, (replica + 1) * size - 1), (ref * size, (ref + 1) * size - 1)])
+    p2p_src, p2p_within = ranked_source(con, "p2p", ranges)
+    coll_src, coll_within = ranked_source(con, "collectives", ranges)
     stage = (pl.col("rank") // (lay.tp * lay.cp)) % lay.pp
     evidence: dict = {"level": "pp", "read": f"p2p and in-stage collectives of replicas {replica} and {ref}"}
     stages: list[int] = []
-    p2p = con.sql(f"SELECT rank, peer, direction, step, start_ns, end_ns FROM p2p WHERE run_id = $r AND source <> 'fr' "
-                  f"AND {within} AND peer IS NOT NULL AND step IS NOT NULL", params={"r": run_id}).pl()
+    p2p = con.sql(f"SELECT rank, peer, direction, step, start_ns, end_ns FROM {p2p_src} WHERE run_id = $r "
+                  f"AND source <> 'fr'{p2p_within} AND peer IS NOT NULL AND step IS NOT NULL", params={"r": run_id}).pl()
     if p2p.height:
         send = pl.col("direction") == "send"
         p2p = p2p.with_columns(pl.when(send).then("rank").otherwise("peer").alias("src"),
@@ -199,8 +233,8 @@ def _pp_level(con, run_id: str, lay: Layout, replica: int, ref: int, tun: Tunabl
             evidence["link"] = {"ranks": [int(top["src"]), int(top["dst"])], "ratio": float(top["ratio"])}
     coll = con.sql(
         "WITH dpg AS (SELECT pg_name FROM groups WHERE run_id = $r AND dim = 'dp') "
-        f"SELECT rank, step, sum(end_ns - start_ns)::DOUBLE AS ns FROM collectives WHERE run_id = $r "
-        f"AND source <> 'fr' AND {within} AND step IS NOT NULL AND pg_name NOT IN (SELECT pg_name FROM dpg) "
+        f"SELECT rank, step, sum(end_ns - start_ns)::DOUBLE AS ns FROM {coll_src} WHERE run_id = $r "
+        f"AND source <> 'fr'{coll_within} AND step IS NOT NULL AND pg_name NOT IN (SELECT pg_name FROM dpg) "
         "GROUP BY ALL", params={"r": run_id}).pl()
     if coll.height:
         per = coll.with_columns((pl.col("rank") // size).alias("dp"), stage.alias("pp")).group_by("dp", "pp").agg(
@@ -237,7 +271,10 @@ def narrow(con, run_id: str, lay: Layout, tun: Tunables = Tunables()) -> Scope:
     levels.append(ev)
     late, slow_group, ev = _dp_level(con, run_id, lay, tun, step_ns)
     levels.append(ev)
+    pairs, ev = _link_level(con, run_id, lay, tun)
+    levels.append(ev)
     cells: set[tuple[int, int]] = {(lay.coords(r).dp, lay.coords(r).pp) for r in candidates}
+    link_cells = {(lay.coords(r).dp, lay.coords(r).pp) for pair in pairs for r in pair}
     busy = {d for d, _ in cells} | set(late)
     refs = [d for d in range(lay.dp) if d not in busy][: max(1, math.ceil(tun.scope_min_peers / (lay.cp * lay.tp)))]
     # a late replica holding a rank whose compute stands out is explained by it; the others are searched
@@ -247,6 +284,7 @@ def narrow(con, run_id: str, lay: Layout, tun: Tunables = Tunables()) -> Scope:
             stages, ev = _pp_level(con, run_id, lay, replica, refs[0], tun, step_ns)
             levels.append(ev)
             cells |= {(replica, q) for q in stages}
+    cells |= link_cells
     heavy, ev = _stage_level(compute, lay, tun)
     levels.append(ev)
     for p in heavy:

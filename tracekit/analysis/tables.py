@@ -26,6 +26,22 @@ POLARS_TYPES = {"INTEGER": pl.Int32, "BIGINT": pl.Int64, "VARCHAR": pl.Utf8, "BO
                 "INTEGER[]": pl.List(pl.Int32)}
 
 
+def ranked_source(con, table: str, ranks: list[tuple[int, int]] | None) -> tuple[str, str]:
+    """(FROM source, extra WHERE clause) reading only ``ranks`` (inclusive ranges; None: all) of a
+    per-rank table: on a Parquet dataset through its ``<table>_parts`` view, whose ``rank_block``
+    partition column prunes whole files (tracekit/dataset.py)."""
+    if ranks is None:
+        return table, ""
+    within = " AND (" + " OR ".join(f"rank BETWEEN {int(a)} AND {int(b)}" for a, b in ranks) + ")"
+    parts = con.execute("SELECT count(*) FROM duckdb_views() WHERE view_name = ?", [f"{table}_parts"]).fetchall()
+    if not parts or not parts[0][0]:
+        return table, within
+    from tracekit.schema import RANK_BLOCK
+
+    blocks = sorted({k for a, b in ranks for k in range(int(a) // RANK_BLOCK, int(b) // RANK_BLOCK + 1)})
+    return f"{table}_parts", f" AND rank_block IN ({', '.join(map(str, blocks))}){within}"
+
+
 def per_tables(fn):
     """Compute ``fn(tables, *args)`` once per tables object: the diagnosis asks for the same derived
     frames (matched collectives, compute speed, link transfers) from several places."""
@@ -110,19 +126,18 @@ class RunTables:
         """Load one run from an open DuckDB connection holding the store's tables; with ``ranks``
         (inclusive rank ranges) only those ranks' rows of the per-rank tables (a scoped analysis)."""
         frames = {}
-        within = "" if ranks is None else " AND (" + " OR ".join(
-            f"rank BETWEEN {int(a)} AND {int(b)}" for a, b in ranks) + ")"
         for t in TABLE_NAMES:
-            scope = within if t not in ("runs", "groups") else ""
+            source, scope = ranked_source(con, t, ranks) if t not in ("runs", "groups") else (t, "")
             try:
-                rel = con.sql(f"SELECT * FROM {t} WHERE run_id = $run_id{scope}", params={"run_id": run_id})
+                rel = con.sql(f"SELECT {', '.join(schema.columns(t))} FROM {source} WHERE run_id = $run_id{scope}",
+                              params={"run_id": run_id})
                 frames[t] = pl.from_arrow(rel.to_arrow_table())
             except Exception as e:  # noqa: BLE001 - duckdb raises CatalogException and friends
                 raise TablesError(f"cannot read table {t!r} from the store: {e}") from None
         try:  # optional: labels unlabelled gloo collectives (assign_groups)
             frames["fr_entries"] = pl.from_arrow(con.sql(
-                "SELECT run_id, rank, pg_name, profiling_name, is_p2p, time_created_ns FROM fr_entries "
-                f"WHERE run_id = $run_id{within}", params={"run_id": run_id}).to_arrow_table())
+                "SELECT run_id, rank, pg_name, profiling_name, is_p2p, time_created_ns FROM "
+                "{} WHERE run_id = $run_id{}".format(*ranked_source(con, "fr_entries", ranks)), params={"run_id": run_id}).to_arrow_table())
         except Exception:  # noqa: BLE001 - an older store without the table
             pass
         return cls.from_mapping(frames, run_id)

@@ -303,15 +303,8 @@ def write_duckdb(cfg: SimConfig, path, run_id: str, fr_tail: int = FR_TAIL) -> N
 
 def write_dataset(cfg: SimConfig, out, run_id: str, fr_tail: int = FR_TAIL) -> None:
     """The simulated run's tables as a Parquet dataset store at ``out`` (tracekit/dataset.py), one
-    part per pipeline stage; the manifest beside it, as a run directory has it."""
-    from pathlib import Path
-
-    from tracekit.analysis.tables import conform
+    part per chunk; the ground truth is in ``runs.manifest``."""
     from tracekit.dataset import write_tables
 
-    out = Path(out)
     for i, chunk in enumerate(run_tables(cfg, run_id, fr_tail)):
-        if i == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "manifest.json").write_text(chunk["runs"]["manifest"][0])
-        write_tables(out, {t: conform(df, t) for t, df in chunk.items() if df.height}, part=f"sim-{i:03d}")
+        write_tables(out, {t: df for t, df in chunk.items() if df.height}, part=f"sim-{i:04d}")
