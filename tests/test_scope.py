@@ -8,6 +8,8 @@ ingest of its traces gives), with skewed, drifting clocks and noise. The scope i
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -124,3 +126,30 @@ def test_link_rank_test_equals_the_pairwise_rank_test(verdicts):
     for row in links.head(2).iter_rows(named=True):
         key = f"{row['link']}|{row['name']}"
         assert row["z"] == pytest.approx(mann_whitney_z(lr[keys == key], lr[keys != key]), rel=1e-9, abs=1e-9)
+
+
+def test_a_dataset_store_gives_the_same_scoped_verdict_reading_only_its_rank_blocks(tmp_path, monkeypatch):
+    """The same job as a Parquet dataset (what `tracekit simulate --format parquet` writes for large
+    worlds): the scoped verdict is the DuckDB file's, and the scoped reads open only the partitions
+    (rank blocks) of the ranks in scope."""
+    from tracekit import schema
+    from tracekit.analysis.tables import ranked_source
+    from tracekit.simulate.tables import write_dataset
+
+    monkeypatch.setattr(schema, "RANK_BLOCK", 16)  # 128 ranks in 8 blocks, as 16,384 are in 64
+    cfg = SimConfig(**BASE, seed=31, faults=("slow:rank=77,factor=1.15",))
+    write_duckdb(cfg, tmp_path / "s.duckdb", "run")
+    write_dataset(cfg, tmp_path / "ds", "run")
+    with tracekit.open(tmp_path / "s.duckdb") as a, tracekit.open(tmp_path / "ds") as b:
+        da, db = a.diagnose(tunables=SCOPED), b.diagnose(tunables=SCOPED)
+        assert b.is_dataset and _named(da) == _named(db) == {"straggler": [(77,)]}, (da.headline, db.headline)
+        assert da.scope.ranks == db.scope.ranks
+        source, where = ranked_source(b._con, "events", db.scope.ranges())
+        assert source == "events_parts" and "rank_block IN" in where
+        def files_read(query: str) -> int:
+            plan = "\n".join(str(r[-1]) for r in b._con.sql(f"EXPLAIN ANALYZE {query}").fetchall())
+            return sum(int(n) for n in re.findall(r"Total Files Read: (\d+)", plan))
+
+        scoped = files_read(f"SELECT count(*) FROM {source} WHERE run_id = 'run'{where}")
+        whole = files_read("SELECT count(*) FROM events_parts WHERE run_id = 'run'")
+        assert 0 < scoped < whole and len({r // 16 for r in db.scope.ranks}) < 8, (scoped, whole)
