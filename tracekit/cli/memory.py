@@ -116,10 +116,6 @@ def memory_command(source: Path, store_path: Path | None, run_id: str | None, by
         f"warning: {m}", markup=False, highlight=False, soft_wrap=True))
 
     status = Console(stderr=True).status  # a spinner on a terminal, silent otherwise
-    from tracekit.dataset import is_dataset
-
-    if is_dataset(store):
-        store = _duckdb_copy(store)
     try:
         with status(f"reading {store}"):
             run_id, tables, layout, manifest = load_tables(store, run_id)
@@ -178,31 +174,3 @@ def memory_command(source: Path, store_path: Path | None, run_id: str | None, by
         console.print(f"plot: {plot_path}")
 
 
-def _duckdb_copy(dataset_dir: Path) -> Path:
-    """A temporary DuckDB store with what ``tracekit memory`` reads of a Parquet dataset (its memory
-    tables, steps, runs and the events that carry a phase): memory_tables.load_tables reads a file."""
-    import atexit
-    import shutil
-    import tempfile
-
-    from tracekit.cli._common import fail
-    from tracekit.dataset import connect as connect_dataset
-    from tracekit.store import StoreError
-    from tracekit.store import connect as connect_store
-
-    tmp = Path(tempfile.mkdtemp(prefix="tracekit-memory-"))
-    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
-    out = tmp / "memory.duckdb"
-    try:
-        src = connect_dataset(dataset_dir)
-        con = connect_store(out)
-        for table, where in (("memory_events", ""), ("memory_segments", ""), ("memory_blocks", ""), ("steps", ""),
-                             ("runs", ""), ("events", "WHERE phase IS NOT NULL")):
-            con.register("_tk_rows", src.sql(f"SELECT * FROM {table} {where}").to_arrow_table())
-            con.execute(f"INSERT INTO {table} SELECT * FROM _tk_rows")
-            con.unregister("_tk_rows")
-        con.close()
-        src.close()
-    except StoreError as e:
-        fail(str(e))
-    return out
