@@ -97,3 +97,25 @@ def test_a_diagnosis_of_the_straight_tables_names_the_slow_rank(tmp_path):
         d = s.diagnose()
     assert [f.ranks for f in d.findings if f.kind == "straggler"] == [(5,)], d.headline
     assert isinstance(d.findings[0].cost_ns, float) and pl.__version__
+
+
+def test_simulate_parquet_then_stragglers_through_the_cli(tmp_path):
+    """`tracekit simulate --format parquet` writes a dataset store that `tracekit stragglers` opens."""
+    import json
+    import subprocess
+    import sys
+
+    run = [sys.executable, "-c", "import sys; from tracekit.cli import main; sys.argv[0] = 'tracekit'; main()"]
+    out = tmp_path / "ds"
+    sim = subprocess.run([*run, "simulate", "--tp", "2", "--pp", "2", "--dp", "4", "--steps", "6", "--skew-ms", "900",
+                          "--fault", "slow:rank=13,factor=1.3", "--format", "parquet", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert sim.returncode == 0, sim.stderr
+    assert (out / "_tracekit_dataset.json").exists() and not (out / "traces").exists()
+    res = subprocess.run([*run, "stragglers", str(out), "--json"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    d = json.loads(res.stdout)["stragglers"]
+    assert [f["ranks"] for f in d["findings"]] == [[13]], d["headline"]
+    truth = json.loads(duckdb.connect().sql(
+        f"SELECT manifest FROM read_parquet('{out}/runs/**/*.parquet', hive_partitioning = true)").fetchall()[0][0])
+    assert truth["faults"][0]["ranks"] == [13]
