@@ -39,7 +39,7 @@ import json, resource, subprocess, sys, time
 t = time.perf_counter()
 p = subprocess.run(sys.argv[1:], capture_output=True, text=True)
 print(json.dumps({"s": time.perf_counter() - t, "rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
-                  "rc": p.returncode, "out": p.stdout[-200000:], "err": p.stderr[-2000:]}))
+                  "rc": p.returncode, "out": p.stdout, "err": p.stderr[-2000:]}))
 """
 
 

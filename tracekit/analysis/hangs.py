@@ -21,6 +21,23 @@ import polars as pl
 from tracekit.analysis.damaged import describe
 
 
+
+def rank_list(ranks, shown: int = 16) -> str:
+    """Ranks for a sentence: the list up to ``shown`` of them, else their count and contiguous
+    ranges (a hang in a 16,384-rank job blocks thousands)."""
+    ranks = sorted(int(r) for r in ranks)
+    if len(ranks) <= shown:
+        return str(ranks)
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    parts = [f"{a}-{b}" if b > a else str(a) for a, b in runs]
+    text = ", ".join(parts[:8]) + (f", ... ({len(parts) - 8} more ranges)" if len(parts) > 8 else "")
+    return f"{len(ranks):,} ranks [{text}]"
+
 @dataclass(frozen=True)
 class StuckCollective:
     pg_name: str
@@ -97,13 +114,14 @@ class HangReport:
             return f"no hang: every group's members reached the same collective ({len(self.ranks_with_records)} ranks)"
         s = self.stuck[0]
         never = sorted({*s.missing, *s.no_record} - set(self.damaged))
-        text = (f"hang in {s.op} #{s.seq} of group {s.pg_desc or s.pg_name} {list(s.members)}: ranks {list(s.joined)} "
+        text = (f"hang in {s.op} #{s.seq} of group {s.pg_desc or s.pg_name} {rank_list(s.members)}: ranks "
+                f"{rank_list(s.joined)} "
                 f"wait, " + (f"ranks {never} never joined" if never else "no rank with data is absent")
                 + (f"; culprit(s): {list(self.culprits)}" if self.culprits else
                    "; the culprit is among the ranks without data"))
         behind = [r for r in self.blocked if r not in s.joined]
         if behind:
-            text += f"; blocked behind them in other operations: {list(behind)}"
+            text += f"; blocked behind them in other operations: {rank_list(behind)}"
         return text
 
     def to_dict(self) -> dict:

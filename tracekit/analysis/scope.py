@@ -277,9 +277,9 @@ def narrow(con, run_id: str, lay: Layout, tun: Tunables = Tunables()) -> Scope:
     link_cells = {(lay.coords(r).dp, lay.coords(r).pp) for pair in pairs for r in pair}
     busy = {d for d, _ in cells} | set(late)
     refs = [d for d in range(lay.dp) if d not in busy][: max(1, math.ceil(tun.scope_min_peers / (lay.cp * lay.tp)))]
-    # a late replica holding a rank whose compute stands out is explained by it; the others are searched
-    explained = {d for d, _ in cells}
-    for replica in [d for d in late if d not in explained][:2]:
+    # every late replica is searched, candidates or not: the compute level lets a few ranks of a large
+    # job through by chance, and one of those in a replica would hide its slow link
+    for replica in late[:2]:
         if refs:
             stages, ev = _pp_level(con, run_id, lay, replica, refs[0], tun, step_ns)
             levels.append(ev)
