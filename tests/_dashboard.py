@@ -192,10 +192,17 @@ def wait_rendered(page, timeout_ms: int = 120_000) -> None:
 def wait_job_raster(page, timeout_ms: int = 120_000) -> bool:
     """Until the whole-job raster is drawn (it joins the page after the first render); False for a
     version of the dashboard without it."""
-    if not page.locator(".tk-job-timeline").count():
+    try:
+        page.locator(".tk-job-plot canvas").first.wait_for(timeout=timeout_ms)
+    except Exception:  # playwright's TimeoutError: no whole-job view in this version
         return False
-    page.locator(".tk-job-plot canvas").first.wait_for(timeout=timeout_ms)
     return True
+
+
+def wait_every_view(page, timeout_ms: int = 120_000) -> None:
+    """Until the views below the first screen (CP wait, memory, numerics) are on the page too."""
+    for css in (".tk-cpwait", ".tk-memory", ".tk-numerics"):
+        page.locator(css).first.wait_for(state="attached", timeout=timeout_ms)
 
 
 FOCUS = re.compile(r"rank (\d+) \(dp (\d+), pp (\d+), cp (\d+), tp (\d+)\), step (\d+)")

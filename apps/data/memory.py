@@ -49,8 +49,8 @@ def _curve(data: DashboardData, run_id: str, rank: int) -> MemoryCurve:
     events = data.sql("SELECT run_id, rank, seq, ts_ns, action, addr, size, category, frame FROM memory_events "
                       "WHERE run_id = $r AND rank = $k ORDER BY seq", p)
     blocks = data.sql("SELECT * FROM memory_blocks WHERE run_id = $r AND rank = $k", p)
-    offset = data.sql("SELECT coalesce(clock_offset_ns, 0) AS o FROM ranks WHERE run_id = $r AND rank = $k", p)
-    offset = int(offset["o"][0]) if offset.height else 0
+    offset = data.clock_offsets(run_id).filter(pl.col("rank") == rank)["offset_ns"]
+    offset = int(offset[0] or 0) if offset.len() else 0
     steps = data.sql("SELECT step, start_ns, end_ns FROM steps WHERE run_id = $r AND rank = $k ORDER BY step", p)
     result = analyse(events, blocks=blocks)  # MemoryDataError (a ValueError): the page says so
     peak = result.peaks.row(0, named=True)
