@@ -84,7 +84,7 @@ def memory_rows(run_id: str, rank: int, t0: int, t1: int, n: int):
             rows.append((run_id, rank, i, int(t), "alloc", 1000 + i, size))
     df = pl.DataFrame(rows, schema=["run_id", "rank", "seq", "ts_ns", "action", "addr", "size"], orient="row")
     return df.with_columns(pl.lit(None, pl.Int64).alias("stream"), pl.lit(None, pl.Utf8).alias("category"),
-                           pl.lit(None, pl.Utf8).alias("frame"))
+                           pl.lit(None, pl.Utf8).alias("frame"), pl.lit(None, pl.Utf8).alias("frames"))
 
 
 NUMERICS = ROOT / "tests" / "numerics_fixture"

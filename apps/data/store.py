@@ -61,6 +61,12 @@ class DashboardData:
                 self._recent.popitem(last=False)
             return value
 
+    def has_column(self, table: str, column: str) -> bool:
+        """Whether the store's ``table`` has ``column`` (tables gain columns; an older store lacks them)."""
+        return self.memo(("column", table, column), lambda: bool(self.sql(
+            "SELECT count(*) AS n FROM information_schema.columns WHERE table_name = $t AND column_name = $c",
+            {"t": table, "c": column})["n"][0]))
+
     # --- runs ----------------------------------------------------------------------------------
     def runs(self) -> list[str]:
         """Run ids, newest ingested first (the order ``Store.newest_run`` picks from)."""

@@ -18,16 +18,22 @@ from apps.selection import Selection
 from apps.views.plots import ACCENT, CULPRIT, bokeh_pane, new_figure
 
 
+# the hover: the event and the whole stack of the allocation (innermost first), as memory_viz shows it
+STACK_TOOLTIP = """<div class="tk-memory-hover" style="max-width: 560px">
+<div>@t_ms{0.00} ms: <b>@allocated_mib{0.000} MiB</b> allocated; @action @size_kib{0,0.0} KiB</div>
+<div>allocated by <b>@frame</b></div>
+<pre style="font-size: 10px; margin: 2px 0 0 0; white-space: pre-wrap">@stack</pre></div>"""
+
+
 class MemoryView:
     def __init__(self, data: DashboardData, sel: Selection) -> None:
         self.data, self.run_id, self.ranks = data, None, []
-        self.source = ColumnDataSource({"t_ms": [], "allocated_mib": [], "action": [], "size_kib": [], "frame": []})
+        self.source = ColumnDataSource({"t_ms": [], "allocated_mib": [], "action": [], "size_kib": [], "frame": [],
+                                        "stack": []})
         self.step_starts = ColumnDataSource({"x": [], "step": []})
         fig = new_figure(240, name="tk-memory-fig", tools="xpan,xwheel_zoom,reset", title="allocated memory (MiB)", y_range=Range1d(0, 1), y_axis_label="MiB")
         line = fig.line("t_ms", "allocated_mib", source=self.source, line_width=1.5, color="#4c78a8")
-        fig.add_tools(HoverTool(renderers=[line], mode="vline", tooltips=[
-            ("t", "@t_ms{0.00} ms"), ("allocated", "@allocated_mib{0.000} MiB"),
-            ("event", "@action @size_kib{0,0.0} KiB"), ("allocated by", "@frame")]))
+        fig.add_tools(HoverTool(renderers=[line], mode="vline", tooltips=STACK_TOOLTIP))
         fig.vspan(x="x", source=self.step_starts, line_color="#888888", line_dash="dotted")
         self.window = BoxAnnotation(fill_color=ACCENT, fill_alpha=0.12, line_alpha=0, visible=False)
         fig.add_layout(self.window)
@@ -66,7 +72,7 @@ class MemoryView:
         pts = curve.points
         self.source.data = {"t_ms": ((pts["t_ns"] - origin) / 1e6).to_numpy(), "allocated_mib": pts["allocated_mib"].to_numpy(),
                             "action": pts["action"].to_list(), "size_kib": (pts["size"] / 1024).to_numpy(),
-                            "frame": pts["frame"].to_list()}
+                            "frame": pts["frame"].to_list(), "stack": pts["stack"].to_list()}
         self.sites.value = curve.sites.select(
             pl.col("frame").alias("allocation site (live at the peak)"), (pl.col("bytes") / 2**20).round(3).alias("MiB"),
             "blocks", (pl.col("share") * 100).round(1).alias("% of peak")).to_pandas()
@@ -86,6 +92,11 @@ class MemoryView:
         text += f", allocated by {html.escape(curve.peak_frame)} ({html.escape(curve.peak_category)})"
         if est:
             text += f"; estimate {est:.4g} MiB (measured/estimate {curve.peak_mib / est:.2f})"
+        if curve.peak_stack:
+            text += ("<details class='tk-memory-peak-stack'><summary>its stack</summary><pre style='font-size: 11px'>"
+                     f"{html.escape(curve.peak_stack)}</pre></details>")
+        elif not curve.stacks_stored:
+            text += "<br>stacks not stored: this store was written before tracekit kept them (ingest the run again)"
         if curve.peak_frame == "<unknown>":
             text += ("<br>allocation sites unknown: the snapshot recorded no stacks (snapshots made from a CPU "
                      "profile carry none; CUDA snapshots record them)")
