@@ -250,14 +250,15 @@ POINT_JS = """([name, x, y]) => {
     const box = view.el.getBoundingClientRect();
     const sx = Array.isArray(x) ? view.model.x_range.synthetic(x) : x;
     const sy = y === null ? view.frame.bbox.vcenter : view.frame.y_scale.compute(y);
-    return [box.left + view.frame.x_scale.compute(sx), box.top + sy];
+    const px = x === null ? view.frame.bbox.hcenter : view.frame.x_scale.compute(sx);
+    return [box.left + px, box.top + sy];
 }"""
 
 
 def plot_point(page, figure: str, x, y: float | None) -> tuple[float, float]:
     """Where data point (x, y) of the Bokeh figure named ``figure`` (or whose title starts so)
     is on the page (viewport pixels, after scrolling it into view); x may be a factor (a list) on
-    a categorical axis, y None for the middle of the plot."""
+    a categorical axis, x or y None for the middle of the plot."""
     pt = page.evaluate(POINT_JS, [figure, x, y])
     assert pt is not None, f"no plot named {figure!r} on the page"
     return pt[0], pt[1]

@@ -1,6 +1,8 @@
-"""The memory view's hover in a real browser (Debian's headless Chromium via Playwright): the whole
-stack of the allocation under the mouse, on a store whose slow rank's memory is a real CUDA
-snapshot (an H100 FSDP2 run, tests/gpu_fixtures/native_fsdp2_h100). The oracle is the pickle."""
+"""The memory view in a real browser (Debian's headless Chromium via Playwright): the hover shows
+the whole stack of the allocation under the mouse, on a store whose slow rank's memory is a real
+CUDA snapshot (an H100 FSDP2 run, tests/gpu_fixtures/native_fsdp2_h100; the oracle is the
+pickle); and linked selections: a click on the memory curve, on the step timeline's peer lanes
+and on the heatmap moves every other view."""
 
 from __future__ import annotations
 
@@ -83,3 +85,44 @@ def test_hovering_the_memory_curve_shows_the_allocation_s_whole_stack(store, tmp
         assert any(any(s.split("\n")[0] in tip and s.split("\n")[-1] in tip for s in stacks) for tip in shown)
         assert any(shipped[deep].split("\n")[-1] in tip for tip in shown)
         page.locator(".tk-memory").first.screenshot(path=str(tmp_path / "memory-hover.png"))
+
+
+STEP_STARTS_JS = """() => {  // the memory plot's step starts (x in ms on its axis, step)
+    const view = Bokeh.index.query_one(v => v.model.name === "tk-memory-fig" && v.frame !== undefined);
+    const r = view.model.renderers.find(r => r.data_source.data.step !== undefined);
+    return [Array.from(r.data_source.data.x), Array.from(r.data_source.data.step)];
+}"""
+
+
+def _memory_axis(page) -> str:
+    """The memory plot's x-axis label (drawn on its canvas: read from the browser's model)."""
+    return page.evaluate("""() => Bokeh.index.query_one(v => v.model.name === "tk-memory-fig"
+                                                          && v.frame !== undefined).model.below[0].axis_label""")
+
+
+def test_clicks_on_memory_timeline_and_heatmap_move_every_view(tmp_path):
+    store = D.job_store(tmp_path, 600)  # rank SLOW's memory is on the steps' clock
+    with D.served(store) as url, D.chromium(tmp_path / "profile") as page:
+        page.goto(url)
+        D.wait_rendered(page)
+        page.locator(".tk-memory canvas").first.wait_for(timeout=60_000)
+        rank, step = D.focus(page)
+        assert rank == D.SLOW
+        xs, steps = page.evaluate(STEP_STARTS_JS)
+        i = next(k for k in range(len(steps) - 1) if steps[k] != step)  # another step's window
+        target = steps[i]
+        # memory -> every view: a click inside that step's window selects it
+        D.click_and_wait(page, "tk-memory-fig", (xs[i] + xs[i + 1]) / 2, None, lambda: D.focus(page) == (D.SLOW, target))
+        D.wait_for(lambda: D.timeline_title(page) == (D.SLOW, target), "the timeline never followed the memory click")
+        assert f"rank {D.SLOW}'s step {target} start" in _memory_axis(page)  # re-centred on it
+        # timeline -> every view: a click on the peer's lanes selects the peer in the same step
+        peer = int(D.text(page, ".tk-timeline-title").split("healthy peer rank ")[1].split()[0].strip("*"))
+        D.click_and_wait(page, "tk-timeline-fig", None, 2.0, lambda: D.focus(page)[0] == peer)
+        D.wait_for(lambda: D.timeline_title(page) == (peer, target), "the timeline never selected the peer")
+        assert f"selected rank {peer}" in D.text(page, ".tk-drilldown")
+        assert f"rank {peer} has no snapshot" in D.text(page, ".tk-memory")
+        # heatmap -> memory: the slow rank's cell in another step shades that step on its curve
+        (r, s), _ = D.click_heatmap(page, 1, D.SLOW)
+        assert r == D.SLOW
+        D.wait_for(lambda: f"rank {D.SLOW}'s step {s} start" in _memory_axis(page),
+                   "the memory view never followed the heatmap click")

@@ -10,6 +10,7 @@ import html
 import pandas as pd
 import panel as pn
 import polars as pl
+from bokeh.events import Tap
 from bokeh.models import BoxAnnotation, ColumnDataSource, HoverTool, Range1d, Span
 
 from apps.data import DashboardData
@@ -27,7 +28,8 @@ STACK_TOOLTIP = """<div class="tk-memory-hover" style="max-width: 560px">
 
 class MemoryView:
     def __init__(self, data: DashboardData, sel: Selection) -> None:
-        self.data, self.run_id, self.ranks = data, None, []
+        self.data, self.sel, self.run_id, self.ranks = data, sel, None, []
+        self.step_windows: list[tuple[int, float, float]] = []  # step, start, end (ms on the x axis)
         self.source = ColumnDataSource({"t_ms": [], "allocated_mib": [], "action": [], "size_kib": [], "frame": [],
                                         "stack": []})
         self.step_starts = ColumnDataSource({"x": [], "step": []})
@@ -40,6 +42,7 @@ class MemoryView:
         self.estimate = Span(location=0, dimension="width", line_color=CULPRIT, line_dash="dashed", line_width=2,
                              visible=False)
         fig.add_layout(self.estimate)
+        fig.on_event(Tap, self._tap)
         self.fig = fig
         self.text = pn.pane.Markdown("", sizing_mode="stretch_width")
         self.plot = bokeh_pane(fig)
@@ -50,7 +53,7 @@ class MemoryView:
                                css_classes=["tk-memory"])
 
     def show_run(self, run_id: str) -> None:
-        self.run_id = run_id
+        self.run_id, self.step_windows = run_id, []
         self.ranks = memory_ranks(self.data, run_id)
         self.plot.visible = self.sites.visible = bool(self.ranks)
         if not self.ranks:
@@ -77,6 +80,8 @@ class MemoryView:
             pl.col("frame").alias("allocation site (live at the peak)"), (pl.col("bytes") / 2**20).round(3).alias("MiB"),
             "blocks", (pl.col("share") * 100).round(1).alias("% of peak")).to_pandas()
         st = curve.steps if curve.on_step_clock else curve.steps.clear()
+        self.step_windows = [(int(k), (a - origin) / 1e6, (b - origin) / 1e6) for k, a, b in
+                             st.select("step", "start_ns", "end_ns").iter_rows()]
         self.step_starts.data = {"x": ((st["start_ns"] - origin) / 1e6).to_numpy(), "step": st["step"].to_numpy()}
         sel = st.filter(pl.col("step") == step)
         self.window.visible = bool(sel.height)
@@ -106,3 +111,12 @@ class MemoryView:
         key = ["allocated (blue)"] + (["estimate (dashed red)"] if est is not None else []) + (
             ["step starts (dotted), selected step shaded"] if curve.on_step_clock else [])
         self.fig.title.text = "allocated memory (MiB): " + ", ".join(key)
+
+    def _tap(self, event: Tap) -> None:
+        """A click on the curve (on the steps' clock) selects the step in progress at that time
+        (the nearest one between steps): every view follows."""
+        if event.x is None or not self.step_windows:
+            return
+        step = min(self.step_windows, key=lambda w: (max(w[1] - event.x, event.x - w[2], 0.0), w[0]))[0]
+        if step != self.sel.step:
+            self.sel.step = step
