@@ -3,13 +3,15 @@
 Serve it with ``tracekit dashboard <store or run dir>`` or ``panel serve apps/dashboard.py --args
 <store>``. It opens on the newest run; the run selector switches runs. Every view follows one
 shared selection (run, rank, step), and several set it: a heatmap cell (rank and step), a step on
-the step-time plot, a member of the CP group, the rank and step inputs.
+the step-time plot, a member of the CP group, a point of the whole-job raster, the step timeline's
+peer lanes, a time on the memory curve, the rank and step inputs.
 
 Each session builds its views once: the first screen's (overview, hang, heatmap, drill-down, step
 timeline) when the page is requested, the rest (CP wait, memory, numerics, whole job) once the
-browser has drawn those, so the first render waits for half the models. A new run reloads every view's data; a new rank or step
-updates only what depends on it, inside one held document change, so the browser gets one message
-with new data-source contents and texts rather than new plots (apps/views/plots.py says why).
+browser has drawn those, so the first render waits for half the models. A new run reloads every
+view's data; a new rank or step updates only what depends on it, inside one held document change,
+so the browser gets one message with new data-source contents and texts rather than new plots
+(apps/views/plots.py says why).
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ def measure(store: Path, clicks: int, shots: Path, root: Path = D.ROOT, tag: str
         every = time.perf_counter() - t0
         raster = time.perf_counter() - t0 if D.wait_job_raster(page, 60_000) else None
         page.wait_for_timeout(500)  # let the page settle (late layout messages) before clicking
-        page.screenshot(path=str(shots / f"{store.stem}{tag}-open.png"), full_page=True)
+        page.screenshot(path=str(shots / f"{store.stem}{tag}-open.png"), full_page=True, timeout=180_000)
         updates, sent, job = [], [], []
         for step_index, rank in cells:
             if D.focus(page)[0] == rank:
@@ -136,7 +136,7 @@ def measure(store: Path, clicks: int, shots: Path, root: Path = D.ROOT, tag: str
                                              const r = v.model.x_range; return (r.start + r.end) / 2; }""")
                 job.append(D.click_and_wait(page, "tk-job-fig", x, rank, lambda: D.focus(page)[0] == rank))
                 page.wait_for_timeout(300)
-        page.screenshot(path=str(shots / f"{store.stem}{tag}-clicked.png"), full_page=True)
+        page.screenshot(path=str(shots / f"{store.stem}{tag}-clicked.png"), full_page=True, timeout=180_000)
     return {"first_render_s": first, "every_view_s": every, "job_raster_s": raster, "click_update_s": updates, "kb_per_click": sent,
             "job_click_s": job}
 
