@@ -121,6 +121,18 @@ def test_a_member_without_records_beside_completed_collectives_is_no_hang() -> N
     assert not rep.hung and rep.culprits == () and rep.no_data == (2,)
 
 
+def test_a_rank_whose_completed_entries_left_the_ring_buffer_is_not_taken_as_waiting() -> None:
+    """A ring buffer keeps each rank's newest entries. Ranks 0-2 completed DP all-gather #8 and wait in
+    #9; rank 3 (the hung one) completed #8 too, but its buffer kept only #8, while ranks 1 and 2's
+    buffers lost #8's completion and kept only their open #9. Rank 3 stopped before #9: the culprit."""
+    rows = [(0, "dp", 8, "completed", "nccl:all_gather"), (0, "dp", 9, "started", "nccl:all_gather")]
+    rows += [(r, "dp", 9, "started", "nccl:all_gather") for r in (1, 2)]
+    rows += [(3, "dp", 8, "completed", "nccl:all_gather")]
+    rep = diagnose_hang(_entries(rows), _groups({"dp": [0, 1, 2, 3]}), world_size=4)
+    assert rep.hung and rep.stuck[0].seq == 9 and rep.stuck[0].missing == (3,), rep.headline
+    assert rep.culprits == (3,) and rep.blocked == (0, 1, 2)
+
+
 def test_no_hang_and_no_entries() -> None:
     rows = [(r, "0", s, "completed", "nccl:all_reduce") for r in range(2) for s in range(1, 4)]
     rep = diagnose_hang(_entries(rows), _groups({"0": [0, 1]}))

@@ -235,3 +235,121 @@ def test_a_rank_without_a_trace_is_named(tmp_path):
     assert r.exit_code == 0, r.output
     data = json.loads(r.output)
     assert data["missing_ranks"] == [3] and data["scenarios"][1]["share"] > 0.10
+
+
+# -- interleaved pipelines (vpp > 1) and GPU-kernel traces ------------------------------------------
+
+@needs_wia
+def test_op_tables_of_interleaved_pipelines_are_refused_in_one_line(tmp_path):
+    trial = tmp_path / "ST"
+    shutil.copytree(WIA / "ST", trial)
+    meta = trial / "meta-ST.yaml"
+    meta.write_text(meta.read_text().replace("vpp_size: 1", "vpp_size: 2"))
+    r = CliRunner().invoke(cli, ["whatif", str(trial), "--store", str(tmp_path / "s.duckdb")])
+    assert r.exit_code == 2, r.output
+    assert "vpp_size 2 > 1" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_an_interleaved_trainer_run_replays_and_heals(tmp_path):
+    """vstages=2 (interleaved 1F1B): the program-order model needs no schedule of its own; the last
+    stage's forward sends feed the first stage's second chunk, and the replay must still fit."""
+    import tracekit
+    from tracekit.demo_run import DEVICE, FaultSpec, Scenario, run_scenarios
+    from tracekit.ingest import ingest
+
+    cfg = {"tp": 1, "cp": 1, "pp": 2, "dp": 2, "vstages": 2, "n_layers": 4, "dim": 32, "n_heads": 2, "n_kv_heads": 1,
+           "ffn_dim": 64, "seq_len": 32, "micro_batches": 4, "steps": 2, "profile_memory": False, **DEVICE}
+    run = tmp_path / "vpp"  # rank 3 (stage 1 of replica 1) computes 2x slower
+    run_scenarios([Scenario(cfg, str(run), (FaultSpec("slow:rank=3,factor=2"),))])
+    store = tmp_path / "vpp.duckdb"
+    ingest([run], store, workers=1)
+    s = tracekit.open(store)
+    t = s.run_tables(None)
+    s.close()
+    assert t.manifest["config"]["vstages"] == 2
+    w = analyze(t, heal=("rank=3", "rank=1"), decompose=False)
+    assert w.model == "program-order" and w.violations == 0
+    assert (w.per_step["replay_ns"] / w.per_step["measured_ns"] - 1).abs().max() < 0.03
+    by = {s.name: s for s in w.scenarios}
+    assert by["heal rank=3"].share > 0.15 and abs(by["heal rank=1"].share) < 0.05
+    # per micro-batch, stage 1 sends stage 0 the forward of chunk 1 -> 2 and the gradients of chunks 3 -> 2
+    # and 1 -> 0 (three sends; one without interleaving): each was replayed as a join
+    coords = t.coords()
+    first, last = (int(coords.filter((pl.col("dp") == 0) & (pl.col("pp") == p))["rank"][0]) for p in (0, 1))
+    sends = t.p2p.filter((pl.col("rank") == last) & (pl.col("peer") == first) & (pl.col("direction") == "send"))
+    assert sends.group_by("step").len()["len"].to_list() == [3 * cfg["micro_batches"]] * 2
+
+
+def _gpu_run(tmp_path: Path, name: str) -> Path:
+    run = tmp_path / name
+    shutil.copytree(ROOT / "tests" / "gpu_fixtures" / name, run)
+    return run
+
+
+@pytest.mark.parametrize("name,missing", [
+    ("native_fsdp2_h100", "its 6 communication records (6 from the flight recorder) have no step (1 rank, 320 GPU kernels)"),
+    ("trainer_nccl_h100", "it recorded no communication (1 rank, 6232 GPU kernels)"),
+])
+def test_real_h100_traces_are_refused_naming_what_is_missing(tmp_path, name, missing):
+    r = CliRunner().invoke(cli, ["whatif", str(_gpu_run(tmp_path, name)), "--store", str(tmp_path / "s.duckdb")])
+    assert r.exit_code == 2, r.output
+    assert missing in r.output and "program order" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_real_nccl_kernel_traces_are_refused_in_one_line(tmp_path):
+    run = tmp_path / "hta"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "real" / "hta" / "two_rank_train", run)
+    r = CliRunner().invoke(cli, ["whatif", str(run), "--store", str(tmp_path / "s.duckdb")])
+    assert r.exit_code == 2 and "GPU kernels" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+# -- the steady step and the healed rank's peers (hand-built graphs, hand-computed times) -------------
+
+def _two_rank_allreduce(w1: list[float], transfer: list[float]) -> StepGraph:
+    """Per step: rank 0 works 0-10, rank 1 works 0-w1, then both all-reduce for ``transfer``."""
+    S = len(w1)
+    start = np.array([[0.0] * S, [max(10.0, w) for w in w1], [0.0] * S, [max(10.0, w) for w in w1]])
+    end = np.array([[10.0] * S, [max(10.0, w) + t for w, t in zip(w1, transfer)], list(w1),
+                    [max(10.0, w) + t for w, t in zip(w1, transfer)]])
+    nodes = pl.DataFrame({"node": range(4), "rank": [0, 0, 1, 1]})
+    return StepGraph([1, 2, 3], nodes, [[], [0], [], [2]], np.array([-1, 0, -1, 0]), start, end, end.max(axis=0))
+
+
+def test_the_steady_step_drops_a_disturbance_that_hits_one_step():
+    from tracekit.analysis.whatif import counterfactual as cf
+
+    g = _two_rank_allreduce([10, 30, 10], [2, 2, 4])  # step 2: rank 1 descheduled for 20
+    rec = [recorded(g)]
+    assert list(replay(g, rec[0]).step_ns) == [12, 32, 14]
+    steady = cf.steady([g], rec, {1, 2, 3})
+    assert list(replay(g, steady[0]).step_ns) == [12, 12, 12]  # medians: work 10 and 10, transfer 2
+    steady = cf.steady([g], rec, {2, 3})  # the first step left out as warm-up
+    assert list(replay(g, steady[0]).step_ns) == [23, 23, 23]  # work 10 and (30 + 10) / 2, transfer (2 + 4) / 2
+
+
+def _tp2dp2_compute(fwd: list[float]) -> StepGraph:
+    """Four ranks (tp 2 x dp 2, rank = 2 * dp + tp), one forward compute node each, one step."""
+    nodes = pl.DataFrame({"node": range(4), "rank": [0, 1, 2, 3], "kind": ["work"] * 4, "label": ["fwd"] * 4,
+                          "pp": [0] * 4, "tp": [0, 1, 0, 1], "cp": [0] * 4, "dp": [0, 0, 1, 1],
+                          "peer_key": ["0|0"] * 4, "is_comm": [False] * 4})
+    end = np.array(fwd, float)[:, None]
+    return StepGraph([1], nodes, [[], [], [], []], np.full(4, -1), np.zeros((4, 1)), end, np.array([end.max()]))
+
+
+def test_a_healed_rank_takes_its_dp_replicas_compute_else_its_stages():
+    from tracekit.analysis.whatif import counterfactual as cf
+
+    g = _tp2dp2_compute([10, 14, 10, 30])  # TP rank 1 does more work; rank 3 (its DP replica: rank 1) is slow
+    rec = [recorded(g)]
+    assert cf.heal_rank([g], rec, {3})[0].dur[:, 0].tolist() == [10, 14, 10, 14]  # not the stage's median, 10
+    assert cf.heal_rank([g], rec, {1, 3})[0].dur[:, 0].tolist() == [10, 10, 10, 10]  # no healthy replica: the stage
+
+
+def test_a_warmup_that_leaves_no_step_is_refused(trainer_tables, tmp_path):
+    t = trainer_tables["slow_rank_8"]  # 4 replayed steps
+    with pytest.raises(WhatIfError, match="--warmup 4: the run has 4 replayed steps"):
+        analyze(t, warmup=4, decompose=False)
+    w = analyze(t, heal=("rank=5",), warmup=3, decompose=False)  # the steady step is the last step, as recorded
+    last = w.per_step.sort("step").tail(1)
+    assert w.steady_ns == pytest.approx(last["nodelay_ns"][0]) and w.scenarios[1].steady_ns == pytest.approx(
+        last["heal_rank=5_ns"][0])

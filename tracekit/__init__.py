@@ -17,7 +17,8 @@ __all__ = ["Coords", "Layout", "LayoutError", "Store", "__version__", "open"]
 
 
 def open(path: str | Path) -> Store:  # noqa: A001 - mirrors builtins.open on purpose
-    """Open a tracekit DuckDB store; tables as polars DataFrames, ``.sql()`` for queries."""
+    """Open a tracekit store, a DuckDB file or a Parquet dataset directory; tables as polars DataFrames,
+    ``.sql()`` for queries."""
     from tracekit.store import open as _open  # lazy: keeps `import tracekit` and the CLI light
 
     return _open(path)

@@ -63,7 +63,7 @@ def gather(store: Store, run_id: str | None = None, parts: tuple[str, ...] = PAR
             results[part] = methods[part](rid)
         except ValueError as e:  # tables this analysis cannot work from; the others still run
             skipped[part] = str(e)
-    layout = store.run_tables(rid).runs["layout_source"][0]
+    layout = store.layout_source(rid)
     notes = store.sql("SELECT error FROM ingest_log WHERE run_id = $rid AND status = 'warning' AND error LIKE 'layout %'",
                       {"rid": rid})
     return Findings(run_id=rid, diagnosis=results.get("stragglers"), steps=results.get("steps"),
@@ -88,6 +88,8 @@ def markdown(f: Findings) -> str:
     if f.diagnosis is not None:
         loc = f.diagnosis.localization
         lines += ["## Stragglers", "", f"**{f.diagnosis.headline}**", ""]
+        if f.diagnosis.scope is not None:
+            lines += [f"_{f.diagnosis.scope.summary}_", ""]
         if f.diagnosis.findings:
             lines += ["| finding | where | ms/step | of step | steps | confidence | next step |", "|---|---|---|---|---|---|---|"]
             lines += [f"| {x.kind} ({x.cause}) | {x.where} | {x.cost_ns / 1e6:.1f} | {x.cost_share:.1%} | "

@@ -187,3 +187,42 @@ def create_sql(table: str) -> str:
 
 def columns(table: str) -> list[str]:
     return [name for name, _ in TABLES[table]]
+
+
+# The Parquet dataset (tracekit/dataset.py) holds the same tables, one directory each, hive-partitioned
+# so that a run, or a range of ranks of a run, is read alone: ``<table>/run_id=<id>/rank_block=<rank //
+# RANK_BLOCK>/<part>.parquet``. The per-rank data tables carry rank_block; the small per-run tables
+# (and the per-file records, whose rank may be NULL) only run_id.
+RANK_BLOCK = 256
+PARTITION_BY: dict[str, tuple[str, ...]] = {
+    "runs": ("run_id",),
+    "ranks": ("run_id", "rank_block"),
+    "groups": ("run_id",),
+    "events": ("run_id", "rank_block"),
+    "collectives": ("run_id", "rank_block"),
+    "p2p": ("run_id", "rank_block"),
+    "steps": ("run_id", "rank_block"),
+    "memory_events": ("run_id", "rank_block"),
+    "memory_segments": ("run_id", "rank_block"),
+    "memory_blocks": ("run_id", "rank_block"),
+    "fr_entries": ("run_id", "rank_block"),
+    "file_meta": ("run_id",),
+    "ingest_log": ("run_id",),
+}
+# Row order within a part file, so that row groups' min/max statistics prune the usual filters
+# (a group's collectives, a kind of event, a rank).
+SORT_BY: dict[str, tuple[str, ...]] = {
+    "runs": ("run_id",),
+    "ranks": ("rank",),
+    "groups": ("pg_name",),
+    "events": ("kind", "rank", "ts_ns"),
+    "collectives": ("pg_name", "rank", "seq"),
+    "p2p": ("pg_name", "rank", "seq"),
+    "steps": ("rank", "step"),
+    "memory_events": ("rank", "seq"),
+    "memory_segments": ("rank", "address"),
+    "memory_blocks": ("rank", "segment_address", "address"),
+    "fr_entries": ("pg_name", "rank", "record_id"),
+    "file_meta": ("path",),
+    "ingest_log": ("path",),
+}

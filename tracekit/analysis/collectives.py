@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from tracekit.analysis.tables import RunTables
+from tracekit.analysis.tables import RunTables, per_tables
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,7 @@ def clock_offsets(tables: RunTables) -> pl.DataFrame:
     return stored.rename({"clock_offset_ns": "offset_ns"}).sort("rank")
 
 
+@per_tables
 def match_collectives(tables: RunTables, offsets: pl.DataFrame | None = None) -> pl.DataFrame:
     """One row per (pg_name, seq, rank) with arrival, completion, wait and transfer.
 

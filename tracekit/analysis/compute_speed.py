@@ -23,7 +23,7 @@ import numpy as np
 import polars as pl
 
 from tracekit.analysis.standout import spread
-from tracekit.analysis.tables import RunTables, compute_events, prefer_profiler
+from tracekit.analysis.tables import RunTables, compute_events, prefer_profiler, per_tables
 from tracekit.analysis.tunables import Tunables
 
 _SCHEMA = {"step": pl.Int64, "rank": pl.Int32, "pp": pl.Int32, "log_ratio": pl.Float64, "log_total": pl.Float64,
@@ -47,6 +47,7 @@ class ComputeFinding:
         return d
 
 
+@per_tables
 def own_compute_spans(tables: RunTables) -> pl.DataFrame:
     """(rank, step, key, own_ns): compute spans with the communication nested in them removed."""
     comp = compute_events(tables.events).filter(pl.col("step").is_not_null())
@@ -83,6 +84,7 @@ def own_compute_spans(tables: RunTables) -> pl.DataFrame:
                        .cast(pl.Float64).alias("own_ns"))
 
 
+@per_tables
 def compute_speed(tables: RunTables) -> pl.DataFrame:
     """(step, rank, log_ratio, log_total, excess_ns, spans): per step, the 20%-trimmed mean over the rank's compute
     spans of log(own compute / mean of the same span on the other ranks of its pipeline stage), which a

@@ -71,8 +71,10 @@ def _confidence(margin: float, bar: float, steps_share: float) -> float:
     return float(min(0.99, steps_share / (1.0 + math.exp(-z))))
 
 
-def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables()) -> ComputeCulprits:
-    """Persistent, transient and moving slow ranks from ``compute_speed``'s (step, rank) table."""
+def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int | None = None) -> ComputeCulprits:
+    """Persistent, transient and moving slow ranks from ``compute_speed``'s (step, rank) table.
+    ``compared``: how many ranks the table's were picked from (a scoped diagnosis of a large job,
+    scope.py), so that the bars for the largest of many noisy scores count all of them."""
     if not speed.height or speed["rank"].n_unique() < 2:
         return ComputeCulprits()
     wide = speed.pivot(on="rank", index="step", values="log_ratio").sort("step")
@@ -87,9 +89,10 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables()) -> ComputeCul
     ref_ns = {(int(t), int(r)): float(v) for t, r, v in speed.select("step", "rank", "ref_ns").iter_rows()}
     e = mat - np.nanmedian(mat, axis=1, keepdims=True)
     sigma = max(step_scatter(mat), tun.compute_noise_floor)
-    cells = max(T * n, 2)
+    n_all = max(n, compared or 0)
+    cells = max(T * n_all, 2)
     cell_bar = max(NormalDist().inv_cdf(1 - tun.episode_alpha / cells) * sigma, math.log(tun.episode_min_ratio))
-    bar = tun.compute_margin_min + tun.compute_margin_per_log * math.log(max(1.0, n / 2))
+    bar = tun.compute_margin_min + tun.compute_margin_per_log * math.log(max(1.0, n_all / 2))
     med = np.nanmedian(e, axis=0)
     stage_of = dict(speed.select("rank", "pp").unique("rank").iter_rows())
     findings: list[RankFinding] = []

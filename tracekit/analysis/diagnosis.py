@@ -27,6 +27,7 @@ from tracekit.analysis.data_needs import missing_data
 from tracekit.analysis.hangs import HangReport
 from tracekit.analysis.links import link_transfers
 from tracekit.analysis.localize import Localization, localize
+from tracekit.analysis.scope import Scope
 from tracekit.analysis.rootcause import Cause, explain, peers, rank_step_metrics, ratio_to_peers, stage_ratios
 from tracekit.analysis.tables import RunTables
 from tracekit.analysis.tunables import Tunables
@@ -73,6 +74,7 @@ class Diagnosis:
     findings: list[Finding] = field(default_factory=list)
     compute: ComputeCulprits | None = None
     damaged: dict[int, str] = field(default_factory=dict)  # ranks without data: named, never judged
+    scope: Scope | None = None  # a large job's: the ranks read, and why (scope.py)
 
     @property
     def headline(self) -> str:
@@ -98,7 +100,8 @@ class Diagnosis:
         return {"headline": self.headline, "localization": self.localization.to_dict(), "cause": self.cause.to_dict(),
                 "findings": [f.to_dict() for f in self.findings],
                 "damaged": {str(r): why for r, why in self.damaged.items()},
-                "compute_culprits": self.compute.to_dict() if self.compute else None}
+                "compute_culprits": self.compute.to_dict() if self.compute else None,
+                "scope": self.scope.to_dict() if self.scope else None}
 
 
 def _steps_text(f: Finding) -> str:
@@ -118,8 +121,10 @@ def _where(tables: RunTables, ranks: tuple[int, ...]) -> str:
     return f"ranks {list(ranks)}" + (f" (all {', '.join(shared)})" if shared else "")
 
 
-def _hung(hang: HangReport | None, tables: RunTables, damaged: dict[int, str]) -> str | None:
-    """Why the run has no performance verdict (it hung), or None."""
+def _hung(hang: HangReport | None, tables: RunTables, damaged: dict[int, str], scope: Scope | None = None
+          ) -> str | None:
+    """Why the run has no performance verdict (it hung), or None. In a scope, a group's expected
+    members are those in it (the others' records were not read)."""
     if hang is not None and hang.hung:
         return hang.headline
     c = tables.collectives
@@ -129,7 +134,9 @@ def _hung(hang: HangReport | None, tables: RunTables, damaged: dict[int, str]) -
     last = c.drop_nulls("pg_name").group_by("pg_name", "seq").agg(pl.col("rank").n_unique().alias("n"))
     # a group's expected members are those with data: a rank whose trace failed is not a hang
     gone = list(damaged)
-    sizes = tables.groups.select("pg_name", (pl.col("size") - pl.col("ranks").list.set_intersection(
+    members = pl.col("ranks") if scope is None else pl.col("ranks").list.set_intersection(
+        pl.lit(list(scope.ranks), pl.List(pl.Int32)))
+    sizes = tables.groups.select("pg_name", (members.list.len() - members.list.set_intersection(
         pl.lit(gone, pl.List(pl.Int32))).list.len()).alias("size")).unique("pg_name")
     top = last.join(last.group_by("pg_name").agg(pl.col("seq").max().alias("top")), on="pg_name")
     top = top.filter(pl.col("seq") == pl.col("top")).join(sizes, on="pg_name")
@@ -207,7 +214,8 @@ def _stage_findings(tables: RunTables, metrics: pl.DataFrame, tun: Tunables, ste
     for stage, ratio, excess_ns, share in stage_ratios(metrics, tables, tun.stage_compute_ratio):
         if ratio >= tun.stage_compute_ratio and share >= tun.persist_min:
             ranks = tuple(r for r in range(lay.world_size) if lay.coords(r).pp == stage)
-            out.append(Finding("stage_imbalance", ranks, f"pipeline stage {stage} (ranks {list(ranks)})", (), excess_ns,
+            members = f"ranks {list(ranks)}" if len(ranks) <= 16 else f"{len(ranks):,} ranks: pp {stage} of every replica"
+            out.append(Finding("stage_imbalance", ranks, f"pipeline stage {stage} ({members})", (), excess_ns,
                                excess_ns / step_ns, min(0.95, share), "stage_imbalance",
                                f"pipeline stage {stage} computes {ratio:.2f}x the median stage in every replica",
                                NEXT_STEP["stage_imbalance"].format(who=stage),
@@ -216,27 +224,31 @@ def _stage_findings(tables: RunTables, metrics: pl.DataFrame, tun: Tunables, ste
 
 
 def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFrame | None = None,
-             hang: HangReport | None = None, damaged: dict[int, str] | None = None) -> Diagnosis:
+             hang: HangReport | None = None, damaged: dict[int, str] | None = None,
+             scope: Scope | None = None) -> Diagnosis:
     """Which ranks or links made this job slow, why, and what each costs. ``damaged``: ranks whose
-    data failed to ingest or is missing (``Store.damaged_ranks``): named, never blamed."""
+    data failed to ingest or is missing (``Store.damaged_ranks``): named, never blamed. ``scope``:
+    ``tables`` hold only these ranks of a large job (scope.py), picked from all of its ranks."""
     tun = tunables
     damaged = dict(damaged or {})
     loc = localize(tables, tun)
     step_ns = loc.step_time_ns or 1.0
-    why_hung = _hung(hang, tables, damaged)
+    why_hung = _hung(hang, tables, damaged, scope)
     if why_hung:
         culprits = tuple(hang.culprits) if hang is not None and hang.hung else ()
         quiet = replace(loc, verdict="hang", culprit_rank=None, culprit_ranks=culprits, coords={}, confidence=0.0)
         cause = Cause("hang", culprits, why_hung, {})
-        return Diagnosis(quiet, cause, [], damaged=damaged)
-    compute = find_culprits(compute_speed(tables), tun)
+        return Diagnosis(quiet, cause, [], damaged=damaged, scope=scope)
+    compute = find_culprits(compute_speed(tables), tun, scope.world_size if scope else None)
     metrics = rank_step_metrics(tables)
     findings: list[Finding] = [_rank_finding(tables, f, loc, tun, work, step_ns) for f in compute.findings]
     findings += _stage_findings(tables, metrics, tun, step_ns)
     links = link_transfers(tables, step_ns, tun)
     findings += _link_findings(tables, links, step_ns, metrics)
     findings = _data_or_device(tables, loc, findings, tun, work, metrics, step_ns)
-    if not compute.has_data and loc.verdict in ("straggler", "group", "transient", "stage", "moving"):
+    if scope is not None and compute.has_data:
+        pass  # a scope holds partial groups: their waits alone name no one (compute and links do)
+    elif not compute.has_data and loc.verdict in ("straggler", "group", "transient", "stage", "moving"):
         cause = explain(tables, loc, tun, work)
         if cause.kind not in ("none", "unexplained") or loc.confidence >= 0.5:
             findings.append(_waits_finding(tables, loc, cause, step_ns))
@@ -248,7 +260,8 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
     # a rank without data is never blamed (its peers' waits on it say nothing of its speed)
     findings = [f for f in findings if not set(f.ranks) & set(damaged) or f.kind == "slow_link"
                 and not set(f.ranks) <= set(damaged)]
-    return Diagnosis(_primary(loc, findings, tables), _primary_cause(findings, loc, tables), findings, compute, damaged)
+    return Diagnosis(_primary(loc, findings, tables), _primary_cause(findings, loc, tables), findings, compute, damaged,
+                     scope)
 
 
 def _data_or_device(tables: RunTables, loc: Localization, findings: list[Finding], tun: Tunables, work,

@@ -162,7 +162,10 @@ def diagnose_hang(fr_entries: pl.DataFrame, groups: pl.DataFrame, world_size: in
         done = dict(g.filter(pl.col("state") == "completed").group_by("rank").agg(pl.col("seq").max()).iter_rows())
         recorded = [r for r in mem if r in last]
         if have_completion:
-            first_open = min(done.get(r, min(last.values()) - 1) + 1 for r in recorded)
+            # the recorder keeps a ring buffer: a rank whose completed entries of this group fell out
+            # of it completed everything before its oldest entry still there
+            oldest = dict(g.group_by("rank").agg(pl.col("seq").min()).iter_rows())
+            first_open = min(done.get(r, oldest[r] - 1) + 1 for r in recorded)
             if all(done.get(r, -1) >= last[r] for r in recorded) and len(set(last.values())) == 1:
                 # everyone recorded completed all it entered: nothing is stuck here (a collective
                 # completes only with every member, so a member without records took part in them;

@@ -29,7 +29,7 @@ import numpy as np
 import polars as pl
 
 from tracekit.analysis.collectives import match_collectives
-from tracekit.analysis.tables import RunTables
+from tracekit.analysis.tables import RunTables, per_tables
 from tracekit.analysis.tunables import Tunables
 
 SCHEMA = {"link": pl.Utf8, "name": pl.Utf8, "ranks": pl.List(pl.Int32), "kind": pl.Utf8, "instances": pl.Int64,
@@ -37,6 +37,7 @@ SCHEMA = {"link": pl.Utf8, "name": pl.Utf8, "ranks": pl.List(pl.Int32), "kind": 
           "excess_per_step_ns": pl.Float64, "slow": pl.Boolean}
 
 
+@per_tables
 def _transfer_instances(tables: RunTables) -> pl.DataFrame:
     """(link, name, ranks, kind, step, t): one row per transfer sample, each measured on one rank's
     clock (host clocks are skewed; FORMATS.md): a collective instance's transfer is its shortest
@@ -98,6 +99,30 @@ def mann_whitney_z(x: np.ndarray, y: np.ndarray) -> float:
     return float((u - n1 * n2 / 2.0) / math.sqrt(var)) if var > 0 else 0.0
 
 
+def median_without(s: np.ndarray, own: np.ndarray) -> float:
+    """The median of the multiset ``s`` (sorted) without ``own`` (a sub-multiset of it), in
+    O(|own| log |s|): every link is compared with all the others, and there are thousands."""
+    n = s.size - own.size
+    if n <= 0:
+        return float("nan")
+    own = np.sort(own)
+
+    def kth(k: int) -> float:  # the k-th smallest (0-based) of the rest lies at s[k .. k + |own|]
+        idx = np.arange(k, min(k + own.size, s.size - 1) + 1)
+        rest_le = np.searchsorted(s, s[idx], side="right") - np.searchsorted(own, s[idx], side="right")
+        return float(s[idx[int(np.argmax(rest_le >= k + 1))]])
+
+    return kth(n // 2) if n % 2 else (kth(n // 2 - 1) + kth(n // 2)) / 2.0
+
+
+def _groups(keys: np.ndarray) -> list[tuple[object, np.ndarray]]:
+    """(key, indices) for each distinct key."""
+    order = np.argsort(keys, kind="stable")
+    bounds = np.flatnonzero(keys[order][1:] != keys[order][:-1]) + 1
+    return [(keys[chunk[0]], chunk) for chunk in np.split(order, bounds)] if keys.size else []
+
+
+@per_tables
 def link_transfers(tables: RunTables, step_ns: float, tunables: Tunables = Tunables()) -> pl.DataFrame:
     """Per link (p2p pair or collective group): median transfer, its ratio to the same kind
     elsewhere, the rank-test z and its bar, the excess per step, and whether it is slow.
@@ -115,31 +140,47 @@ def link_transfers(tables: RunTables, step_ns: float, tunables: Tunables = Tunab
     inst = inst.with_columns(pl.format("{}|{}", "link", "name").alias("key"))
     refs = []  # (key, kind) -> median transfer of the kind on the other links
     for (kind,), per_kind in inst.partition_by("kind", as_dict=True).items():
-        for key in per_kind["key"].unique().to_list():
-            rest = per_kind.filter(pl.col("key") != key)["t"]
-            if rest.len():
-                refs.append({"key": key, "kind": kind, "ref": float(rest.median())})
+        t_sorted = np.sort(per_kind["t"].to_numpy())
+        for key, idx in _groups(per_kind["key"].to_numpy()):
+            if idx.size < t_sorted.size:
+                refs.append({"key": key, "kind": kind, "ref": median_without(t_sorted, per_kind["t"].to_numpy()[idx])})
     if not refs:  # every kind has a single link: nothing to compare with
         return pl.DataFrame(schema=SCHEMA)
     inst = inst.join(pl.DataFrame(refs), on=["key", "kind"]).with_columns(
         (pl.col("t").clip(lower_bound=1.0) / pl.col("ref").clip(lower_bound=1.0)).log().alias("lr"))
-    keys = inst["key"].unique().to_list()
-    z_bar = max(tun.link_z_min, NormalDist().inv_cdf(1 - tun.link_alpha / max(len(keys), 1)))
+    n_keys = inst["key"].n_unique()
+    z_bar = max(tun.link_z_min, NormalDist().inv_cdf(1 - tun.link_alpha / max(n_keys, 1)))
+    # one-sided Mann-Whitney of each link's instances against all the others': the joint sample is
+    # every instance for every link, so one ranking serves them all (ties take average ranks)
+    lr = inst["lr"].to_numpy()
+    order = lr.argsort(kind="mergesort")
+    _, first, counts = np.unique(lr[order], return_index=True, return_counts=True)
+    ranks = np.empty(lr.size)
+    ranks[order] = np.repeat(first + (counts + 1) / 2.0, counts)
+    n = lr.size
+    tie = float((counts.astype(float) ** 3 - counts).sum()) / (n * (n - 1)) if n > 1 else 0.0
+    lr_sorted = lr[order]
+    per_kind = inst.group_by("key", "kind").agg(pl.col("t").median().alias("med"), pl.col("ref").first(),
+                                                pl.len().alias("n"), pl.col("lr").median())
+    excess_of = dict(per_kind.group_by("key").agg(((pl.col("med") - pl.col("ref")) * pl.col("n")).sum())
+                     .iter_rows())
+    kind_of = dict(per_kind.sort("lr", descending=True).unique("key", keep="first").select("key", "kind").iter_rows())
+    keys, t_all = inst["key"].to_numpy(), inst["t"].to_numpy()
+    first_row = {k: idx[0] for k, idx in _groups(keys)}
     rows = []
-    for key in keys:
-        own, rest = inst.filter(pl.col("key") == key), inst.filter(pl.col("key") != key)
-        x, y = own["lr"].to_numpy(), rest["lr"].to_numpy()
-        ratio = math.exp(float(np.median(x)) - float(np.median(y))) if y.size else math.exp(float(np.median(x)))
-        z = mann_whitney_z(x, y)
-        # the time it costs: per kind, its median transfer over the other links', per step
-        per_kind = own.group_by("kind").agg(pl.col("t").median().alias("med"), pl.col("ref").first(), pl.len().alias("n"),
-                                            pl.col("lr").median())
-        excess = float(((per_kind["med"] - per_kind["ref"]) * per_kind["n"]).sum()) / n_steps
+    for key, idx in _groups(keys):
+        x = lr[idx]
+        n1, n2 = x.size, n - x.size
+        rest_median = median_without(lr_sorted, x) if n2 else float("nan")
+        ratio = math.exp(float(np.median(x)) - rest_median) if n2 else math.exp(float(np.median(x)))
+        var = n1 * n2 / 12.0 * ((n + 1) - tie)
+        z = float((ranks[idx].sum() - n1 * (n1 + 1) / 2.0 - n1 * n2 / 2.0) / math.sqrt(var)) if n2 and var > 0 else 0.0
+        excess = float(excess_of[key]) / n_steps
         slow = ratio >= tun.slow_link_ratio and z >= z_bar and excess >= tun.link_effect_min_frac * step_ns
-        rows.append({"link": own["link"][0], "name": own["name"][0], "ranks": own["ranks"][0].to_list(),
-                     "kind": per_kind.sort("lr", descending=True)["kind"][0], "instances": own.height,
-                     "transfer_ns": float(own["t"].median()), "ratio": ratio, "z": z, "z_bar": z_bar,
-                     "excess_per_step_ns": excess, "slow": slow})
+        row = inst.row(int(first_row[key]), named=True)
+        rows.append({"link": row["link"], "name": row["name"], "ranks": list(row["ranks"]), "kind": kind_of[key],
+                     "instances": int(n1), "transfer_ns": float(np.median(t_all[idx])), "ratio": ratio, "z": z,
+                     "z_bar": z_bar, "excess_per_step_ns": excess, "slow": slow})
     return pl.DataFrame(rows, schema=SCHEMA).sort("z", descending=True)
 
 

@@ -17,16 +17,25 @@ TABLES = ("memory_events", "memory_segments", "memory_blocks", "steps")
 
 def load_tables(store: Path, run_id: str | None
                 ) -> tuple[str, dict[str, pl.DataFrame], Layout | None, dict | None]:
-    """The run's memory tables from a DuckDB store (read-only), its layout when recorded, and its
-    trainer manifest when it has one."""
+    """The run's memory tables from a DuckDB store (read-only) or a Parquet dataset store, its layout
+    when recorded, and its trainer manifest when it has one."""
     import duckdb
 
-    if not store.is_file():
+    from tracekit.dataset import DatasetError, is_dataset
+    from tracekit.dataset import connect as connect_dataset
+
+    if is_dataset(store):  # a Parquet dataset: the same tables, as views over its files
+        try:
+            con = connect_dataset(store)
+        except DatasetError as e:
+            raise MemoryDataError(str(e)) from None
+    elif not store.is_file():
         raise MemoryDataError(f"{store}: no such store file")
-    try:
-        con = duckdb.connect(str(store), read_only=True)
-    except duckdb.Error as e:
-        raise MemoryDataError(f"{store}: not a DuckDB store ({e})") from None
+    else:
+        try:
+            con = duckdb.connect(str(store), read_only=True)
+        except duckdb.Error as e:
+            raise MemoryDataError(f"{store}: not a DuckDB store ({e})") from None
     try:
         have = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
         if "memory_events" not in have:

@@ -22,7 +22,7 @@ import polars as pl
 from tracekit.analysis import work as attention
 from tracekit.analysis.links import link_transfers, slowest_link
 from tracekit.analysis.localize import Localization
-from tracekit.analysis.tables import RunTables, compute_events
+from tracekit.analysis.tables import RunTables, compute_events, per_tables
 from tracekit.analysis.tunables import Tunables
 
 CATEGORY = {"slow_compute": "worker", "cpu_bound": "worker", "slow_link": "link", "data_imbalance": "data",
@@ -47,6 +47,7 @@ class Cause:
         return {**asdict(self), "evidence": evidence, "category": self.category}
 
 
+@per_tables
 def rank_step_metrics(tables: RunTables) -> pl.DataFrame:
     """Per (rank, step): compute_ns, busy_ns (union of compute and communication), step_ns, gap_ns.
 
@@ -237,7 +238,7 @@ def _explain_rank(tables, loc, metrics, links, tun: Tunables, step_ns: float, wo
     work_ratio = attention.work_ratio(work, r, same, steps) if work is not None else None
     explained = None
     ev["work_ratio"] = work_ratio
-    stage_peers = [q for q in range(tables.layout.world_size) if q != r and tables.layout.coords(q).pp == stage]
+    stage_peers = [q for q in tables.layout.group(r, ("dp", "cp", "tp")) if q != r]
     if work is not None:
         stage_compute_ratio = ratio_to_peers(metrics, r, stage_peers, "compute_ns", steps)
         explained = attention.explained_share(work, m, r, stage_peers, tun)

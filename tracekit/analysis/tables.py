@@ -7,7 +7,8 @@ The Store facade loads these from DuckDB (``WHERE run_id = ?``); ingest modules 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+import functools
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Mapping
 
 import polars as pl
@@ -23,6 +24,41 @@ TABLE_NAMES = ("runs", "ranks", "groups", "events", "collectives", "p2p", "steps
 POLARS_TYPES = {"INTEGER": pl.Int32, "BIGINT": pl.Int64, "VARCHAR": pl.Utf8, "BOOLEAN": pl.Boolean,
                 "DOUBLE": pl.Float64, "JSON": pl.Utf8, "TIMESTAMP": pl.Datetime("us"),
                 "INTEGER[]": pl.List(pl.Int32)}
+
+
+def ranked_source(con, table: str, ranks: list[tuple[int, int]] | None) -> tuple[str, str]:
+    """(FROM source, extra WHERE clause) reading only ``ranks`` (inclusive ranges; None: all) of a
+    per-rank table: on a Parquet dataset through its ``<table>_parts`` view, whose ``rank_block``
+    partition column prunes whole files (tracekit/dataset.py)."""
+    if ranks is None:
+        return table, ""
+    within = " AND (" + " OR ".join(f"rank BETWEEN {int(a)} AND {int(b)}" for a, b in ranks) + ")"
+    parts = con.execute("SELECT count(*) FROM duckdb_views() WHERE view_name = ?", [f"{table}_parts"]).fetchall()
+    if not parts or not parts[0][0]:
+        return table, within
+    from tracekit.schema import RANK_BLOCK
+
+    blocks = sorted({k for a, b in ranks for k in range(int(a) // RANK_BLOCK, int(b) // RANK_BLOCK + 1)})
+    return f"{table}_parts", f" AND rank_block IN ({', '.join(map(str, blocks))}){within}"
+
+
+def per_tables(fn):
+    """Compute ``fn(tables, *args)`` once per tables object: the diagnosis asks for the same derived
+    frames (matched collectives, compute speed, link transfers) from several places."""
+    @functools.wraps(fn)
+    def wrapper(tables, *args, **kwargs):
+        key = (fn.__module__, fn.__qualname__, args, tuple(sorted(kwargs.items())))
+        cache = getattr(tables, "cache", None)
+        try:
+            hit = cache is not None and key in cache
+        except TypeError:  # an argument that cannot be a key (a frame of offsets): no caching
+            return fn(tables, *args, **kwargs)
+        if not hit:
+            if cache is None:
+                return fn(tables, *args, **kwargs)
+            cache[key] = fn(tables, *args, **kwargs)
+        return cache[key]
+    return wrapper
 
 
 def conform(df: pl.DataFrame, table: str) -> pl.DataFrame:
@@ -49,6 +85,9 @@ class RunTables:
     steps: pl.DataFrame
     # how unlabelled gloo communication was given groups, seqs and peers (assign_groups), if any
     labelling: "Assignment | None" = None
+    # frames derived from these tables that several analyses share (``per_tables``); not an init
+    # field, so that ``replace`` gives new tables an empty cache
+    cache: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @classmethod
     def from_mapping(cls, tables: Mapping[str, pl.DataFrame], run_id: str | None = None) -> "RunTables":
@@ -83,19 +122,22 @@ class RunTables:
         return out
 
     @classmethod
-    def from_duckdb(cls, con, run_id: str) -> "RunTables":
-        """Load one run from an open DuckDB connection holding the store's tables."""
+    def from_duckdb(cls, con, run_id: str, ranks: list[tuple[int, int]] | None = None) -> "RunTables":
+        """Load one run from an open DuckDB connection holding the store's tables; with ``ranks``
+        (inclusive rank ranges) only those ranks' rows of the per-rank tables (a scoped analysis)."""
         frames = {}
         for t in TABLE_NAMES:
+            source, scope = ranked_source(con, t, ranks) if t not in ("runs", "groups") else (t, "")
             try:
-                rel = con.sql(f"SELECT * FROM {t} WHERE run_id = $run_id", params={"run_id": run_id})
+                rel = con.sql(f"SELECT {', '.join(schema.columns(t))} FROM {source} WHERE run_id = $run_id{scope}",
+                              params={"run_id": run_id})
                 frames[t] = pl.from_arrow(rel.to_arrow_table())
             except Exception as e:  # noqa: BLE001 - duckdb raises CatalogException and friends
                 raise TablesError(f"cannot read table {t!r} from the store: {e}") from None
         try:  # optional: labels unlabelled gloo collectives (assign_groups)
             frames["fr_entries"] = pl.from_arrow(con.sql(
-                "SELECT run_id, rank, pg_name, profiling_name, is_p2p, time_created_ns FROM fr_entries "
-                "WHERE run_id = $run_id", params={"run_id": run_id}).to_arrow_table())
+                "SELECT run_id, rank, pg_name, profiling_name, is_p2p, time_created_ns FROM "
+                "{} WHERE run_id = $run_id{}".format(*ranked_source(con, "fr_entries", ranks)), params={"run_id": run_id}).to_arrow_table())
         except Exception:  # noqa: BLE001 - an older store without the table
             pass
         return cls.from_mapping(frames, run_id)
@@ -105,7 +147,7 @@ class RunTables:
         row = self.runs.row(0, named=True)
         return all(row.get(d) is not None for d in ("tp", "cp", "pp", "dp"))
 
-    @property
+    @functools.cached_property
     def layout(self) -> Layout:
         row = self.runs.row(0, named=True)
         sizes = {d: row[d] for d in ("tp", "cp", "pp", "dp")}
@@ -120,11 +162,15 @@ class RunTables:
 
     def coords(self) -> pl.DataFrame:
         """rank, dp, pp, cp, tp (from the layout) and host (each rank its own host if unknown)."""
+        if "coords" not in self.cache:
+            self.cache["coords"] = self._coords()
+        return self.cache["coords"]
+
+    def _coords(self) -> pl.DataFrame:
         lay = self.layout
-        coords = [lay.coords(r) for r in range(lay.world_size)]
-        ranks = pl.DataFrame({"rank": list(range(lay.world_size)), **{d: [getattr(c, d) for c in coords]
-                                                                       for d in ("tp", "cp", "pp", "dp")}},
-                             schema={"rank": pl.Int32, "tp": pl.Int64, "cp": pl.Int64, "pp": pl.Int64, "dp": pl.Int64})
+        r = pl.int_range(0, lay.world_size, dtype=pl.Int64)
+        ranks = pl.select(r.cast(pl.Int32).alias("rank"), (r % lay.tp).alias("tp"), (r // lay.tp % lay.cp).alias("cp"),
+                          (r // (lay.tp * lay.cp) % lay.pp).alias("pp"), (r // (lay.tp * lay.cp * lay.pp)).alias("dp"))
         hosts = self.ranks.select(pl.col("rank").cast(pl.Int32), "host")
         ranks = ranks.join(hosts, on="rank", how="left")
         return ranks.with_columns(pl.coalesce("host", pl.format("rank{}", "rank")).alias("host"))

@@ -76,6 +76,16 @@ class Tunables:
     # against the CP group's slowest member; the imbalance is called the cause above this share.
     cp_explained_min: float = 0.5
 
+    # Large jobs (scope.py): at and above this many ranks the diagnosis reads a scope chosen top-down
+    # from aggregates: per level the top scope_candidates ranks (replicas) whose score reaches the bar
+    # (robust z over all ranks: persistent over the steps' mean, or in one step), each with the same
+    # cells of enough reference replicas to give scope_min_peers peers per stage.
+    scope_above_ranks: int = 256
+    scope_candidates: int = 4
+    scope_z_persistent: float = 4.0
+    scope_z_step: float = 5.0
+    scope_min_peers: int = 8
+
     # Compute speed (compute_speed.py): a rank computes persistently slower than its same-stage
     # peers when the median per-step excess of its log compute ratio reaches this many noise units
     # (bar rising with the ranks compared, as margin_per_log), is at least this ratio, and holds in

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 
 import click
 
@@ -90,6 +91,13 @@ class LazyGroup(click.Group):
             return super().invoke(ctx)
         except KeyboardInterrupt:
             interrupted()
+        except ValueError as e:  # a store found damaged after it opened (a dataset's bad part file)
+            store = sys.modules.get("tracekit.store")  # loaded if any store was opened
+            if store is not None and isinstance(e, store.StoreError):
+                from tracekit.cli._common import fail
+
+                fail(str(e))
+            raise
 
 
 @click.group(cls=LazyGroup)

@@ -61,19 +61,19 @@ def ingest_progress(quiet: bool = False) -> Iterator[Progress]:
 
 def store_of(source: Path, run_id: str | None = None, quiet: bool = False, store: Path | None = None,
              warn: Callable[[str], None] | None = None) -> tuple[Path, str | None]:
-    """(store file, run id) for what a command was given: a store file as it is, or a run directory
+    """(store, run id) for what a command was given: a store file or dataset directory as it is, or a run directory
     ingested (progress bar unless ``quiet``) into ``store``, by default the one
     tracekit.ingest.cached.store_for names. A store that cannot be written (a read-only ``--store``
     or a read-only cached one) gives way to a temporary store, said through ``warn``. Files that
     failed are said through ``warn``; nothing ingested at all is an error (exit 2)."""
     from tracekit.ingest import ingest
-    from tracekit.ingest.cached import store_for, temporary_store
+    from tracekit.ingest.cached import is_store, store_for, temporary_store
     from tracekit.ingest.common import IngestError
     from tracekit.store import StoreError
 
     if not source.exists():
         fail(f"{source}: no such file or directory")
-    if not source.is_dir():
+    if is_store(source):  # a DuckDB file or a Parquet dataset directory
         return source, run_id
     store_path = store_for(source, store)
     with ingest_progress(quiet) as progress:

@@ -34,7 +34,7 @@ def open_source(path: Path, run_id: str | None, quiet: bool, store: Path | None 
     path, run_id = store_of(path, run_id, quiet, store, warn=_warn)
     try:
         opened = tracekit.open(path)
-        opened.run_tables(run_id)  # fails early, with the file's name, on a bad store or run id
+        opened.check(run_id)  # fails early, with the file's name, on a bad store or run id
     except (StoreError, ValueError) as e:
         fail(f"{path}: {e}" if str(path) not in str(e) else str(e))
     return opened, run_id
@@ -176,6 +176,8 @@ def render_terminal(f: Findings) -> None:
         loc, cause = f.diagnosis.localization, f.diagnosis.cause
         colour = "green" if loc.verdict in ("no_straggler", "no_data") else "red"
         out.print(f"[bold {colour}]stragglers:[/] {escape(f.diagnosis.headline)}", highlight=False)
+        if f.diagnosis.scope is not None:
+            out.print(f"[yellow]note:[/] {escape(f.diagnosis.scope.summary)}", highlight=False)
         for i, x in enumerate(f.diagnosis.findings, 1):
             steps = ",".join(map(str, x.steps)) if x.kind in ("transient", "moving") else "every step"
             out.print(f"  {i}. [bold]{x.kind}[/] ({x.cause}) at {escape(x.where)}: {x.cost_ns / 1e6:.1f} ms per step "

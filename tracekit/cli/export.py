@@ -29,7 +29,7 @@ def export_group() -> None:
 
 
 @export_group.command("perfetto")
-@click.argument("store", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("store", type=click.Path(exists=True, path_type=Path))  # a DuckDB file or a dataset dir
 @click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="The trace to write (.json, or .json.gz compressed).")
 @click.option("--run", "run_id", default=None, help="Run id (default: the newest).")

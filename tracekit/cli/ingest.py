@@ -14,8 +14,15 @@ from tracekit.ingest.common import IngestError
 
 @click.command("ingest")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("--store", "store_path", required=True, type=click.Path(path_type=Path),
+@click.option("--store", "store_path", default=None, type=click.Path(path_type=Path),
               help="DuckDB store to create or add to.")
+@click.option("--out", "out_dir", default=None, type=click.Path(path_type=Path),
+              help="Parquet dataset directory to create or add to (instead of --store; docs/dataset.md).")
+@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="With --out: parse in threads here, or one Ray task per file (or batch of small files).")
+@click.option("--address", default=None,
+              help="With --engine ray: the Ray cluster (ray://host:10001, or 'auto' for the one this machine "
+                   "belongs to; default: start Ray on this machine).")
 @click.option("--run-id", default=None, help="Run id for every file (default: manifest, else directory name).")
 @click.option("--workers", type=int, default=None, help="Parser threads (default: one per core).")
 @click.option("--processes/--threads", "processes", default=None,
@@ -25,9 +32,11 @@ from tracekit.ingest.common import IngestError
               help="Raise or lower a limit on one file, e.g. max_event_bytes=64MiB (repeatable; the limits and "
                    "their defaults are in docs/ingest.md, 'Limits').")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def ingest_cmd(paths: tuple[Path, ...], store_path: Path, run_id: str | None, workers: int | None,
-               processes: bool | None, limit_settings: tuple[str, ...], as_json: bool) -> None:
-    """Ingest run directories, trace folders or single files into a store.
+def ingest_cmd(paths: tuple[Path, ...], store_path: Path | None, out_dir: Path | None, engine: str,
+               address: str | None, run_id: str | None, workers: int | None, processes: bool | None,
+               limit_settings: tuple[str, ...], as_json: bool) -> None:
+    """Ingest run directories, trace folders or single files into a store (--store) or a Parquet
+    dataset (--out, optionally on Ray with --engine ray).
 
     Formats are recognized by content: Kineto traces (.json/.json.gz, NCCL or gloo), flight-recorder
     dumps (pickle or JSON), memory snapshots (pickle) and op-table traces (parquet). Exit code 2 if
@@ -39,6 +48,10 @@ def ingest_cmd(paths: tuple[Path, ...], store_path: Path, run_id: str | None, wo
     from tracekit.ingest.pipeline import ingest
     from tracekit.store import StoreError
 
+    if (store_path is None) == (out_dir is None):
+        fail("give one of --store FILE (a DuckDB store) or --out DIR (a Parquet dataset)")
+    if out_dir is None and (engine != "local" or address is not None):
+        fail("--engine ray and --address write a Parquet dataset: give --out DIR instead of --store")
     for assignment in limit_settings:  # in the environment, so that the parser processes see them too
         try:
             var, value = limits.setting(assignment)
@@ -47,10 +60,18 @@ def ingest_cmd(paths: tuple[Path, ...], store_path: Path, run_id: str | None, wo
         os.environ[var] = str(value)
     with ingest_progress(as_json) as progress:
         try:
-            report = ingest(list(paths), store_path, run_id=run_id, workers=workers, progress=progress,
-                            processes=processes)
+            if out_dir is not None:
+                from tracekit.ingest import to_dataset
+
+                report = to_dataset.ingest(list(paths), out_dir, run_id=run_id, engine=engine, workers=workers,
+                                           address=address, progress=progress)
+            else:
+                report = ingest(list(paths), store_path, run_id=run_id, workers=workers, progress=progress,
+                                processes=processes)
         except (IngestError, StoreError, ValueError) as e:  # the store cannot be opened, no input, no fork
             fail(str(e))
+        except RuntimeError as e:  # to_dataset.EngineUnavailable: no Ray, or it cannot start or connect
+            fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     if not report.files:
         fail(f"nothing to ingest in {', '.join(map(str, paths))}: no traces, flight-recorder dumps, memory "
              "snapshots or op tables" + (f" ({len(report.ignored)} other files passed over)" if report.ignored else ""))

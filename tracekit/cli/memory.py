@@ -172,3 +172,5 @@ def memory_command(source: Path, store_path: Path | None, run_id: str | None, by
         console.print(f"no estimate: {why_not}")
     if plot_path is not None:
         console.print(f"plot: {plot_path}")
+
+

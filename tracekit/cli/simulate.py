@@ -8,6 +8,8 @@ import click
 
 from tracekit.simulate.config import SimConfig, SimError
 
+KINETO_MAX_RANKS = 512  # beyond: hundreds of MB of JSON per thousand ranks; the tables straight instead
+
 
 @click.command("simulate")
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size.")
@@ -35,21 +37,42 @@ from tracekit.simulate.config import SimConfig, SimError
 @click.option("--ranks-per-host", type=int, default=8, show_default=True, help="Ranks sharing one host clock.")
 @click.option("--detail", is_flag=True,
               help="Also aten ops, nccl: annotations and ac2g flows (the profiler's full layout).")
+@click.option("--layers", type=int, default=1, show_default=True, help="Transformer layers per virtual stage.")
+@click.option("--attn-ms", type=float, default=1.6, show_default=True, help="Attention cost of a layer (ms, fwd).")
+@click.option("--mlp-ms", type=float, default=2.4, show_default=True, help="MLP cost of a layer (ms, fwd).")
+@click.option("--format", "fmt", type=click.Choice(["auto", "kineto", "parquet"]), default="auto", show_default=True,
+              help="kineto: traces and flight-recorder dumps, as a job writes them (ingest reads them); parquet: "
+                   "the store's tables straight, as a Parquet dataset (every command opens it). auto: kineto up "
+                   f"to {KINETO_MAX_RANKS} ranks.")
 def simulate_command(tp: int, cp: int, pp: int, dp: int, steps: int, seed: int, out: str, faults: tuple[str, ...],
                      names: str, skew_ms: float, drift_ppm: float, noise: float, spikes: float, microbatches: int,
-                     vstages: int, ranks_per_host: int, detail: bool) -> None:
-    """Simulate a 4D-parallel NCCL job: Kineto traces, flight-recorder dumps and ground truth."""
+                     vstages: int, ranks_per_host: int, detail: bool, layers: int, attn_ms: float, mlp_ms: float,
+                     fmt: str) -> None:
+    """Simulate a 4D-parallel NCCL job: Kineto traces, flight-recorder dumps and ground truth, or for
+    large worlds the store's tables as a Parquet dataset."""
+    from pathlib import Path
+
     from tracekit.simulate.run import simulate
 
     cfg = SimConfig(tp=tp, cp=cp, pp=pp, dp=dp, steps=steps, seed=seed, faults=tuple(faults), names=names,
                     skew_ms=skew_ms, drift_ppm=drift_ppm, noise=noise, spikes=spikes, microbatches=microbatches,
-                    vstages=vstages, ranks_per_host=ranks_per_host, detail=detail)
+                    vstages=vstages, ranks_per_host=ranks_per_host, detail=detail, layers=layers, attn_ms=attn_ms,
+                    mlp_ms=mlp_ms)
+    if fmt == "auto":
+        fmt = "kineto" if tp * cp * pp * dp <= KINETO_MAX_RANKS else "parquet"
     try:
-        path = simulate(cfg, out)
+        if fmt == "parquet":
+            from tracekit.simulate.tables import write_dataset
+
+            write_dataset(cfg, out, Path(out).name or "simulated")
+            path = out
+        else:
+            path = simulate(cfg, out)
     except SimError as e:
         click.echo(f"tracekit simulate: {e}", err=True)
         sys.exit(2)
     except OSError as e:
         click.echo(f"tracekit simulate: cannot write {out}: {e.strerror or e}", err=True)
         sys.exit(2)
-    click.echo(f"{cfg.world_size} ranks x {steps} steps -> {path} (manifest.json, traces/, fr/)")
+    what = "a Parquet dataset store" if fmt == "parquet" else "manifest.json, traces/, fr/"
+    click.echo(f"{cfg.world_size} ranks x {steps} steps -> {path} ({what})")

@@ -24,6 +24,8 @@ from tracekit.cli._common import EXIT_FINDING, EXIT_OK, fail
               help="Replay with the compute of each CP (or PP) group equalized (repeatable).")
 @click.option("--wlb", is_flag=True,
               help="Trainer runs: WLB-LLM data what-ifs (per-document CP sharding, variable-length packing).")
+@click.option("--warmup", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Replayed steps left out of the steady step (each op at its median over the other steps).")
 @click.option("--no-decompose", is_flag=True, help="Skip the slowdown decomposition (one replay per part).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @click.option("--check", is_flag=True, help="Exit 1 when the slowdown is over --threshold.")
@@ -31,7 +33,8 @@ from tracekit.cli._common import EXIT_FINDING, EXIT_OK, fail
 @click.option("--run-id", default=None, help="Run to analyse (default: the newest in the store).")
 @click.option("--store", "store_path", type=click.Path(path_type=Path), default=None,
               help="Store to ingest a run directory into (default: <dir>.tracekit.duckdb beside it).")
-def whatif_command(source: Path, heal: tuple[str, ...], balance: tuple[str, ...], wlb: bool, no_decompose: bool,
+def whatif_command(source: Path, heal: tuple[str, ...], balance: tuple[str, ...], wlb: bool, warmup: int,
+                   no_decompose: bool,
                    as_json: bool, check: bool, threshold: float, run_id: str | None, store_path: Path | None) -> None:
     """How fast the step would be without its stragglers: replay, ideal step, slowdown by part."""
     from tracekit.analysis.whatif import WhatIfError, analyze, parse_heal
@@ -48,7 +51,7 @@ def whatif_command(source: Path, heal: tuple[str, ...], balance: tuple[str, ...]
     finally:
         store.close()
     try:
-        result = analyze(tables, heal=heal, balance=balance, decompose=not no_decompose, wlb=wlb)
+        result = analyze(tables, heal=heal, balance=balance, decompose=not no_decompose, wlb=wlb, warmup=warmup)
     except WhatIfError as e:
         fail(f"{source}: {e}")
     if as_json:
@@ -71,12 +74,13 @@ def _render(w) -> None:
               highlight=False)
     out.print(f"replayed as recorded: {w.replay_ns / 1e6:.1f} ms ({w.replay_error:+.2%} of measured"
               + (f", {w.violations} recorded starts before a dependency ended)" if w.violations else ")"), highlight=False)
+    out.print(f"steady step (each op at its median over the steps): {w.steady_ns / 1e6:.1f} ms", highlight=False)
     out.print("slowdown by part: the ideal step with only that part as recorded, over the ideal step", highlight=False)
-    t = Table(title="counterfactuals")
-    for c in ("scenario", "step ms", "saving ms", "of step"):
+    t = Table(title="counterfactuals (step: mean over the replayed steps; steady: on the steady step)")
+    for c in ("scenario", "step ms", "saving ms", "of step", "steady ms"):
         t.add_column(c, justify="left" if c == "scenario" else "right")
     for s in w.scenarios:
-        t.add_row(s.name, f"{s.step_ns / 1e6:.1f}", f"{s.saving_ns / 1e6:.1f}", f"{s.share:.1%}")
+        t.add_row(s.name, f"{s.step_ns / 1e6:.1f}", f"{s.saving_ns / 1e6:.1f}", f"{s.share:.1%}", f"{s.steady_ns / 1e6:.1f}")
     out.print(t)
     if w.data is not None:
         t = Table(title=f"WLB-LLM imbalance degree per step (attention weight w={w.data.attention_weight:.2f})")

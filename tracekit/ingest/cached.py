@@ -1,5 +1,8 @@
 """Where a run directory's store lives when a command is given the directory instead of a store.
 
+A Parquet dataset directory (tracekit.dataset: it holds ``_tracekit_dataset.json``) is a store, not
+a run directory: :func:`is_store` says which paths are read as they are.
+
 Every command that takes a run directory (``report``, ``stragglers``, ``steps``, ``cp-wait``,
 ``hangs``, ``demo``, ``dashboard``) ingests it into the store :func:`store_for` names and reads
 that; files already ingested are skipped, so a second command on the same directory is fast.
@@ -16,6 +19,15 @@ import tempfile
 from pathlib import Path
 
 STORE_SUFFIX = ".tracekit.duckdb"
+
+
+def is_store(path: Path) -> bool:
+    """A store to read as it is: a file (a DuckDB store) or a dataset directory (its marker present,
+    even damaged, or its layout without the marker: opening it then says what is wrong); any other
+    directory is a run to ingest."""
+    from tracekit.dataset import is_dataset, looks_like_dataset
+
+    return not path.is_dir() or is_dataset(path) or looks_like_dataset(path)
 
 
 def store_for(run_dir: Path, store: Path | None = None) -> Path:

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tracekit.dataset import MARKER as DATASET_MARKER
 from tracekit.ingest.common import IngestError
 from tracekit.topology import DIMS
 
@@ -128,7 +129,12 @@ def collect(paths: list[Path], run_id: str | None = None) -> list[Job]:
             jobs.append(Job(path=p, explicit=True, run_id=run_id or default_run_id(p), manifest=None))
             continue
         if p.is_dir():
+            if (p / DATASET_MARKER).exists():
+                raise IngestError(f"{p}: a tracekit Parquet dataset (a store to analyse), not traces to ingest")
             files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+            # a dataset inside the folder (tracekit ingest RUN --out RUN/ds) is a store, not traces
+            stores = [f.parent for f in files if f.name == DATASET_MARKER]
+            files = [f for f in files if not any(f.is_relative_to(d) for d in stores)]
             explicit = False
         else:
             files, explicit = [p], True

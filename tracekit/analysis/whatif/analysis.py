@@ -31,6 +31,7 @@ class Scenario:
     step_ns: float  # predicted mean step time
     saving_ns: float  # per step, against the replay without idle gaps (what-ifs drop them, as the analyzer does)
     share: float  # of the measured mean step time
+    steady_ns: float = float("nan")  # the what-if applied to the steady step (every op at its median over the steady steps)
 
 
 @dataclass
@@ -42,6 +43,7 @@ class WhatIf:
     replay_ns: float  # mean step time replayed as recorded
     nodelay_ns: float  # replayed with every idle gap dropped
     ideal_ns: float
+    steady_ns: float  # every op at its median over the steady steps (after ``warmup``), replayed: the typical step
     violations: int  # recorded starts before a dependency ended (0 when the graph fits the record)
     scenarios: list[Scenario]
     per_step: pl.DataFrame  # step, measured_ns, replay_ns, nodelay_ns, ideal_ns, one <scenario>_ns column each
@@ -69,7 +71,8 @@ class WhatIf:
                for name, frame in (("dp_rank", self.by_dp), ("stage", self.by_stage), ("optype", self.by_optype))}
         return {"run_id": self.run_id, "model": self.model, "steps": self.steps, "measured_ns": self.measured_ns,
                 "replay_ns": self.replay_ns, "replay_error": self.replay_error, "nodelay_ns": self.nodelay_ns,
-                "ideal_ns": self.ideal_ns, "slowdown": self.slowdown, "blocking_slowdown": self.blocking_slowdown,
+                "ideal_ns": self.ideal_ns, "steady_ns": self.steady_ns, "slowdown": self.slowdown,
+                "blocking_slowdown": self.blocking_slowdown,
                 "violations": self.violations, "missing_ranks": list(self.missing_ranks), "decomposition": dec,
                 "scenarios": [s.__dict__ for s in self.scenarios],
                 "wlb": None if self.data is None else {"attention_weight": self.data.attention_weight,
@@ -90,6 +93,20 @@ def _mean(gs: list[StepGraph], ps: list[Params]) -> tuple[float, np.ndarray]:
     return float(steps.mean()), steps
 
 
+def _steady_step(gs: list[StepGraph], ps: list[Params], keep: np.ndarray) -> float:
+    """The median over the steady steps of a replay of steady durations (``cf.steady``, then a what-if)."""
+    return float(np.median(_mean(gs, ps)[1][keep]))
+
+
+def _steady_steps(gs: list[StepGraph], warmup: int) -> tuple[set[int], np.ndarray]:
+    """The steps after the first ``warmup`` replayed ones, and a mask over the concatenated steps."""
+    order = [s for g in gs for s in g.steps]
+    if warmup < 0 or warmup >= len(order):
+        raise WhatIfError(f"--warmup {warmup}: the run has {len(order)} replayed steps; at least one must remain")
+    keep = set(sorted(order)[warmup:])
+    return keep, np.array([s in keep for s in order])
+
+
 def parse_heal(spec: str) -> tuple[str, tuple[int, ...]]:
     """``rank=5``, ``rank=1+5`` or ``link=2,3`` -> (kind, ranks)."""
     kind, _, val = spec.partition("=")
@@ -103,9 +120,14 @@ def parse_heal(spec: str) -> tuple[str, tuple[int, ...]]:
 
 
 def analyze(tables: RunTables, heal: tuple[str, ...] = (), balance: tuple[str, ...] = (),
-            decompose: bool = True, wlb: bool = False) -> WhatIf:
+            decompose: bool = True, wlb: bool = False, warmup: int = 0) -> WhatIf:
+    """Replay the run's steps as recorded, without idle gaps, ideal, and with each what-if asked
+    for; every what-if also on the steady step (each op at its median over the steps after the first
+    ``warmup``), which a disturbance of single steps on a shared machine does not move."""
     model, gs = build(tables)
     rec = [recorded(g) for g in gs]
+    keep, keep_mask = _steady_steps(gs, warmup)
+    steady_ps = cf.steady(gs, rec, keep)
     steps = [s for g in gs for s in g.steps]
     measured = np.concatenate([g.measured for g in gs])
     replay_ns, replay_steps = _mean(gs, rec)
@@ -115,29 +137,34 @@ def analyze(tables: RunTables, heal: tuple[str, ...] = (), balance: tuple[str, .
     ideal_ns, ideal_steps = _mean(gs, ideal_ps)
     per_step = {"step": steps, "measured_ns": measured, "replay_ns": replay_steps, "nodelay_ns": nodelay_steps,
                 "ideal_ns": ideal_steps}
-    scenarios = [Scenario("ideal", ideal_ns, nodelay_ns - ideal_ns, (nodelay_ns - ideal_ns) / measured.mean())]
+    scenarios = [Scenario("ideal", ideal_ns, nodelay_ns - ideal_ns, (nodelay_ns - ideal_ns) / measured.mean(), ideal_ns)]
+
+    def add(name: str, whatif) -> None:  # a what-if on the recorded steps and on the steady step
+        sc = _scenario(name, gs, whatif(nodelay), nodelay_ns, measured, per_step)
+        scenarios.append(Scenario(sc.name, sc.step_ns, sc.saving_ns, sc.share, _steady_step(gs, whatif(steady_ps), keep_mask)))
+
     for spec in heal:
         kind, ranks = parse_heal(spec)
-        ps = cf.heal_rank(gs, nodelay, set(ranks)) if kind == "rank" else cf.heal_link(gs, nodelay, *ranks)
-        scenarios.append(_scenario(f"heal {spec}", gs, ps, nodelay_ns, measured, per_step))
+        add(f"heal {spec}", (lambda ps, r=ranks: cf.heal_rank(gs, ps, set(r))) if kind == "rank"
+            else (lambda ps, r=ranks: cf.heal_link(gs, ps, *r)))
     for dim in balance:
         if dim not in ("cp", "pp"):
             raise WhatIfError(f"--balance {dim!r}: expected cp or pp")
         if model == "op-table" and dim == "cp":
             raise WhatIfError("op tables fold CP ranks into their worker: CP work cannot be balanced")
-        scenarios.append(_scenario(f"balance {dim}", gs, cf.balance(gs, nodelay, dim), nodelay_ns, measured, per_step))
+        add(f"balance {dim}", lambda ps, d=dim: cf.balance(gs, ps, d))
     data = None
     if wlb:
         if model != "program-order":
             raise WhatIfError("data what-ifs need a trainer run (its documents); this is an op table")
         data = data_whatif(tables, gs, rec)
         if tables.layout.cp > 1:
-            scenarios.append(_scenario("per-document CP sharding", gs, cp_document_params(gs, nodelay, data), nodelay_ns,
-                                       measured, per_step))
+            add("per-document CP sharding", lambda ps: cp_document_params(gs, ps, data))
     seen = {int(r) for g in gs for r in g.nodes["rank"].unique().to_list()}
     missing = tuple(r for r in range(tables.layout.world_size) if r not in seen)
     out = WhatIf(tables.run_id, model, len(steps), float(measured.mean()), replay_ns, nodelay_ns, ideal_ns,
-                 sum(p.violations for p in rec), scenarios, pl.DataFrame(per_step).sort("step"), data=data,
+                 _steady_step(gs, steady_ps, keep_mask), sum(p.violations for p in rec), scenarios,
+                 pl.DataFrame(per_step).sort("step"), data=data,
                  missing_ranks=missing)
     if decompose:
         out.by_dp, out.by_stage, out.by_optype = (_decompose(gs, ideal_ps, rec, col, ideal_ns)

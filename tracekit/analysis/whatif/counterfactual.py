@@ -3,6 +3,7 @@
 Every function takes the graphs and their recorded ``Params`` and returns new ``Params`` per graph;
 ``replay`` then says how long the steps would take.
 
+- ``steady``: every node at its median over the (steady) steps: the run's typical step.
 - ``ideal``: every node at its typical time and no idle gaps (the what-if analyzer's ideal step):
   a node's typical time is over its peers (``peer_key``) in every step; compute uses the mean on
   op tables (the analyzer's statistic, so its published numbers are reproduced) and the median
@@ -59,6 +60,21 @@ def _scatter(gs: list[StepGraph], ps: list[Params], rows: pl.DataFrame, col: str
     return out
 
 
+def steady(gs: list[StepGraph], rec: list[Params], keep: set[int]) -> list[Params]:
+    """Every node at its median over the steps in ``keep`` (its steady time), without idle gaps, in
+    every step column. On a shared machine a disturbance (a descheduled rank, a slow transfer) lands
+    on different ops in different steps; an op's median over steps drops it where a step's own time,
+    even the least disturbed step's, keeps what landed in that step."""
+    out = []
+    for g, p in zip(gs, rec):
+        cols = [i for i, s in enumerate(g.steps) if s in keep]
+        if not cols:  # a structure seen only in excluded steps: its own steps are all there is
+            cols = list(range(len(g.steps)))
+        typ = np.median(p.dur[:, cols], axis=1, keepdims=True)
+        out.append(Params(np.repeat(typ, p.dur.shape[1], axis=1), np.zeros_like(p.delay)))
+    return out
+
+
 def ideal(gs: list[StepGraph], rec: list[Params], compute_stat: str) -> list[Params]:
     rows = _long(gs, rec, ["peer_key", "is_comm"])
     stat = pl.col("dur").mean() if compute_stat == "mean" else pl.col("dur").median()
@@ -69,15 +85,19 @@ def ideal(gs: list[StepGraph], rec: list[Params], compute_stat: str) -> list[Par
 
 
 def heal_rank(gs: list[StepGraph], rec: list[Params], ranks: set[int]) -> list[Params]:
-    rows = _long(gs, rec, ["rank", "pp", "peer_key"])
+    """Each of ``ranks``' compute nodes at the median of its peers' in the same step: its DP replicas
+    (same stage, same TP and CP shard: the same work on other data), else the other ranks of its stage."""
+    rows = _long(gs, rec, ["rank", "pp", "tp", "cp", "peer_key"])
     comp = pl.concat([pl.DataFrame({"g": gi, "node": np.arange(g.n), "compute": is_compute(g)}) for gi, g in enumerate(gs)])
     rows = rows.join(comp, on=["g", "node"]).filter(pl.col("compute"))
-    peers = rows.filter(~pl.col("rank").is_in(list(ranks))).group_by("g", "s", "pp", "peer_key").agg(
-        pl.col("dur").median().alias("healthy"))
-    target = rows.filter(pl.col("rank").is_in(list(ranks))).join(peers, on=["g", "s", "pp", "peer_key"], how="left")
+    healthy = rows.filter(~pl.col("rank").is_in(list(ranks)))
+    target = rows.filter(pl.col("rank").is_in(list(ranks)))
     if not target.height:
         raise WhatIfError(f"ranks {sorted(ranks)} have no compute in the replayed steps")
-    return _scatter(gs, rec, target, "healthy")
+    for i, key in enumerate((["g", "s", "pp", "tp", "cp", "peer_key"], ["g", "s", "pp", "peer_key"])):
+        peers = healthy.group_by(key).agg(pl.col("dur").median().alias(f"h{i}"))
+        target = target.join(peers, on=key, how="left")
+    return _scatter(gs, rec, target.with_columns(pl.coalesce("h0", "h1").alias("healthy")), "healthy")
 
 
 def instance_ranks(g: StepGraph) -> list[frozenset[int]]:

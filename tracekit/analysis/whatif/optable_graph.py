@@ -59,8 +59,10 @@ def op_table_ops(t: RunTables) -> pl.DataFrame:
 def build(t: RunTables) -> list[StepGraph]:
     """One graph per group of alike steps."""
     meta = t.manifest.get("wia_meta", {})
-    if int(meta.get("vpp_size", 1) or 1) > 1:
-        raise WhatIfError(f"run {t.run_id!r}: interleaved pipelines (vpp > 1) are not modelled for op tables")
+    vpp = int(meta.get("vpp_size", 1) or 1)
+    if vpp > 1:  # the 1F1B dependencies below pair the i-th receive with the i-th compute of one chunk
+        raise WhatIfError(f"run {t.run_id!r}: interleaved pipelines (vpp_size {vpp} > 1) are not modelled for op "
+                          "tables: their dependencies assume one model chunk per stage")
     ops = op_table_ops(t)
     return [_graph(steps, grp) for steps, grp in group_steps(ops, KEY)]
 

@@ -22,6 +22,8 @@ from tracekit.analysis.tables import RunTables
 from tracekit.analysis.whatif.graph import StepGraph, WhatIfError, group_steps, timing_arrays
 
 KEY = ["rank", "pos"]
+SOURCE_NAMES = {"fr": "the flight recorder", "kernel": "GPU kernels", "annotation": "tk.comm spans",
+                "gloo": "gloo spans"}
 
 
 def comm_calls(t: RunTables) -> pl.DataFrame:
@@ -40,9 +42,26 @@ def comm_calls(t: RunTables) -> pl.DataFrame:
         (pl.col("direction") == "send").alias("async_send"))
     calls = pl.concat([coll, p2p])
     if not calls.height:
-        raise WhatIfError(f"run {t.run_id!r} has no communication calls with a step to replay")
+        raise WhatIfError(_nothing_to_replay(t))
     dim = pl.col("pg_name").replace_strict(dims, default="other")
     return calls.with_columns(pl.format("{}-{}", dim, pl.col("op")).alias("label"))
+
+
+def _nothing_to_replay(t: RunTables) -> str:
+    """One line naming what a run without replayable communication calls lacks."""
+    recorded = pl.concat([t.collectives.select("source"), t.p2p.select("source")])["source"]
+    if recorded.len():
+        by = ", ".join(f"{n} from {SOURCE_NAMES.get(s, s)}" for s, n in recorded.value_counts(sort=True).iter_rows())
+        had = f"its {recorded.len()} communication records ({by}) have no step"
+    else:
+        had = "it recorded no communication"
+    kernels = int((t.events["kind"] == "kernel").sum()) if t.events.height else 0
+    extra = [f"{t.layout.world_size} rank" + ("s" if t.layout.world_size > 1 else "")]
+    if kernels:
+        extra.append(f"{kernels} GPU kernels")
+    return (f"run {t.run_id!r} cannot be replayed: {had} ({', '.join(extra)}); the replay needs every rank's "
+            "communication calls in program order within a step (the trainer's tk.comm spans, gloo "
+            "record_param_comms) or an op table")
 
 
 def build(t: RunTables) -> list[StepGraph]:

@@ -1,0 +1,155 @@
+"""The scoped diagnosis of large jobs (tracekit/analysis/scope.py) on small ones, where the whole job
+can be read too: it reads a fraction of the ranks and reaches the same verdicts as reading all.
+
+Jobs come from the simulator's tables (tests/test_simulate_tables.py shows they are what an
+ingest of its traces gives), with skewed, drifting clocks and noise. The scope is forced on with
+``Tunables(scope_above_ranks=1)``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import tracekit
+from tracekit.analysis.links import median_without, mann_whitney_z
+from tracekit.analysis.tunables import Tunables
+from tracekit.simulate.config import SimConfig
+from tracekit.simulate.tables import write_duckdb
+
+SCOPED = Tunables(scope_above_ranks=1)
+BASE = dict(tp=2, cp=2, pp=4, dp=8, steps=8, noise=0.05, skew_ms=1500, drift_ppm=20, layers=2)
+CASES = {  # name: (faults, what the verdict must name)
+    "slow": (("slow:rank=77,factor=1.15",), {"straggler": [(77,)]}),
+    "two": (("slow:rank=9,factor=1.3", "slow:rank=100,factor=1.3"), {"straggler": [(9,), (100,)]}),
+    "transient": (("slow:rank=50,factor=1.8,steps=2+5",), {"transient": [(50,)]}),
+    "p2p_link": (("link:a=36,b=40,delay_ms=20",), {"slow_link": [(36, 40)]}),
+    "clean": ((), {}),
+    "hang": (("hang:rank=45,step=4",), {}),
+}
+
+
+@pytest.fixture(scope="module")
+def verdicts(tmp_path_factory):
+    out = {}
+    for i, (name, (faults, _)) in enumerate(sorted(CASES.items())):
+        path = tmp_path_factory.mktemp("scope") / f"{name}.duckdb"
+        write_duckdb(SimConfig(**BASE, seed=11 + i, faults=faults), path, name)
+        with tracekit.open(path) as s:
+            full = s.diagnose(tunables=Tunables(scope_above_ranks=10**9))
+            scoped = s.diagnose(tunables=SCOPED)
+            tables = s.run_tables(ranks=scoped.scope.ranges())
+        out[name] = (full, scoped, tables)
+    return out
+
+
+def _named(d) -> dict[str, list[tuple[int, ...]]]:
+    found: dict[str, list[tuple[int, ...]]] = {}
+    for f in d.findings:
+        found.setdefault(f.kind, []).append(tuple(sorted(f.ranks)))
+    return {k: sorted(v) for k, v in found.items()}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_scoped_verdict_is_the_full_verdict_and_the_truth(verdicts, name):
+    full, scoped, _ = verdicts[name]
+    want = CASES[name][1]
+    assert full.scope is None and scoped.scope is not None
+    if name == "hang":  # no performance verdict; the one rank that never joined, from a few groups' entries
+        for d in (full, scoped):
+            assert d.localization.verdict == "hang" and not d.findings, d.headline
+            assert d.cause.ranks == (45,), d.headline
+    assert _named(full) == want, full.headline
+    assert _named(scoped) == want, scoped.headline
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_scope_reads_a_fraction_of_the_job_and_only_its_ranks(verdicts, name):
+    _, scoped, tables = verdicts[name]
+    world = scoped.scope.world_size
+    assert world == 2 * 2 * 4 * 8
+    assert len(scoped.scope.ranks) <= world // 2, scoped.scope.summary
+    in_scope = set(scoped.scope.ranks)
+    for t in ("events", "collectives", "p2p", "steps"):
+        assert set(getattr(tables, t)["rank"].unique().to_list()) <= in_scope, t
+    levels = [lv["level"] for lv in scoped.scope.levels]
+    assert levels[:2] == ["compute", "dp"]  # top-down: every rank's aggregates first
+    for f in scoped.findings:
+        assert set(f.ranks) <= in_scope  # it names only what it read
+    assert f"of {world:,} ranks" in scoped.scope.summary
+
+
+def test_a_scoped_culprit_clears_the_bar_of_the_whole_job(verdicts):
+    """The candidates are the most extreme of every rank: judged among the scope's few ranks they
+    would clear a bar meant for few comparisons (a false alarm per large clean job)."""
+    _, scoped, _ = verdicts["slow"]
+    full, _, _ = verdicts["slow"]
+    assert scoped.compute.cell_bar == pytest.approx(full.compute.cell_bar, rel=0.25)
+    assert scoped.compute.ranks_compared < full.compute.ranks_compared
+
+
+def test_median_without_is_the_median_of_the_rest():
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        values = np.round(rng.normal(size=int(rng.integers(2, 30))), 1)  # rounded: ties
+        idx = rng.choice(values.size, int(rng.integers(1, values.size)), replace=False)
+        assert median_without(np.sort(values), values[idx]) == pytest.approx(float(np.median(np.delete(values, idx))))
+
+
+def test_link_rank_test_equals_the_pairwise_rank_test(verdicts):
+    """The links' one-ranking Mann-Whitney z equals the textbook test of each link against the rest."""
+    from tracekit.analysis.links import _transfer_instances, link_transfers
+
+    _, _, tables = verdicts["p2p_link"]
+    links = link_transfers(tables, 1e9)
+    inst = _transfer_instances(tables)
+    assert links.height > 3
+    # recompute two links' z by the textbook test on the normalised instances
+    import polars as pl
+
+    from tracekit.analysis.tables import per_tables  # noqa: F401 (the cache is what the diagnosis shares)
+
+    keyed = inst.with_columns(pl.format("{}|{}", "link", "name").alias("key"))
+    refs = {}
+    for kind, per in keyed.group_by("kind"):
+        for key in per["key"].unique().to_list():
+            rest = per.filter(pl.col("key") != key)["t"]
+            if rest.len():
+                refs[(key, kind[0])] = float(rest.median())
+    keyed = keyed.filter(pl.struct("key", "kind").map_elements(lambda s: (s["key"], s["kind"]) in refs,
+                                                                return_dtype=pl.Boolean))
+    lr = np.log(np.clip(keyed["t"].to_numpy(), 1.0, None) / np.clip(np.array(
+        [refs[(k, c)] for k, c in keyed.select("key", "kind").iter_rows()]), 1.0, None))
+    keys = keyed["key"].to_numpy()
+    for row in links.head(2).iter_rows(named=True):
+        key = f"{row['link']}|{row['name']}"
+        assert row["z"] == pytest.approx(mann_whitney_z(lr[keys == key], lr[keys != key]), rel=1e-9, abs=1e-9)
+
+
+def test_a_dataset_store_gives_the_same_scoped_verdict_reading_only_its_rank_blocks(tmp_path, monkeypatch):
+    """The same job as a Parquet dataset (what `tracekit simulate --format parquet` writes for large
+    worlds): the scoped verdict is the DuckDB file's, and the scoped reads open only the partitions
+    (rank blocks) of the ranks in scope."""
+    from tracekit import schema
+    from tracekit.analysis.tables import ranked_source
+    from tracekit.simulate.tables import write_dataset
+
+    monkeypatch.setattr(schema, "RANK_BLOCK", 16)  # 128 ranks in 8 blocks, as 16,384 are in 64
+    cfg = SimConfig(**BASE, seed=31, faults=("slow:rank=77,factor=1.15",))
+    write_duckdb(cfg, tmp_path / "s.duckdb", "run")
+    write_dataset(cfg, tmp_path / "ds", "run")
+    with tracekit.open(tmp_path / "s.duckdb") as a, tracekit.open(tmp_path / "ds") as b:
+        da, db = a.diagnose(tunables=SCOPED), b.diagnose(tunables=SCOPED)
+        assert b.is_dataset and _named(da) == _named(db) == {"straggler": [(77,)]}, (da.headline, db.headline)
+        assert da.scope.ranks == db.scope.ranks
+        source, where = ranked_source(b._con, "events", db.scope.ranges())
+        assert source == "events_parts" and "rank_block IN" in where
+        def files_read(query: str) -> int:
+            plan = "\n".join(str(r[-1]) for r in b._con.sql(f"EXPLAIN ANALYZE {query}").fetchall())
+            return sum(int(n) for n in re.findall(r"Total Files Read: (\d+)", plan))
+
+        scoped = files_read(f"SELECT count(*) FROM {source} WHERE run_id = 'run'{where}")
+        whole = files_read("SELECT count(*) FROM events_parts WHERE run_id = 'run'")
+        assert 0 < scoped < whole and len({r // 16 for r in db.scope.ranks}) < 8, (scoped, whole)

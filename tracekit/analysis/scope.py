@@ -1,0 +1,300 @@
+"""Top-down and lazy for large jobs: which ranks the diagnosis must read, chosen from aggregates.
+
+At thousands of ranks the per-event tables do not fit in memory and need not: a slow rank, link or
+stage shows in a few numbers per (rank, step). ``narrow`` computes those where the data lies
+(DuckDB, over a store file or a Parquet dataset, streaming) and picks the scope level by level:
+1. compute (every rank; events summed per rank, step and kernel name): ranks whose compute stands
+   out against their stage, persistently or in some steps;
+2. DP (every rank; only data-parallel collectives): the replica the others wait for, per step, and
+   the DP group whose transfers (the fastest member's time, one clock) are slow;
+3. PP (only the late replica's ranks and a reference replica's): the stage whose pipeline and
+   in-stage communication waits grew against the same stage of the reference;
+and the stage whose compute exceeds the others in every replica. The scope is those ranks' cells
+(a replica's stage: its CP x TP ranks) with the same cells of reference replicas as their peers,
+and the diagnosis runs on it unchanged (``Store.diagnose``), told how many ranks the candidates
+were picked from so that its bars stay those of the whole job.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import polars as pl
+
+from tracekit.analysis.standout import spread
+from tracekit.analysis.tables import ranked_source
+from tracekit.analysis.tunables import Tunables
+from tracekit.topology import Layout
+
+# tables.compute_events' definition of model compute, as SQL (kept beside it: one decision)
+COMPUTE_SQL = ("NOT coalesce(is_comm, false) AND step IS NOT NULL "
+               "AND (phase IN ('fwd', 'bwd') OR (kind = 'kernel' AND phase IS NULL))")
+
+
+@dataclass(frozen=True)
+class Scope:
+    """The ranks a scoped diagnosis reads, and why each level chose what it chose."""
+
+    ranks: tuple[int, ...]
+    world_size: int
+    levels: tuple[dict, ...] = field(default_factory=tuple)
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """The ranks as inclusive contiguous ranges (cells are contiguous: TP, CP innermost)."""
+        out: list[tuple[int, int]] = []
+        for r in self.ranks:
+            if out and out[-1][1] == r - 1:
+                out[-1] = (out[-1][0], r)
+            else:
+                out.append((r, r))
+        return out
+
+    @property
+    def summary(self) -> str:
+        """What was read, in one line."""
+        said = []
+        for lv in self.levels:
+            picked = lv.get("candidates") or lv.get("late_replicas") or lv.get("stages") or lv.get("heavy")
+            if lv["level"] == "compute":
+                said.append(f"compute of every rank: {len(picked or [])} stand out")
+            elif lv["level"] == "dp" and "rows" in lv:
+                said.append(f"DP collectives of every rank: late replicas {picked or 'none'}"
+                            + (f", slow DP group {lv['slow_group']['pg_name']}" if lv.get("slow_group") else ""))
+            elif lv["level"] == "links" and "rows" in lv:
+                said.append(f"p2p of every rank: {len(lv.get('slow_links') or [])} slow links")
+            elif lv["level"] == "pp":
+                said.append(f"pipeline waits of two replicas: stages {picked or 'none'}")
+            elif lv["level"] == "stage" and picked:
+                said.append(f"heavy stages {picked}")
+        return (f"large job: the diagnosis read {len(self.ranks):,} of {self.world_size:,} ranks, chosen top-down ("
+                + "; ".join(said) + ") with reference replicas as their peers")
+
+    def to_dict(self) -> dict:
+        return {"ranks": len(self.ranks), "world_size": self.world_size, "summary": self.summary,
+                "levels": list(self.levels)}
+
+
+def _cell(lay: Layout, dp: int, pp: int) -> range:
+    first = lay.rank_of(dp=dp, pp=pp)
+    return range(first, first + lay.cp * lay.tp)
+
+
+def _compute_level(con, run_id: str, lay: Layout, tun: Tunables) -> tuple[list[int], dict, pl.DataFrame]:
+    """Ranks whose compute stands out, and the per-(rank, step) compute (for the stage level)."""
+    # per (rank, step): the compute without its longest span, so that one descheduled kernel (the
+    # longest by far) moves nothing; summed where the data lies, no span leaves DuckDB
+    compute = con.sql(f"SELECT rank, step, sum(dur_ns)::DOUBLE AS compute_ns, (sum(dur_ns) - max(dur_ns))::DOUBLE "
+                      f"AS trimmed_ns FROM events WHERE run_id = $r AND {COMPUTE_SQL} GROUP BY ALL",
+                      params={"r": run_id}).pl()
+    if not compute.height:
+        return [], {"level": "compute", "read": "events (none recorded)"}, compute
+    compute = compute.with_columns(((pl.col("rank") // (lay.tp * lay.cp)) % lay.pp).alias("pp"))
+    peers = ["pp", "step"]
+    n = pl.len().over(peers)
+    ref = (pl.col("trimmed_ns").sum().over(peers) - pl.col("trimmed_ns")) / (n - 1)
+    ratios = compute.filter(n > 1).with_columns((pl.col("trimmed_ns") / ref).log().alias("lr")).filter(
+        pl.col("lr").is_finite())
+    wide = ratios.pivot(on="step", index="rank", values="lr").sort("rank")
+    ranks = wide["rank"].to_numpy()
+    mat = wide.drop("rank").to_numpy().astype(float)
+    mat = mat - np.nanmedian(mat, axis=0, keepdims=True)
+    sigma = max(spread(mat[np.isfinite(mat)]), 1e-4)
+    steps = np.isfinite(mat).sum(axis=1).clip(min=1)
+    # persistent: the steps' mean without the two most extreme (a step or two of preemption); episodic: one step
+    ordered = np.sort(np.where(np.isfinite(mat), mat, np.nan), axis=1)
+    kept = ordered[:, 1:-1] if mat.shape[1] >= 6 else ordered
+    persistent = np.nanmean(kept, axis=1) / (sigma / np.sqrt(np.isfinite(kept).sum(axis=1).clip(min=1)))
+    episodic = np.nanmax(mat, axis=1) / sigma
+    pick = set()
+    for score, bar in ((persistent, tun.scope_z_persistent), (episodic, tun.scope_z_step)):
+        order = np.argsort(-np.nan_to_num(score, nan=-np.inf))[: tun.scope_candidates]
+        pick |= {int(ranks[i]) for i in order if score[i] >= bar}
+    return sorted(pick), {"level": "compute", "read": "events: compute per rank and step, summed in place",
+                          "rows": compute.height, "sigma": sigma, "candidates": sorted(pick),
+                          "steps": int(steps.max())}, compute
+
+
+def _dp_level(con, run_id: str, lay: Layout, tun: Tunables, step_ns: float) -> tuple[list[int], list[int], dict]:
+    """(late replicas, ranks of a slow DP group, evidence): from the DP collectives alone."""
+    if lay.dp < 2:
+        return [], [], {"level": "dp", "read": "nothing (dp = 1)"}
+    rows = con.sql(
+        "WITH g AS (SELECT pg_name FROM groups WHERE run_id = $r AND dim = 'dp'), "
+        "c AS (SELECT rank, pg_name, seq, step, end_ns - start_ns AS d FROM collectives "
+        "WHERE run_id = $r AND source <> 'fr' AND pg_name IN (SELECT pg_name FROM g) AND step IS NOT NULL) "
+        "SELECT rank, step, sum(d)::DOUBLE AS wait_ns FROM c GROUP BY ALL", params={"r": run_id}).pl()
+    links = con.sql(
+        "WITH g AS (SELECT pg_name FROM groups WHERE run_id = $r AND dim = 'dp'), "
+        "i AS (SELECT pg_name, seq, step, min(end_ns - start_ns) AS t FROM collectives WHERE run_id = $r "
+        "AND source <> 'fr' AND pg_name IN (SELECT pg_name FROM g) AND step IS NOT NULL GROUP BY ALL) "
+        "SELECT pg_name, step, sum(t)::DOUBLE AS transfer_ns FROM i GROUP BY ALL", params={"r": run_id}).pl()
+    evidence: dict = {"level": "dp", "read": "collectives of the DP groups only", "rows": rows.height}
+    late: list[int] = []
+    if rows.height:
+        rows = rows.with_columns((pl.col("rank") // (lay.world_size // lay.dp)).alias("dp"))
+        # the replica everyone waits for waits least itself: its lateness is the others' median wait minus its own
+        per = rows.group_by("dp", "step").agg(pl.col("wait_ns").mean()).pivot(on="step", index="dp", values="wait_ns")
+        dps = per["dp"].to_numpy()
+        mat = per.drop("dp").to_numpy().astype(float)
+        lateness = np.nanmedian(mat, axis=0, keepdims=True) - mat
+        scale = np.array([max(spread(c[np.isfinite(c)]), 1e-9) for c in lateness.T])
+        z = lateness / scale
+        score = np.nanmax(z, axis=1)
+        order = np.argsort(-np.nan_to_num(score, nan=-np.inf))[:tun.scope_candidates]
+        late = [int(dps[i]) for i in order if score[i] >= tun.scope_z_step
+                and np.nanmax(lateness[i]) >= tun.effect_min_frac * step_ns]
+        evidence["late_replicas"] = late
+    slow_group: list[int] = []
+    if links.height > 2:
+        med = links.group_by("pg_name").agg(pl.col("transfer_ns").median())
+        vals = med["transfer_ns"].to_numpy()
+        s = max(spread(vals), 1e-9 * max(float(np.median(vals)), 1.0))
+        top = int(np.argmax(vals))
+        z = (vals[top] - np.median(vals)) / s
+        if z >= tun.scope_z_step and vals[top] >= np.median(vals) * tun.slow_link_ratio:
+            name = med["pg_name"][top]
+            members = con.sql("SELECT ranks FROM groups WHERE run_id = $r AND pg_name = $p",
+                              params={"r": run_id, "p": name}).fetchall()
+            slow_group = sorted(int(x) for x in members[0][0]) if members else []
+            evidence["slow_group"] = {"pg_name": name, "z": float(z)}
+    return late, slow_group, evidence
+
+
+def _link_level(con, run_id: str, lay: Layout, tun: Tunables) -> tuple[list[tuple[int, int]], dict]:
+    """Pipeline links whose every message is slow: per link the fastest transfer of all its messages
+    (a send or receive's own duration, one clock; a slow link has no fast message, a late rank's
+    links do), against the links between the same two stages. Reads only the p2p records."""
+    if lay.pp < 2:
+        return [], {"level": "links", "read": "nothing (pp = 1)"}
+    rows = con.sql("SELECT rank, peer, direction, min(end_ns - start_ns)::DOUBLE AS t FROM p2p WHERE run_id = $r "
+                   "AND source <> 'fr' AND peer IS NOT NULL AND end_ns IS NOT NULL GROUP BY ALL",
+                   params={"r": run_id}).pl()
+    evidence: dict = {"level": "links", "read": "p2p records: each link's fastest message", "rows": rows.height}
+    if not rows.height:
+        return [], evidence
+    send = pl.col("direction") == "send"
+    stage = lambda c: (pl.col(c) // (lay.tp * lay.cp)) % lay.pp  # noqa: E731
+    links = rows.with_columns(pl.when(send).then("rank").otherwise("peer").alias("src"),
+                              pl.when(send).then("peer").otherwise("rank").alias("dst")).group_by("src", "dst").agg(
+        pl.col("t").min()).with_columns(stage("src").alias("a"), stage("dst").alias("b"))
+    links = links.with_columns(pl.col("t").median().over("a", "b").alias("ref"),
+                               ((pl.col("t") - pl.col("t").median().over("a", "b")).abs().median().over("a", "b")
+                                * 1.4826).alias("mad"))
+    links = links.with_columns((pl.col("t") / pl.col("ref")).alias("ratio"),
+                               ((pl.col("t") - pl.col("ref")) / pl.max_horizontal(pl.col("mad"), pl.col("ref") * 1e-3))
+                               .alias("z"))
+    slow = links.filter((pl.col("ratio") >= tun.slow_link_ratio) & (pl.col("z") >= tun.scope_z_step)).sort(
+        "z", descending=True).head(tun.scope_candidates)
+    pairs = [(int(a), int(b)) for a, b in slow.select("src", "dst").iter_rows()]
+    evidence["slow_links"] = [list(p) for p in pairs]
+    return pairs, evidence
+
+
+def _pp_level(con, run_id: str, lay: Layout, replica: int, ref: int, tun: Tunables, step_ns: float
+              ) -> tuple[list[int], dict]:
+    """The stages of ``replica`` to read: the ends of its pipeline link whose transfers (the shorter of
+    send and receive, one clock) grew most against the same stage pair of ``ref``, and the stage whose
+    in-stage collectives grew most. Reads only those two replicas' p2p and non-DP collectives."""
+    size = lay.world_size // lay.dp
+    ranges = sorted([(replica * size, (replica + 1) * size - 1), (ref * size, (ref + 1) * size - 1)])
+    p2p_src, p2p_within = ranked_source(con, "p2p", ranges)
+    coll_src, coll_within = ranked_source(con, "collectives", ranges)
+    stage = (pl.col("rank") // (lay.tp * lay.cp)) % lay.pp
+    evidence: dict = {"level": "pp", "read": f"p2p and in-stage collectives of replicas {replica} and {ref}"}
+    stages: list[int] = []
+    p2p = con.sql(f"SELECT rank, peer, direction, step, start_ns, end_ns FROM {p2p_src} WHERE run_id = $r "
+                  f"AND source <> 'fr'{p2p_within} AND peer IS NOT NULL AND step IS NOT NULL", params={"r": run_id}).pl()
+    if p2p.height:
+        send = pl.col("direction") == "send"
+        p2p = p2p.with_columns(pl.when(send).then("rank").otherwise("peer").alias("src"),
+                               pl.when(send).then("peer").otherwise("rank").alias("dst"),
+                               (pl.col("end_ns") - pl.col("start_ns")).alias("d")).sort("start_ns")
+        p2p = p2p.with_columns(pl.int_range(pl.len()).over("src", "dst", "step", "direction").alias("k"))
+        pairs = p2p.filter(send).select("src", "dst", "step", "k", pl.col("d").alias("s")).join(
+            p2p.filter(~send).select("src", "dst", "step", "k", pl.col("d").alias("r")), on=["src", "dst", "step", "k"])
+        # each link against the link at the same position of the reference replica
+        shift = (replica - ref) * size
+        per = pairs.with_columns(pl.min_horizontal("s", "r").alias("t")).group_by("src", "dst").agg(
+            pl.col("t").median(), (pl.col("t").sum() / pl.col("step").n_unique()).alias("per_step"))
+        mine = per.filter(pl.col("src") // size == replica)
+        theirs = per.filter(pl.col("src") // size == ref).select(
+            (pl.col("src") + shift).alias("src"), (pl.col("dst") + shift).alias("dst"), pl.col("t").alias("t_ref"),
+            pl.col("per_step").alias("ps_ref"))
+        both = mine.join(theirs, on=["src", "dst"]).with_columns(
+            (pl.col("t") / pl.col("t_ref")).alias("ratio"), (pl.col("per_step") - pl.col("ps_ref")).alias("excess"))
+        both = both.filter((pl.col("ratio") >= tun.slow_link_ratio)
+                           & (pl.col("excess") >= tun.link_effect_min_frac * step_ns)).sort("ratio", descending=True)
+        if both.height:
+            top = both.row(0, named=True)
+            a, b = (int(top[x]) // (lay.tp * lay.cp) % lay.pp for x in ("src", "dst"))
+            stages += [a, b]
+            evidence["link"] = {"ranks": [int(top["src"]), int(top["dst"])], "ratio": float(top["ratio"])}
+    coll = con.sql(
+        "WITH dpg AS (SELECT pg_name FROM groups WHERE run_id = $r AND dim = 'dp') "
+        f"SELECT rank, step, sum(end_ns - start_ns)::DOUBLE AS ns FROM {coll_src} WHERE run_id = $r "
+        f"AND source <> 'fr'{coll_within} AND step IS NOT NULL AND pg_name NOT IN (SELECT pg_name FROM dpg) "
+        "GROUP BY ALL", params={"r": run_id}).pl()
+    if coll.height:
+        per = coll.with_columns((pl.col("rank") // size).alias("dp"), stage.alias("pp")).group_by("dp", "pp").agg(
+            pl.col("ns").mean())  # per rank and step
+        a = dict(per.filter(pl.col("dp") == replica).select("pp", "ns").iter_rows())
+        b = dict(per.filter(pl.col("dp") == ref).select("pp", "ns").iter_rows())
+        grown = {p: a[p] - b.get(p, a[p]) for p in a}
+        top = max(grown, key=lambda p: grown[p]) if grown else None
+        if top is not None and grown[top] >= tun.link_effect_min_frac * step_ns:
+            stages.append(int(top))
+            evidence["in_stage"] = {"stage": int(top), "grown_ns": grown[top]}
+    evidence["stages"] = sorted(set(stages))
+    return sorted(set(stages)), evidence
+
+
+def _stage_level(compute: pl.DataFrame, lay: Layout, tun: Tunables) -> tuple[list[int], dict]:
+    if lay.pp < 2 or not compute.height:
+        return [], {"level": "stage", "read": "nothing (pp = 1)"}
+    per = compute.group_by("pp", "step").agg(pl.col("compute_ns").median()).group_by("pp").agg(
+        pl.col("compute_ns").median()).sort("pp")
+    ratio = per["compute_ns"].to_numpy() / max(float(np.median(per["compute_ns"].to_numpy())), 1.0)
+    heavy = [int(p) for p, r in zip(per["pp"].to_list(), ratio) if r >= tun.stage_compute_ratio]
+    return heavy, {"level": "stage", "read": "compute per stage", "heavy": heavy,
+                   "ratios": {str(p): float(r) for p, r in zip(per["pp"].to_list(), ratio)}}
+
+
+def narrow(con, run_id: str, lay: Layout, tun: Tunables = Tunables()) -> Scope:
+    """The scope of a large job's diagnosis (module docstring)."""
+    levels = []
+    step = con.sql("SELECT median(end_ns - start_ns)::DOUBLE FROM steps WHERE run_id = $r", params={"r": run_id}
+                   ).fetchall()
+    step_ns = float(step[0][0]) if step and step[0][0] else 0.0
+    candidates, ev, compute = _compute_level(con, run_id, lay, tun)
+    levels.append(ev)
+    late, slow_group, ev = _dp_level(con, run_id, lay, tun, step_ns)
+    levels.append(ev)
+    pairs, ev = _link_level(con, run_id, lay, tun)
+    levels.append(ev)
+    cells: set[tuple[int, int]] = {(lay.coords(r).dp, lay.coords(r).pp) for r in candidates}
+    link_cells = {(lay.coords(r).dp, lay.coords(r).pp) for pair in pairs for r in pair}
+    busy = {d for d, _ in cells} | set(late)
+    refs = [d for d in range(lay.dp) if d not in busy][: max(1, math.ceil(tun.scope_min_peers / (lay.cp * lay.tp)))]
+    # a late replica holding a rank whose compute stands out is explained by it; the others are searched
+    explained = {d for d, _ in cells}
+    for replica in [d for d in late if d not in explained][:2]:
+        if refs:
+            stages, ev = _pp_level(con, run_id, lay, replica, refs[0], tun, step_ns)
+            levels.append(ev)
+            cells |= {(replica, q) for q in stages}
+    cells |= link_cells
+    heavy, ev = _stage_level(compute, lay, tun)
+    levels.append(ev)
+    for p in heavy:
+        others = [q for q in range(lay.pp) if q != p][:2]
+        cells |= {(refs[0] if refs else 0, q) for q in [p, *others]}
+    if not cells and not slow_group:  # nothing stands out: the verdict reads a sample (first and last stage)
+        cells = {(refs[0] if refs else 0, p) for p in {0, lay.pp - 1}}
+    stages = {p for _, p in cells}
+    cells |= {(d, p) for d in refs for p in stages}
+    ranks = {r for d, p in cells for r in _cell(lay, d, p)} | set(slow_group)
+    if slow_group:  # its peers: another DP group of the same kind (the next position)
+        ranks |= {r + 1 if (r + 1) % (lay.world_size // lay.dp) else r - 1 for r in slow_group}
+    return Scope(tuple(sorted(ranks)), lay.world_size, tuple(levels))
