@@ -71,7 +71,8 @@ class Dashboard:
         left = pn.Column(self.overview.panel, self.heatmap.panel, self.later["cpwait"], sizing_mode="stretch_width")
         right = pn.Column(self.drilldown.panel, self.timeline.panel, self.later["memory"], self.later["numerics"],
                           sizing_mode="stretch_width")
-        self.panel = pn.Column(header, self.focus, self.errors, self.hang.panel, pn.Row(left, right, sizing_mode="stretch_width"),
+        self.panel = pn.Column(header, self.focus, self.errors, self.hang.panel,
+                               pn.Row(left, right, sizing_mode="stretch_width"),
                                self.later["job"], sizing_mode="stretch_width", css_classes=["tk-app"])
         self._loading, self._run_errors = False, []
         self._load_run(sel.run_id)

@@ -8,7 +8,8 @@ Serves `tracekit dashboard` on a store and drives Debian's headless Chromium (Pl
   sized spans, 1.5 M events) and ByteDance's real what-if-analysis traces AR, when present.
 First render: page load until the verdict, the heatmap canvas and the step timeline's title are on
 the page; "every view": until the views below the first screen (CP wait, memory, numerics) are on
-it too, and "job raster": the whole-job raster drawn (these join the page after the first render). Click: mouse click on a heatmap cell until the step timeline's title and
+it too, and "job raster": the whole-job raster drawn (these join the page after the first render).
+Click: mouse click on a heatmap cell until the step timeline's title and
 the selection line name the new cell ("heatmap"), and on the whole-job raster until the selection
 line names the rank under it ("job"); "kB/click" is what the server sent the browser for a heatmap
 click (websocket frames).
@@ -137,15 +138,16 @@ def measure(store: Path, clicks: int, shots: Path, root: Path = D.ROOT, tag: str
                 job.append(D.click_and_wait(page, "tk-job-fig", x, rank, lambda: D.focus(page)[0] == rank))
                 page.wait_for_timeout(300)
         page.screenshot(path=str(shots / f"{store.stem}{tag}-clicked.png"), full_page=True, timeout=180_000)
-    return {"first_render_s": first, "every_view_s": every, "job_raster_s": raster, "click_update_s": updates, "kb_per_click": sent,
-            "job_click_s": job}
+    return {"first_render_s": first, "every_view_s": every, "job_raster_s": raster, "click_update_s": updates,
+            "kb_per_click": sent, "job_click_s": job}
 
 
 def _row(name: str, r: dict) -> str:
     def spread(u: list[float]) -> str:
         return f"{statistics.median(u):.2f} [{min(u):.2f}..{max(u):.2f}]" if u else "-"
     raster = "-" if r["job_raster_s"] is None else f"{r['job_raster_s']:.2f}"
-    return (f"{name:<18} {r['first_render_s']:>12.2f} {r['every_view_s']:>10.2f} {raster:>10} {spread(r['click_update_s']):>26} "
+    return (f"{name:<18} {r['first_render_s']:>12.2f} {r['every_view_s']:>10.2f} {raster:>10} "
+            f"{spread(r['click_update_s']):>26} "
             f"{spread(r['job_click_s']):>26} "
             f"{statistics.median(r['kb_per_click']):>9.1f} {os.getloadavg()[0]:>6.2f}")
 
