@@ -246,8 +246,11 @@ def judge(case: Case, res: dict) -> tuple[bool, list[tuple[float, bool]]]:
         elif case.kind == "moving":
             ok_finding[i] = f["kind"] in ("moving", "transient") and rs <= set(t["ranks"])
         elif case.kind in ("link_coll", "link_p2p"):
+            # without group names, which dimension a group is can be a guess (ingest warns): then
+            # both ends must be right, and the dimension only where the layout was not ambiguous
             ok_finding[i] = f["kind"] == "slow_link" and rs == set(t["ranks"]) and \
-                (case.kind == "link_p2p" or t["dim"].upper() in f["where"])
+                (case.kind == "link_p2p" or t["dim"].upper() in f["where"]
+                 or (case.names == "none" and bool(res.get("layout_note"))))
         elif case.kind == "cp_imbalance":
             loaded = set(res["truth"][0]["ranks"])
             ok_finding[i] = f["cause"] == "data_imbalance" and rs <= loaded and bool(rs)

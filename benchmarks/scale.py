@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-LAYOUTS = {64: (8, 1, 4, 2), 1024: (8, 2, 16, 4), 4096: (8, 2, 16, 16), 16384: (8, 2, 16, 64)}  # tp, cp, pp, dp
+LAYOUTS = {64: (8, 2, 2, 2), 1024: (8, 2, 16, 4), 4096: (8, 2, 16, 16), 16384: (8, 2, 16, 64)}  # tp, cp, pp, dp
 KINDS = ("clean", "slow", "two", "transient", "moving", "link_coll", "link_p2p", "cp_imbalance", "stage", "hang")
 KINETO_UP_TO = 64  # larger worlds: the tables straight
 

@@ -53,7 +53,7 @@ class Tunables:
     link_alpha: float = 0.001
     link_z_min: float = 3.0
     # ... and the link's excess transfer time costs at least this share of a step.
-    link_effect_min_frac: float = 0.02
+    link_effect_min_frac: float = 0.01
     # Spread (coefficient of variation) of a rank's per-micro-batch compute within a step, above
     # its peers' spread by this much: the extra compute is uneven work (data), not a slow device.
     data_cv_min: float = 0.10
