@@ -35,8 +35,10 @@ from tracekit.ingest.common import IngestError
 def ingest_cmd(paths: tuple[Path, ...], store_path: Path | None, out_dir: Path | None, engine: str,
                address: str | None, run_id: str | None, workers: int | None, processes: bool | None,
                limit_settings: tuple[str, ...], as_json: bool) -> None:
-    """Ingest run directories, trace folders or single files into a store (--store) or a Parquet
-    dataset (--out, optionally on Ray with --engine ray).
+    """Ingest run directories, trace folders or single files into a store or a Parquet dataset.
+
+    A DuckDB store file (--store) or a Parquet dataset directory (--out, optionally written on Ray
+    with --engine ray).
 
     Formats are recognized by content: Kineto traces (.json/.json.gz, NCCL or gloo), flight-recorder
     dumps (pickle or JSON), memory snapshots (pickle) and op-table traces (parquet). Exit code 2 if

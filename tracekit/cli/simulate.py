@@ -48,8 +48,10 @@ def simulate_command(tp: int, cp: int, pp: int, dp: int, steps: int, seed: int, 
                      names: str, skew_ms: float, drift_ppm: float, noise: float, spikes: float, microbatches: int,
                      vstages: int, ranks_per_host: int, detail: bool, layers: int, attn_ms: float, mlp_ms: float,
                      fmt: str) -> None:
-    """Simulate a 4D-parallel NCCL job: Kineto traces, flight-recorder dumps and ground truth, or for
-    large worlds the store's tables as a Parquet dataset."""
+    """Simulate a 4D-parallel NCCL job: its traces and ground truth, or its tables for large worlds.
+
+    Kineto traces and flight-recorder dumps as the job would write them, with the ground truth in
+    manifest.json; or (--format parquet) the store's tables straight, as a Parquet dataset."""
     from pathlib import Path
 
     from tracekit.simulate.run import simulate
