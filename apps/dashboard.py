@@ -3,11 +3,15 @@
 Serve it with ``tracekit dashboard <store or run dir>`` or ``panel serve apps/dashboard.py --args
 <store>``. It opens on the newest run; the run selector switches runs. Every view follows one
 shared selection (run, rank, step), and several set it: a heatmap cell (rank and step), a step on
-the step-time plot, a member of the CP group, the rank and step inputs.
+the step-time plot, a member of the CP group, a point of the whole-job raster, the step timeline's
+peer lanes, a time on the memory curve, the rank and step inputs.
 
-Each session builds its views once. A new run reloads every view's data; a new rank or step
-updates only what depends on it, inside one held document change, so the browser gets one message
-with new data-source contents and texts rather than new plots (apps/views/plots.py says why).
+Each session builds its views once: the first screen's (overview, hang, heatmap, drill-down, step
+timeline) when the page is requested, the rest (CP wait, memory, numerics, whole job) once the
+browser has drawn those, so the first render waits for half the models. A new run reloads every
+view's data; a new rank or step updates only what depends on it, inside one held document change,
+so the browser gets one message with new data-source contents and texts rather than new plots
+(apps/views/plots.py says why).
 """
 
 from __future__ import annotations
@@ -41,11 +45,16 @@ class Dashboard:
         sel.run_id = data.newest_run()
         self.overview, self.heatmap = OverviewView(data, sel), HeatmapView(data, sel)
         self.drilldown, self.timeline = DrilldownView(data, sel), TimelineView(data, sel)
-        self.cpwait, self.memory, self.numerics = CPWaitView(data, sel), MemoryView(data, sel), NumericsView(data, sel)
-        self.job, self.hang = JobTimelineView(data, sel), HangView(data, sel)
-        self.views = [self.overview, self.hang, self.heatmap, self.drilldown, self.timeline, self.cpwait,
-                      self.memory, self.numerics, self.job]
-        self.straggler_views = [self.heatmap, self.drilldown, self.cpwait]  # a hung run has no such verdict
+        self.hang = HangView(data, sel)
+        self.views = [self.overview, self.hang, self.heatmap, self.drilldown, self.timeline]
+        self.straggler_views = [self.heatmap, self.drilldown]  # a hung run has no such verdict (+ CP wait)
+        # below the first screen: CP wait, memory, numerics and the whole job join the page after its
+        # first render (attach_rest), so neither the server's first message nor the browser's first
+        # layout waits for them (their models are half the page's)
+        self.later = {name: pn.Column(pn.pane.Markdown(f"*loading the {what} ...*"), sizing_mode="stretch_width")
+                      for name, what in (("cpwait", "CP-wait view"), ("memory", "memory view"),
+                                         ("numerics", "numerics view"), ("job", "whole-job view"))}
+        self.cpwait = self.memory = self.numerics = self.job = None
         self.focus = pn.pane.Markdown("", css_classes=["tk-focus"], sizing_mode="stretch_width")
         self.errors = pn.pane.Alert("", alert_type="warning", visible=False, css_classes=["tk-errors"],
                                     sizing_mode="stretch_width")
@@ -59,20 +68,40 @@ class Dashboard:
                         pn.widgets.IntInput.from_param(sel.param.rank, label="rank"),
                         pn.widgets.IntInput.from_param(sel.param.step, label="step"), self.scope,
                         pn.Column(pn.Spacer(height=18), self.download), sizing_mode="stretch_width")
-        left = pn.Column(self.overview.panel, self.heatmap.panel, self.cpwait.panel, sizing_mode="stretch_width")
-        right = pn.Column(self.drilldown.panel, self.timeline.panel, self.memory.panel, self.numerics.panel,
+        left = pn.Column(self.overview.panel, self.heatmap.panel, self.later["cpwait"], sizing_mode="stretch_width")
+        right = pn.Column(self.drilldown.panel, self.timeline.panel, self.later["memory"], self.later["numerics"],
                           sizing_mode="stretch_width")
-        self.panel = pn.Column(header, self.focus, self.errors, self.hang.panel, pn.Row(left, right, sizing_mode="stretch_width"),
-                               self.job.panel,
-                               sizing_mode="stretch_width", css_classes=["tk-app"])
+        self.panel = pn.Column(header, self.focus, self.errors, self.hang.panel,
+                               pn.Row(left, right, sizing_mode="stretch_width"),
+                               self.later["job"], sizing_mode="stretch_width", css_classes=["tk-app"])
         self._loading, self._run_errors = False, []
         self._load_run(sel.run_id)
         if pn.state.curdoc is not None and pn.state.curdoc.session_context is not None:
-            pn.state.onload(self.job.attach)  # in a browser session: after the first render
+            pn.state.onload(lambda: self._held(self.attach_rest))  # in a browser session: after the first render
         else:
-            self.job.attach()
+            self.attach_rest()
         sel.param.watch(lambda e: self._held(self._load_run, e.new), "run_id")
         sel.param.watch(lambda *e: self._loading or self._held(self._follow, sel.rank, sel.step), ["rank", "step"])
+
+    def attach_rest(self) -> None:
+        """Build the views below the first screen, show the current run and selection in them and
+        put them in their places (the whole job's raster last: it joins once its plot is up)."""
+        sel = self.sel
+        self.cpwait, self.memory = CPWaitView(self.data, sel), MemoryView(self.data, sel)
+        self.numerics, self.job = NumericsView(self.data, sel), JobTimelineView(self.data, sel)
+        rest = [self.cpwait, self.memory, self.numerics, self.job]
+        self.views += rest
+        self.straggler_views.append(self.cpwait)
+        self._each("show_run", sel.run_id, views=rest)
+        self.cpwait.panel.visible = not self.hang.hung
+        self._each("show_focus", sel.rank, sel.step, views=rest)
+        for name, view in zip(("cpwait", "memory", "numerics", "job"), rest):
+            self.later[name].objects = [view.panel]
+        doc = pn.state.curdoc
+        if doc is not None and doc.session_context is not None:  # the raster in a message of its own
+            doc.add_next_tick_callback(lambda: self._held(self.job.attach))
+        else:
+            self.job.attach()
 
     def _perfetto(self):
         """The trace `tracekit export perfetto` writes, of the whole run or of the selected rank's
@@ -93,17 +122,18 @@ class Dashboard:
         with pn.io.hold(freeze=True):
             update(*args)
 
-    def _each(self, method: str, *args) -> None:
-        """Call ``method`` on every view; a view whose data cannot be read (a malformed table, an
-        analysis that rejects the run) says so in the error box while the others carry on."""
+    def _each(self, method: str, *args, views: list | None = None) -> None:
+        """Call ``method`` on every view (or on ``views``); a view whose data cannot be read (a
+        malformed table, an analysis that rejects the run) says so in the error box while the others
+        carry on."""
         failed = []
-        for v in self.views:
+        for v in self.views if views is None else views:
             try:
                 getattr(v, method)(*args)
             except ValueError as e:  # StoreError, TablesError, MemoryDataError, ...
                 failed.append(f"**{type(v).__name__.removesuffix('View').lower()}**: {e}")
         if method == "show_run":
-            self._run_errors = failed
+            self._run_errors = failed if views is None else self._run_errors + failed
         shown = list(dict.fromkeys(self._run_errors + failed))
         self.errors.object = "<br>".join(shown)
         self.errors.visible = bool(shown)

@@ -7,8 +7,9 @@ Serves `tracekit dashboard` on a store and drives Debian's headless Chromium (Pl
 - with --legacy also: the job model at 64 ranks x 20 steps, a crowded 16-rank store (GPU-kernel-
   sized spans, 1.5 M events) and ByteDance's real what-if-analysis traces AR, when present.
 First render: page load until the verdict, the heatmap canvas and the step timeline's title are on
-the page; "job raster": until the whole-job raster is drawn too (it joins the page after the first
-render). Click: mouse click on a heatmap cell until the step timeline's title and
+the page; "every view": until the views below the first screen (CP wait, memory, numerics) are on
+it too, and "job raster": the whole-job raster drawn (these join the page after the first render).
+Click: mouse click on a heatmap cell until the step timeline's title and
 the selection line name the new cell ("heatmap"), and on the whole-job raster until the selection
 line names the rank under it ("job"); "kB/click" is what the server sent the browser for a heatmap
 click (websocket frames).
@@ -18,7 +19,7 @@ row). ``--baseline REV`` measures the dashboard of git revision REV (exported to
 directory and served from there) on the same stores, alternating with this one, and prints the
 ratios: a comparison under the same load.
 
-    PYTHONPATH=$PWD python benchmarks/dashboard_latency.py [--ranks 8 64 1024] [--clicks 6]
+    PYTHONPATH=$PWD python benchmarks/dashboard_latency.py [--ranks 8 64 1024] [--clicks 6] [--repeat 1]
         [--cache DIR] [--baseline main] [--legacy] [--out DIR]
 """
 
@@ -114,9 +115,11 @@ def measure(store: Path, clicks: int, shots: Path, root: Path = D.ROOT, tag: str
         page.goto(url)
         D.wait_rendered(page)
         first = time.perf_counter() - t0
-        raster = time.perf_counter() - t0 if D.wait_job_raster(page) else None
+        D.wait_every_view(page)
+        every = time.perf_counter() - t0
+        raster = time.perf_counter() - t0 if D.wait_job_raster(page, 60_000) else None
         page.wait_for_timeout(500)  # let the page settle (late layout messages) before clicking
-        page.screenshot(path=str(shots / f"{store.stem}{tag}-open.png"), full_page=True)
+        page.screenshot(path=str(shots / f"{store.stem}{tag}-open.png"), full_page=True, timeout=180_000)
         updates, sent, job = [], [], []
         for step_index, rank in cells:
             if D.focus(page)[0] == rank:
@@ -134,16 +137,17 @@ def measure(store: Path, clicks: int, shots: Path, root: Path = D.ROOT, tag: str
                                              const r = v.model.x_range; return (r.start + r.end) / 2; }""")
                 job.append(D.click_and_wait(page, "tk-job-fig", x, rank, lambda: D.focus(page)[0] == rank))
                 page.wait_for_timeout(300)
-        page.screenshot(path=str(shots / f"{store.stem}{tag}-clicked.png"), full_page=True)
-    return {"first_render_s": first, "job_raster_s": raster, "click_update_s": updates, "kb_per_click": sent,
-            "job_click_s": job}
+        page.screenshot(path=str(shots / f"{store.stem}{tag}-clicked.png"), full_page=True, timeout=180_000)
+    return {"first_render_s": first, "every_view_s": every, "job_raster_s": raster, "click_update_s": updates,
+            "kb_per_click": sent, "job_click_s": job}
 
 
 def _row(name: str, r: dict) -> str:
     def spread(u: list[float]) -> str:
         return f"{statistics.median(u):.2f} [{min(u):.2f}..{max(u):.2f}]" if u else "-"
     raster = "-" if r["job_raster_s"] is None else f"{r['job_raster_s']:.2f}"
-    return (f"{name:<18} {r['first_render_s']:>12.2f} {raster:>10} {spread(r['click_update_s']):>26} "
+    return (f"{name:<18} {r['first_render_s']:>12.2f} {r['every_view_s']:>10.2f} {raster:>10} "
+            f"{spread(r['click_update_s']):>26} "
             f"{spread(r['job_click_s']):>26} "
             f"{statistics.median(r['kb_per_click']):>9.1f} {os.getloadavg()[0]:>6.2f}")
 
@@ -152,6 +156,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=sorted(SIMULATED), choices=sorted(SIMULATED))
     ap.add_argument("--clicks", type=int, default=6)
+    ap.add_argument("--repeat", type=int, default=1, help="measure each store this many times (rows each)")
     ap.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "tracekit-dash-bench",
                     help="where the simulated stores are written once and reused")
     ap.add_argument("--baseline", metavar="REV", help="also measure the dashboard of this git revision")
@@ -168,9 +173,9 @@ def main() -> None:
         stores += [synthetic_store(args.out / "synthetic-64x20.duckdb"), crowded_store(args.out / "crowded-16x10.duckdb")]
         if WIA.is_dir():
             stores.append(wia_store(args.out / "wia-AR.duckdb"))
-    print(f"{'store':<18} {'first render':>12} {'job raster':>10} {'heatmap click (s) med [range]':>26} "
+    print(f"{'store':<18} {'first render':>12} {'every view':>10} {'job raster':>10} {'heatmap click (s) med [range]':>26} "
           f"{'job click (s) med [range]':>26} {'kB/click':>9} {'load':>6}")
-    for store in stores:
+    for store in [s for s in stores for _ in range(args.repeat)]:
         now = measure(store, args.clicks, args.out)
         print(_row(store.stem, now), flush=True)
         if base is not None:

@@ -84,7 +84,7 @@ def memory_rows(run_id: str, rank: int, t0: int, t1: int, n: int):
             rows.append((run_id, rank, i, int(t), "alloc", 1000 + i, size))
     df = pl.DataFrame(rows, schema=["run_id", "rank", "seq", "ts_ns", "action", "addr", "size"], orient="row")
     return df.with_columns(pl.lit(None, pl.Int64).alias("stream"), pl.lit(None, pl.Utf8).alias("category"),
-                           pl.lit(None, pl.Utf8).alias("frame"))
+                           pl.lit(None, pl.Utf8).alias("frame"), pl.lit(None, pl.Utf8).alias("frames"))
 
 
 NUMERICS = ROOT / "tests" / "numerics_fixture"
@@ -192,10 +192,17 @@ def wait_rendered(page, timeout_ms: int = 120_000) -> None:
 def wait_job_raster(page, timeout_ms: int = 120_000) -> bool:
     """Until the whole-job raster is drawn (it joins the page after the first render); False for a
     version of the dashboard without it."""
-    if not page.locator(".tk-job-timeline").count():
+    try:
+        page.locator(".tk-job-plot canvas").first.wait_for(timeout=timeout_ms)
+    except Exception:  # playwright's TimeoutError: no whole-job view in this version
         return False
-    page.locator(".tk-job-plot canvas").first.wait_for(timeout=timeout_ms)
     return True
+
+
+def wait_every_view(page, timeout_ms: int = 120_000) -> None:
+    """Until the views below the first screen (CP wait, memory, numerics) are on the page too."""
+    for css in (".tk-cpwait", ".tk-memory", ".tk-numerics"):
+        page.locator(css).first.wait_for(state="attached", timeout=timeout_ms)
 
 
 FOCUS = re.compile(r"rank (\d+) \(dp (\d+), pp (\d+), cp (\d+), tp (\d+)\), step (\d+)")
@@ -243,14 +250,15 @@ POINT_JS = """([name, x, y]) => {
     const box = view.el.getBoundingClientRect();
     const sx = Array.isArray(x) ? view.model.x_range.synthetic(x) : x;
     const sy = y === null ? view.frame.bbox.vcenter : view.frame.y_scale.compute(y);
-    return [box.left + view.frame.x_scale.compute(sx), box.top + sy];
+    const px = x === null ? view.frame.bbox.hcenter : view.frame.x_scale.compute(sx);
+    return [box.left + px, box.top + sy];
 }"""
 
 
 def plot_point(page, figure: str, x, y: float | None) -> tuple[float, float]:
     """Where data point (x, y) of the Bokeh figure named ``figure`` (or whose title starts so)
     is on the page (viewport pixels, after scrolling it into view); x may be a factor (a list) on
-    a categorical axis, y None for the middle of the plot."""
+    a categorical axis, x or y None for the middle of the plot."""
     pt = page.evaluate(POINT_JS, [figure, x, y])
     assert pt is not None, f"no plot named {figure!r} on the page"
     return pt[0], pt[1]

@@ -173,3 +173,17 @@ def test_the_whole_job_timeline_marks_the_culprit_and_follows_and_sets_the_selec
     dash.heatmap._tap(_tap(dash.heatmap.fig, 1, 6))  # another view's click moves the outline
     lo, hi = step_window(job.job, 6, steps[1])
     assert (job.box.left, job.box.bottom) == (lo, 5.5)
+
+
+def test_clicks_on_the_memory_curve_and_the_peer_lanes_set_the_selection(session):
+    dash, _ = session
+    assert dash.sel.rank == SLOW and dash.memory.step_windows  # rank SLOW's memory is on the steps' clock
+    other = next(w for w in dash.memory.step_windows if w[0] != dash.sel.step)
+    dash.memory._tap(_tap(dash.memory.fig, (other[1] + other[2]) / 2, 0))
+    assert (dash.sel.rank, dash.sel.step) == (SLOW, other[0]) and _timeline(dash) == (SLOW, other[0])
+    dash.timeline._tap(_tap(dash.timeline.fig, 0, 5.0))  # the selected rank's own lanes: nothing
+    assert dash.sel.rank == SLOW
+    peer = dash.timeline.focus[1]
+    dash.timeline._tap(_tap(dash.timeline.fig, 0, 2.0))  # the peer's collective lane
+    assert (dash.sel.rank, dash.sel.step) == (peer, other[0]) and _timeline(dash) == (peer, other[0])
+    assert f"rank {peer} has no snapshot" in dash.memory.text.object

@@ -93,7 +93,9 @@ def test_timeline_splits_collectives_into_wait_and_transfer(data):
     assert peer == LAYOUT.rank_of(dp=1, pp=1, cp=0, tp=1)  # same position, the other replica
     tl, origin = step_spans(data, "slow", [SLOW, peer], 2)
     step = data.sql("SELECT start_ns FROM steps WHERE run_id = 'slow' AND rank = $k AND step = 2", {"k": SLOW})
-    assert origin == step["start_ns"][0]  # ms from when the selected rank began the step
+    # ms from when the selected rank began the step, on the common clock: the job model's hosts share
+    # one clock, so the offset estimated from the collectives is within a transfer's skew (< 1 us)
+    assert origin == pytest.approx(step["start_ns"][0], abs=1_000)
     assert set(tl["rank"].unique()) == {SLOW, peer}
     assert {"compute", "wait", "transfer", "send", "recv"} <= set(tl["kind"].unique())
     assert (tl["end_ms"] >= tl["start_ms"]).all()

@@ -74,7 +74,7 @@ def test_export_round_trip_gives_every_table_back(pair) -> None:
 def test_layout_is_hive_partitioned_and_sorted(pair) -> None:
     _, ds = pair
     marker = json.loads((ds / dataset.MARKER).read_text())
-    assert marker["format"] == "tracekit-parquet" and marker["version"] == 1 and marker["rank_block"] == 256
+    assert marker["format"] == "tracekit-parquet" and marker["version"] == 2 and marker["rank_block"] == 256
     events = list((ds / "events").rglob("*.parquet"))
     assert [p.relative_to(ds).parts[:3] for p in events] == [("events", "run_id=slow_rank_8", "rank_block=0")]
     runs = list((ds / "runs").rglob("*.parquet"))

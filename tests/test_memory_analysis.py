@@ -306,7 +306,7 @@ def store(run, tmp_path_factory):
         con.execute(create_sql(t))
     con.execute("INSERT INTO runs (run_id, tp, cp, pp, dp) VALUES ('run', 1, 1, 2, 1)")
     con.register("ev", events.to_arrow())
-    con.execute("INSERT INTO memory_events SELECT * FROM ev")
+    con.execute("INSERT INTO memory_events BY NAME SELECT * FROM ev")  # the stacks column stays NULL
     other = frame(HAND).with_columns(pl.lit("other").alias("run_id"))
     con.register("ev2", other.to_arrow())
     con.execute("INSERT INTO memory_events (run_id, rank, seq, ts_ns, action, addr, size, category, frame)"

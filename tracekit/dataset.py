@@ -37,7 +37,9 @@ if TYPE_CHECKING:
     import polars as pl
 
 MARKER = "_tracekit_dataset.json"
-FORMAT, VERSION = "tracekit-parquet", 1
+# the version changes with the schema's columns (every part has exactly them): 2 added the
+# allocation stacks (memory_events.frames, memory_blocks.frames)
+FORMAT, VERSION = "tracekit-parquet", 2
 ROW_GROUP_ROWS = 122_880  # DuckDB's row group: its scans parallelize and prune per row group
 _PART_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 

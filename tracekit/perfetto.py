@@ -92,16 +92,11 @@ def chrome_trace(store: Store, run_id: str | None = None, ranks: Sequence[int] |
 
 
 def clock_offsets(store: Store, run: str) -> pl.DataFrame:
-    """rank, offset_ns: the stored ``ranks.clock_offset_ns`` when every rank has one, else the
-    offsets ``align_clocks`` estimates from the collectives (not saved: the store stays read-only)."""
-    stored = store.sql("SELECT rank, clock_offset_ns AS offset_ns FROM ranks WHERE run_id = ?", [run])
-    if stored.height and stored["offset_ns"].null_count() == 0:
-        return stored.with_columns(pl.col("rank").cast(pl.Int32), pl.col("offset_ns").cast(pl.Int64))
-    from tracekit.analysis.collectives import align_clocks, with_clock_offsets
+    """rank, offset_ns of the run (``tracekit.analysis.collectives.clock_offsets``: stored, else
+    estimated from the collectives; the dashboard aligns its views with the same function)."""
+    from tracekit.analysis.collectives import clock_offsets as run_clock_offsets
 
-    tables = store.run_tables(run)
-    ranks = with_clock_offsets(tables, align_clocks(tables))
-    return ranks.select(pl.col("rank").cast(pl.Int32), pl.col("clock_offset_ns").cast(pl.Int64).alias("offset_ns"))
+    return run_clock_offsets(store.run_tables(run))
 
 
 def write_chrome_trace(store: Store, out: str | Path, run_id: str | None = None,

@@ -101,6 +101,9 @@ TABLES: dict[str, list[tuple[str, str]]] = {
         ("stream", "BIGINT"),
         ("category", "VARCHAR"),  # parameter | gradient | optimizer_state | activation | ... | NULL
         ("frame", "VARCHAR"),  # top user frame, 'file:line:function'
+        # the allocation's Python stack, innermost first, one 'file:line:function' a line (bounded:
+        # memory_snapshot.STACK_FRAMES frames); NULL where the recorder kept no stack
+        ("frames", "VARCHAR"),
     ],
     "memory_segments": [
         ("run_id", "VARCHAR"),
@@ -124,6 +127,7 @@ TABLES: dict[str, list[tuple[str, str]]] = {
         ("state", "VARCHAR"),  # active_allocated | active_pending_free | inactive
         ("category", "VARCHAR"),  # set by CPU-derived snapshots (parameter, gradient, ...); NULL from CUDA
         ("frame", "VARCHAR"),  # top user frame of the allocation
+        ("frames", "VARCHAR"),  # its stack, as memory_events.frames
     ],
     "fr_entries": [
         ("run_id", "VARCHAR"),

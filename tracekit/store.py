@@ -54,6 +54,14 @@ def connect(path: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConnect
     if not read_only:
         for t in schema.TABLES:
             con.execute(schema.create_sql(t))
+        # tables only ever gain columns: a store an older tracekit wrote gets the new ones (NULL in
+        # its rows) before anything is written into it
+        have = set(con.execute("SELECT table_name, column_name FROM information_schema.columns "
+                               "WHERE table_schema = 'main'").fetchall())
+        for t, cols in schema.TABLES.items():
+            for name, typ in cols:
+                if (t, name) not in have:
+                    con.execute(f"ALTER TABLE {t} ADD COLUMN {name} {typ}")
     return con
 
 

@@ -36,10 +36,9 @@ def job_timeline(data: DashboardData, run_id: str) -> JobTimeline:
 
 def _build(data: DashboardData, run_id: str) -> JobTimeline:
     spans = aligned_spans(data, run_id, None, None)
-    steps = data.sql("""SELECT s.rank, s.step, s.start_ns - coalesce(k.clock_offset_ns, 0) AS s,
-                               s.end_ns - coalesce(k.clock_offset_ns, 0) AS e
-                        FROM steps s LEFT JOIN ranks k USING (run_id, rank)
-                        WHERE s.run_id = $r AND s.step IS NOT NULL ORDER BY rank, step""", {"r": run_id})
+    steps = data.on_common_clock(data.sql(
+        "SELECT rank, step, start_ns AS s, end_ns AS e FROM steps WHERE run_id = $r AND step IS NOT NULL "
+        "ORDER BY rank, step", {"r": run_id}), run_id, "s", "e")
     starts = [int(x) for x in (steps["s"].min() if steps.height else None, spans["s"].min() if spans.height else None)
               if x is not None]
     origin = min(starts) if starts else 0

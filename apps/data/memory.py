@@ -25,7 +25,7 @@ MEMORY_POINTS = 1500  # time buckets per rank; each keeps its lowest and highest
 
 @dataclass(frozen=True)
 class MemoryCurve:
-    points: pl.DataFrame  # t_ns (aligned when on_step_clock), allocated_mib, action, size, frame; time order
+    points: pl.DataFrame  # t_ns (aligned when on_step_clock), allocated_mib, action, size, frame, stack; time order
     steps: pl.DataFrame  # step, start_ns, end_ns of the rank (aligned)
     on_step_clock: bool  # the snapshot's times fall within the rank's steps
     peak_mib: float
@@ -33,6 +33,8 @@ class MemoryCurve:
     peak_frame: str  # the allocation that reached the peak: its site ('file:line:function') ...
     peak_category: str  # ... and category, as `tracekit memory` names them
     sites: pl.DataFrame  # live at the peak by allocation site: frame, bytes, blocks, share
+    peak_stack: str | None  # the whole stack of the allocation that reached the peak (memory_events.frames)
+    stacks_stored: bool  # False: the store predates memory_events.frames (ingest again to fill it)
 
 
 def memory_ranks(data: DashboardData, run_id: str) -> list[int]:
@@ -46,29 +48,34 @@ def rank_curve(data: DashboardData, run_id: str, rank: int) -> MemoryCurve:
 
 def _curve(data: DashboardData, run_id: str, rank: int) -> MemoryCurve:
     p = {"r": run_id, "k": rank}
-    events = data.sql("SELECT run_id, rank, seq, ts_ns, action, addr, size, category, frame FROM memory_events "
-                      "WHERE run_id = $r AND rank = $k ORDER BY seq", p)
+    stored = data.has_column("memory_events", "frames")  # a store from before stacks were kept: NULL
+    events = data.sql("SELECT run_id, rank, seq, ts_ns, action, addr, size, category, frame, "
+                      + ("frames" if stored else "NULL::VARCHAR AS frames")
+                      + " FROM memory_events WHERE run_id = $r AND rank = $k ORDER BY seq", p)
     blocks = data.sql("SELECT * FROM memory_blocks WHERE run_id = $r AND rank = $k", p)
-    offset = data.sql("SELECT coalesce(clock_offset_ns, 0) AS o FROM ranks WHERE run_id = $r AND rank = $k", p)
-    offset = int(offset["o"][0]) if offset.height else 0
+    offset = data.clock_offsets(run_id).filter(pl.col("rank") == rank)["offset_ns"]
+    offset = int(offset[0] or 0) if offset.len() else 0
     steps = data.sql("SELECT step, start_ns, end_ns FROM steps WHERE run_id = $r AND rank = $k ORDER BY step", p)
-    result = analyse(events, blocks=blocks)  # MemoryDataError (a ValueError): the page says so
+    result = analyse(events.drop("frames"), blocks=blocks)  # MemoryDataError (a ValueError): the page says so
     peak = result.peaks.row(0, named=True)
     tl = result.timeline.select("seq", "ts_ns", "allocated").join(
-        events.select("seq", "action", "size", pl.col("frame").fill_null("<unknown>")), on="seq", how="left"
+        events.select("seq", "action", "size", pl.col("frame").fill_null("<unknown>"),
+                      pl.col("frames").fill_null("(no stack recorded)").alias("stack")), on="seq", how="left"
     ).drop_nulls("ts_ns").sort("seq")
     on_clock = bool(steps.height and tl.height) and (
         tl["ts_ns"].max() >= steps["start_ns"].min() and tl["ts_ns"].min() <= steps["end_ns"].max())
     shift = offset if on_clock else 0
     tl = tl.select((pl.col("ts_ns") - shift).alias("t_ns"), (pl.col("allocated") / 2**20).alias("allocated_mib"),
-                   "action", "size", "frame")
+                   "action", "size", "frame", "stack")
     steps = steps.with_columns(pl.col("start_ns") - offset, pl.col("end_ns") - offset)
     sites = result.live_at_peak(by="frame").select("frame", "bytes", "blocks", "share")
     return MemoryCurve(points=_thin(tl), steps=steps, on_step_clock=on_clock,
                        peak_mib=peak["peak_allocated"] / 2**20,
                        peak_t_ns=None if peak["peak_ts_ns"] is None else peak["peak_ts_ns"] - shift,
                        peak_frame=peak["peak_frame"] or "<unknown>", peak_category=peak["peak_category"] or "unknown",
-                       sites=sites)
+                       sites=sites, stacks_stored=stored,
+                       peak_stack=events.filter(pl.col("seq") == peak["peak_seq"])["frames"].first()
+                       if peak.get("peak_seq") is not None else None)
 
 
 def _thin(tl: pl.DataFrame, buckets: int = MEMORY_POINTS) -> pl.DataFrame:

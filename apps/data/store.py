@@ -16,7 +16,7 @@ from typing import Any, Callable, TypeVar
 
 import polars as pl
 
-from tracekit.analysis.collectives import match_collectives
+from tracekit.analysis.collectives import clock_offsets, match_collectives
 from tracekit.analysis.cp_wait import CPWait, cp_wait
 from tracekit.analysis.diagnosis import Diagnosis
 from tracekit.analysis.hangs import HangReport
@@ -60,6 +60,12 @@ class DashboardData:
             while len(self._recent) > keep:
                 self._recent.popitem(last=False)
             return value
+
+    def has_column(self, table: str, column: str) -> bool:
+        """Whether the store's ``table`` has ``column`` (tables gain columns; an older store lacks them)."""
+        return self.memo(("column", table, column), lambda: bool(self.sql(
+            "SELECT count(*) AS n FROM information_schema.columns WHERE table_name = $t AND column_name = $c",
+            {"t": table, "c": column})["n"][0]))
 
     # --- runs ----------------------------------------------------------------------------------
     def runs(self) -> list[str]:
@@ -110,9 +116,21 @@ class DashboardData:
         return self.memo(("cp_wait", run_id),
                          lambda: cp_wait(self.tables(run_id), Tunables(), self.attention_work(run_id)))
 
+    def clock_offsets(self, run_id: str) -> pl.DataFrame:
+        """rank, offset_ns: the clock offsets `tracekit export perfetto` applies (the stored ones,
+        else estimated from the collectives), so the views' timelines line up as Perfetto's do."""
+        return self.memo(("offsets", run_id), lambda: clock_offsets(self.tables(run_id)))
+
+    def on_common_clock(self, df: pl.DataFrame, run_id: str, *columns: str) -> pl.DataFrame:
+        """``df`` (with a rank column) with its ns ``columns`` moved onto the run's common clock."""
+        off = self.clock_offsets(run_id)
+        out = df.with_columns(pl.col("rank").cast(pl.Int32)).join(off, on="rank", how="left")
+        return out.with_columns(pl.col(c) - pl.col("offset_ns").fill_null(0) for c in columns).drop("offset_ns")
+
     def matched(self, run_id: str) -> pl.DataFrame:
         """Collective instances matched across ranks (``match_collectives``: one source per rank,
-        stored clock offsets applied)."""
+        stored clock offsets applied, as the diagnosis matches them: the heatmap's lateness is the
+        localizer's)."""
         return self.memo(("matched", run_id), lambda: match_collectives(self.tables(run_id)))
 
     def perfetto_trace(self, run_id: str, ranks: list[int] | None = None, steps: list[int] | None = None) -> bytes:
@@ -132,6 +150,7 @@ class DashboardData:
         from apps.data.heatmap import rank_step
 
         self.diagnosis(run_id)
+        self.clock_offsets(run_id)
         rank_step(self, run_id)
 
     def close(self) -> None:

@@ -39,11 +39,11 @@ def healthy_peer(data: DashboardData, run_id: str, rank: int) -> int | None:
 
 
 def step_origin_ns(data: DashboardData, run_id: str, rank: int, step: int) -> int | None:
-    """When ``rank`` began ``step`` on the run's common clock (stored offsets applied)."""
-    t = data.sql("""SELECT s.start_ns - coalesce(k.clock_offset_ns, 0) AS t FROM steps s
-                    LEFT JOIN ranks k USING (run_id, rank)
-                    WHERE s.run_id = $r AND s.rank = $k AND s.step = $s""", {"r": run_id, "k": rank, "s": step})
-    return int(t["t"][0]) if t.height and t["t"][0] is not None else None
+    """When ``rank`` began ``step`` on the run's common clock (``DashboardData.clock_offsets``)."""
+    t = data.sql("SELECT rank, start_ns FROM steps WHERE run_id = $r AND rank = $k AND step = $s",
+                 {"r": run_id, "k": rank, "s": step})
+    t = data.on_common_clock(t, run_id, "start_ns")
+    return int(t["start_ns"][0]) if t.height and t["start_ns"][0] is not None else None
 
 
 def step_spans(data: DashboardData, run_id: str, ranks: list[int], step: int) -> tuple[pl.DataFrame, int | None]:
@@ -54,11 +54,11 @@ def step_spans(data: DashboardData, run_id: str, ranks: list[int], step: int) ->
 
 
 def aligned_spans(data: DashboardData, run_id: str, ranks: list[int] | None, step: int | None) -> pl.DataFrame:
-    """rank, lane, kind, name, s, e (ns on the run's common clock: stored offsets applied) of
+    """rank, lane, kind, name, s, e (ns on the run's common clock: ``DashboardData.clock_offsets``) of
     ``ranks`` (None: every rank) in ``step`` (None: every step). Collectives are split at their
     last member's arrival into wait and transfer, so every member of an instance is read."""
     p: dict = {"r": run_id}
-    where = "FROM {t} x LEFT JOIN ranks k USING (run_id, rank) WHERE x.run_id = $r"
+    where = "FROM {t} x WHERE x.run_id = $r"
     if step is not None:
         p["s"] = step
         where += " AND x.step = $s"
@@ -68,15 +68,15 @@ def aligned_spans(data: DashboardData, run_id: str, ranks: list[int] | None, ste
         mine = " AND list_contains($ranks, x.rank)"
     pr = {k: v for k, v in p.items()}
     pc = {k: v for k, v in p.items() if k != "ranks"}
-    ev = data.sql("SELECT x.rank, x.ts_ns - coalesce(k.clock_offset_ns, 0) AS ts_ns, x.dur_ns, x.kind, x.name, "
-                  "x.phase, x.is_comm " + where.format(t="events") + mine, pr)
+    ev = data.on_common_clock(data.sql("SELECT x.rank, x.ts_ns, x.dur_ns, x.kind, x.name, x.phase, x.is_comm "
+                                       + where.format(t="events") + mine, pr), run_id, "ts_ns")
     comp = compute_events(ev).select("rank", pl.lit("compute").alias("lane"), pl.lit("compute").alias("kind"),
                                      pl.coalesce("phase", "name").alias("name"), pl.col("ts_ns").alias("s"),
                                      (pl.col("ts_ns") + pl.col("dur_ns")).alias("e"))
     # every member of the instances: the last arrival splits each into wait and transfer
-    coll = prefer_profiler(data.sql(
-        "SELECT x.rank, x.pg_name, x.seq, x.op, x.source, x.start_ns - coalesce(k.clock_offset_ns, 0) AS s, "
-        "x.end_ns - coalesce(k.clock_offset_ns, 0) AS e " + where.format(t="collectives"), pc))
+    coll = prefer_profiler(data.on_common_clock(data.sql(
+        "SELECT x.rank, x.pg_name, x.seq, x.op, x.source, x.start_ns AS s, x.end_ns AS e "
+        + where.format(t="collectives"), pc), run_id, "s", "e"))
     coll = coll.with_columns(pl.col("s").max().over("pg_name", "seq").alias("last"))
     if ranks is not None:
         coll = coll.filter(pl.col("rank").is_in(ranks))
@@ -86,10 +86,9 @@ def aligned_spans(data: DashboardData, run_id: str, ranks: list[int] | None, ste
                        pl.col("last").alias("e"))
     xfer = coll.select("rank", pl.lit("collective").alias("lane"), pl.lit("transfer").alias("kind"), "name",
                        pl.col("last").alias("s"), "e")
-    p2p = prefer_profiler(data.sql(
-        "SELECT x.rank, x.direction AS kind, x.direction || ' ' || x.peer AS name, x.source, "
-        "x.start_ns - coalesce(k.clock_offset_ns, 0) AS s, x.end_ns - coalesce(k.clock_offset_ns, 0) AS e "
-        + where.format(t="p2p") + mine, pr))
+    p2p = prefer_profiler(data.on_common_clock(data.sql(
+        "SELECT x.rank, x.direction AS kind, x.direction || ' ' || x.peer AS name, x.source, x.start_ns AS s, "
+        "x.end_ns AS e " + where.format(t="p2p") + mine, pr), run_id, "s", "e"))
     p2p = p2p.select("rank", pl.lit("p2p").alias("lane"), "kind", "name", "s", "e")
     return pl.concat([comp, wait, xfer, p2p], how="vertical_relaxed").filter(pl.col("e") >= pl.col("s"))
 

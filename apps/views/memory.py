@@ -10,6 +10,7 @@ import html
 import pandas as pd
 import panel as pn
 import polars as pl
+from bokeh.events import Tap
 from bokeh.models import BoxAnnotation, ColumnDataSource, HoverTool, Range1d, Span
 
 from apps.data import DashboardData
@@ -18,22 +19,30 @@ from apps.selection import Selection
 from apps.views.plots import ACCENT, CULPRIT, bokeh_pane, new_figure
 
 
+# the hover: the event and the whole stack of the allocation (innermost first), as memory_viz shows it
+STACK_TOOLTIP = """<div class="tk-memory-hover" style="max-width: 560px">
+<div>@t_ms{0.00} ms: <b>@allocated_mib{0.000} MiB</b> allocated; @action @size_kib{0,0.0} KiB</div>
+<div>allocated by <b>@frame</b></div>
+<pre style="font-size: 10px; margin: 2px 0 0 0; white-space: pre-wrap">@stack</pre></div>"""
+
+
 class MemoryView:
     def __init__(self, data: DashboardData, sel: Selection) -> None:
-        self.data, self.run_id, self.ranks = data, None, []
-        self.source = ColumnDataSource({"t_ms": [], "allocated_mib": [], "action": [], "size_kib": [], "frame": []})
+        self.data, self.sel, self.run_id, self.ranks = data, sel, None, []
+        self.step_windows: list[tuple[int, float, float]] = []  # step, start, end (ms on the x axis)
+        self.source = ColumnDataSource({"t_ms": [], "allocated_mib": [], "action": [], "size_kib": [], "frame": [],
+                                        "stack": []})
         self.step_starts = ColumnDataSource({"x": [], "step": []})
         fig = new_figure(240, name="tk-memory-fig", tools="xpan,xwheel_zoom,reset", title="allocated memory (MiB)", y_range=Range1d(0, 1), y_axis_label="MiB")
         line = fig.line("t_ms", "allocated_mib", source=self.source, line_width=1.5, color="#4c78a8")
-        fig.add_tools(HoverTool(renderers=[line], mode="vline", tooltips=[
-            ("t", "@t_ms{0.00} ms"), ("allocated", "@allocated_mib{0.000} MiB"),
-            ("event", "@action @size_kib{0,0.0} KiB"), ("allocated by", "@frame")]))
+        fig.add_tools(HoverTool(renderers=[line], mode="vline", tooltips=STACK_TOOLTIP))
         fig.vspan(x="x", source=self.step_starts, line_color="#888888", line_dash="dotted")
         self.window = BoxAnnotation(fill_color=ACCENT, fill_alpha=0.12, line_alpha=0, visible=False)
         fig.add_layout(self.window)
         self.estimate = Span(location=0, dimension="width", line_color=CULPRIT, line_dash="dashed", line_width=2,
                              visible=False)
         fig.add_layout(self.estimate)
+        fig.on_event(Tap, self._tap)
         self.fig = fig
         self.text = pn.pane.Markdown("", sizing_mode="stretch_width")
         self.plot = bokeh_pane(fig)
@@ -44,7 +53,7 @@ class MemoryView:
                                css_classes=["tk-memory"])
 
     def show_run(self, run_id: str) -> None:
-        self.run_id = run_id
+        self.run_id, self.step_windows = run_id, []
         self.ranks = memory_ranks(self.data, run_id)
         self.plot.visible = self.sites.visible = bool(self.ranks)
         if not self.ranks:
@@ -66,11 +75,13 @@ class MemoryView:
         pts = curve.points
         self.source.data = {"t_ms": ((pts["t_ns"] - origin) / 1e6).to_numpy(), "allocated_mib": pts["allocated_mib"].to_numpy(),
                             "action": pts["action"].to_list(), "size_kib": (pts["size"] / 1024).to_numpy(),
-                            "frame": pts["frame"].to_list()}
+                            "frame": pts["frame"].to_list(), "stack": pts["stack"].to_list()}
         self.sites.value = curve.sites.select(
             pl.col("frame").alias("allocation site (live at the peak)"), (pl.col("bytes") / 2**20).round(3).alias("MiB"),
             "blocks", (pl.col("share") * 100).round(1).alias("% of peak")).to_pandas()
         st = curve.steps if curve.on_step_clock else curve.steps.clear()
+        self.step_windows = [(int(k), (a - origin) / 1e6, (b - origin) / 1e6) for k, a, b in
+                             st.select("step", "start_ns", "end_ns").iter_rows()]
         self.step_starts.data = {"x": ((st["start_ns"] - origin) / 1e6).to_numpy(), "step": st["step"].to_numpy()}
         sel = st.filter(pl.col("step") == step)
         self.window.visible = bool(sel.height)
@@ -86,6 +97,11 @@ class MemoryView:
         text += f", allocated by {html.escape(curve.peak_frame)} ({html.escape(curve.peak_category)})"
         if est:
             text += f"; estimate {est:.4g} MiB (measured/estimate {curve.peak_mib / est:.2f})"
+        if curve.peak_stack:
+            text += ("<details class='tk-memory-peak-stack'><summary>its stack</summary><pre style='font-size: 11px'>"
+                     f"{html.escape(curve.peak_stack)}</pre></details>")
+        elif not curve.stacks_stored:
+            text += "<br>stacks not stored: this store was written before tracekit kept them (ingest the run again)"
         if curve.peak_frame == "<unknown>":
             text += ("<br>allocation sites unknown: the snapshot recorded no stacks (snapshots made from a CPU "
                      "profile carry none; CUDA snapshots record them)")
@@ -95,3 +111,12 @@ class MemoryView:
         key = ["allocated (blue)"] + (["estimate (dashed red)"] if est is not None else []) + (
             ["step starts (dotted), selected step shaded"] if curve.on_step_clock else [])
         self.fig.title.text = "allocated memory (MiB): " + ", ".join(key)
+
+    def _tap(self, event: Tap) -> None:
+        """A click on the curve (on the steps' clock) selects the step in progress at that time
+        (the nearest one between steps): every view follows."""
+        if event.x is None or not self.step_windows:
+            return
+        step = min(self.step_windows, key=lambda w: (max(w[1] - event.x, event.x - w[2], 0.0), w[0]))[0]
+        if step != self.sel.step:
+            self.sel.step = step

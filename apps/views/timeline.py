@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import panel as pn
 import polars as pl
-from bokeh.events import RangesUpdate
+from bokeh.events import RangesUpdate, Tap
 from bokeh.models import ColumnDataSource, FixedTicker, HoverTool, Range1d
 from bokeh.transform import factor_cmap
 
@@ -26,7 +26,7 @@ COLUMNS = ("left", "right", "bottom", "top", "kind", "name", "rank", "lane", "du
 
 class TimelineView:
     def __init__(self, data: DashboardData, sel: Selection) -> None:
-        self.data, self.run_id = data, None
+        self.data, self.sel, self.run_id = data, sel, None
         self.spans = pl.DataFrame()
         self.focus: tuple[int, int | None, int] | None = None  # rank, peer, step
         self.window: tuple[float, float] | None = None  # the window the glyphs were made for (None: all)
@@ -44,9 +44,11 @@ class TimelineView:
         fig.yaxis.major_label_text_font_size = "11px"
         fig.ygrid.visible = False
         fig.on_event(RangesUpdate, self._zoomed)
+        fig.on_event(Tap, self._tap)
         self.fig = fig
         self.title = pn.pane.Markdown("", css_classes=["tk-timeline-title"], sizing_mode="stretch_width")
         legend = " &nbsp; ".join(f"<span style='color:{c}'>&#9632;</span> {k}" for k, c in KIND_COLORS.items())
+        legend += " &nbsp; (click the peer's lanes to select the peer)"
         self.plot = bokeh_pane(fig)
         self.panel = pn.Column(self.title, self.plot, pn.pane.HTML(legend + " &nbsp; (a lane too crowded "
                                                                              "to draw span by span shows how busy "
@@ -102,6 +104,13 @@ class TimelineView:
                             "kind": g["kind"].to_list(), "name": g["name"].to_list(), "rank": g["rank"].to_numpy(),
                             "lane": g["lane"].to_list(), "dur": (g["end_ms"] - g["start_ms"]).to_numpy(),
                             "spans": g["spans"].to_numpy()}
+
+    def _tap(self, event: Tap) -> None:
+        """A click on the peer's lanes selects the peer (same step): every view follows."""
+        if event.y is None or self.focus is None or self.focus[1] is None:
+            return
+        if min(Y[("peer", lane)] for lane in LANES) - 0.5 <= event.y <= max(Y[("peer", lane)] for lane in LANES) + 0.5:
+            self.sel.rank = self.focus[1]
 
     def _zoomed(self, event: RangesUpdate) -> None:
         """Re-bin crowded lanes for the window in view, once the zoom or pan has settled."""

@@ -108,6 +108,18 @@ def with_clock_offsets(tables: RunTables, alignment: ClockAlignment) -> pl.DataF
     return ranks.with_columns(pl.coalesce("_off", "clock_offset_ns").alias("clock_offset_ns")).drop("_off")
 
 
+def clock_offsets(tables: RunTables) -> pl.DataFrame:
+    """rank, offset_ns: how far each rank's clock is ahead of the run's common clock, as every
+    view of the run on one clock applies it (the Perfetto export, the dashboard): the stored
+    ``ranks.clock_offset_ns`` when every rank has one (``Store.align_clocks`` saved them), else
+    ``align_clocks``' estimate from the collectives (not saved: readers leave the store as it is)."""
+    stored = tables.ranks.select(pl.col("rank").cast(pl.Int32), pl.col("clock_offset_ns").cast(pl.Int64))
+    if not stored.height or stored["clock_offset_ns"].null_count():
+        stored = with_clock_offsets(tables, align_clocks(tables)).select(
+            pl.col("rank").cast(pl.Int32), pl.col("clock_offset_ns").cast(pl.Int64))
+    return stored.rename({"clock_offset_ns": "offset_ns"}).sort("rank")
+
+
 @per_tables
 def match_collectives(tables: RunTables, offsets: pl.DataFrame | None = None) -> pl.DataFrame:
     """One row per (pg_name, seq, rank) with arrival, completion, wait and transfer.

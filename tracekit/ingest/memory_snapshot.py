@@ -38,12 +38,44 @@ TRACE, SEGMENTS = ("device_traces", "*", "*"), ("segments", "*")
 STREAM_ABOVE = 2 << 20
 
 
+# The stored stack (memory_events.frames): its Python frames, innermost first, at most STACK_FRAMES
+# of them and STACK_LINE characters a line, so that one pathological stack (deep recursion, a
+# generated name) cannot make each of a million rows kilobytes long.
+STACK_FRAMES, STACK_LINE = 32, 240
+
+
 def top_user_frame(frames: object) -> str | None:
     """'file:line:function' of the innermost frame outside torch and the interpreter's plumbing;
     for backward work with no such frame, '<autograd>:0:<node>' (e.g. MmBackward0)."""
     if not isinstance(frames, list):
         return None
     return _python_frame(frames) or _autograd_frame(frames)
+
+
+def stack_text(frames: object) -> str | None:
+    """The allocation's stack as text: every Python frame (torch's too, as memory_viz shows them)
+    as 'file:line:function', innermost first, one a line; a backward allocation without Python
+    frames: its autograd node. At most STACK_FRAMES lines (then '... N more frames')."""
+    if not isinstance(frames, list):
+        return None
+    lines = []
+    for f in frames:
+        if not isinstance(f, dict):
+            continue
+        file, line, func = str(f.get("filename", "")), f.get("line", 0), str(f.get("name", ""))
+        if file in ("none", "??", ""):
+            m = _CPU_FRAME.match(func)
+            if not m:
+                continue
+            file, line, func = m["file"], m["line"], m["func"]
+        if file.endswith(_NATIVE):
+            continue
+        lines.append(f"{file}:{line}:{func}"[:STACK_LINE])
+    if not lines:
+        node = _autograd_frame(frames)
+        return node[:STACK_LINE] if node else None
+    more = len(lines) - STACK_FRAMES
+    return "\n".join(lines[:STACK_FRAMES] + ([f"... {more} more frames"] if more > 0 else []))
 
 
 def _autograd_frame(frames: list) -> str | None:
@@ -70,8 +102,15 @@ def _python_frame(frames: list) -> str | None:
     return None
 
 
+_NO_STACK: tuple[None, None] = (None, None)
+
+
+def _described(frames: list) -> tuple[str | None, str | None]:
+    return top_user_frame(frames), stack_text(frames)
+
+
 class _TopFrames:
-    """top_user_frame, once per call stack: an allocation site repeats every step, with the same
+    """top_user_frame and stack_text, once per call stack: an allocation site repeats every step, with the same
     frame dicts (torch symbolizes each frame once).
 
     A stack is looked up by its length and its first and last frames' identities, then compared
@@ -86,14 +125,15 @@ class _TopFrames:
     def __init__(self) -> None:
         self.seen: dict[tuple, list[tuple[list, str | None]] | dict[tuple, tuple[list, str | None]]] = {}
 
-    def __call__(self, frames: object) -> str | None:
+    def __call__(self, frames: object) -> tuple[str | None, str | None]:
         return self.many([frames])[0]
 
-    def many(self, stacks: list) -> list[str | None]:
+    def many(self, stacks: list) -> list[tuple[str | None, str | None]]:
+        """(top user frame, stack text) of each stack."""
         seen, out = self.seen, []
         for frames in stacks:
             if type(frames) is not list or not frames:
-                out.append(None)
+                out.append(_NO_STACK)
                 continue
             key = (len(frames), id(frames[0]), id(frames[-1]))
             known = seen.get(key)
@@ -105,14 +145,14 @@ class _TopFrames:
                 ids = tuple(map(id, frames))
                 hit = known.get(ids)
                 if hit is None:
-                    hit = known[ids] = (frames, top_user_frame(frames))
+                    hit = known[ids] = (frames, _described(frames))
                 out.append(hit[1])
                 continue
             for stack, top in known:
                 if stack == frames:
                     break
             else:
-                top = top_user_frame(frames)
+                top = _described(frames)
                 known.append((frames, top))
                 if len(known) > self.ALIKE:
                     seen[key] = {tuple(map(id, s)): (s, t) for s, t in known}
@@ -189,7 +229,7 @@ class _Events:
     def __init__(self, path: Path) -> None:
         self.path, self.top = path, _TopFrames()
         self.ints = {c: _Ints() for c in ("addr", "size", "stream", "ts_ns")}
-        self.strs = {c: _Strings() for c in ("action", "category", "frame")}
+        self.strs = {c: _Strings() for c in ("action", "category", "frame", "frames")}
         self.n = 0
 
     def add(self, _device: list, items: list) -> None:
@@ -210,14 +250,16 @@ class _Events:
         numbers = [array("q", col) for col in numbers]  # OverflowError beyond int64
         for name in ("action", "category"):  # a bad string fails the file, in _add_each too
             self.strs[name].extend([e.get(name) for e in items])
-        self.strs["frame"].extend(self.top.many([e.get("frames") for e in items]))
+        described = self.top.many([e.get("frames") for e in items])
+        self.strs["frame"].extend([d[0] for d in described])
+        self.strs["frames"].extend([d[1] for d in described])
         for col, name in zip(numbers, ("addr", "size", "stream", "ts_ns")):
             self.ints[name].values.extend(col)
         self.n += len(items)
 
     def _add_each(self, items: list) -> None:
         addr, size, stream, ts = (self.ints[c] for c in ("addr", "size", "stream", "ts_ns"))
-        action, category, frame = self.strs["action"], self.strs["category"], self.strs["frame"]
+        action, category, frame, stack = (self.strs[c] for c in ("action", "category", "frame", "frames"))
         top = self.top
         for e in items:
             if type(e) is not dict:
@@ -230,7 +272,9 @@ class _Events:
                 ts.add(t)
                 action.add(e.get("action"))
                 category.add(e.get("category"))
-                frame.add(top(e.get("frames")))
+                described = top(e.get("frames"))
+                frame.add(described[0])
+                stack.add(described[1])
             except (TypeError, OverflowError) as err:
                 raise IngestError(f"{self.path}: trace entry {self.n} is malformed ({err})") from None
             self.n += 1
@@ -269,7 +313,7 @@ class _Segments:
                         "segment_address": s.get("address"), "address": b.get("address", addr),
                         "size": b.get("size"), "requested_size": b.get("requested_size"),
                         "state": b.get("state"), "category": b.get("category"),
-                        "frame": self.top(b.get("frames"))})
+                        **dict(zip(("frame", "frames"), self.top(b.get("frames"))))})
                     addr = addr + b["size"] if isinstance(addr, int) and isinstance(b.get("size"), int) else None
         except (AttributeError, TypeError, ValueError, KeyError) as err:
             raise IngestError(f"{self.path}: memory snapshot has a malformed segment ({err})") from None
