@@ -14,7 +14,7 @@ from synthetic_job import Faults, make_job
 
 from tracekit.analysis.culprits import _confidence
 from tracekit.analysis.diagnosis import _link_findings, _stage_findings
-from tracekit.analysis.links import link_transfers, mann_whitney_z
+from tracekit.analysis.links import _transfer_instances, link_transfers
 from tracekit.analysis.standout import standout
 from tracekit.analysis.tables import RunTables
 from tracekit.analysis.tunables import Tunables
@@ -64,9 +64,23 @@ def _mann_whitney_by_hand(x: list[float], y: list[float]) -> float:
     return (u - n1 * n2 / 2) / math.sqrt(n1 * n2 / 12 * ((n + 1) - ties / (n * (n - 1))))
 
 
-def test_mann_whitney_z_with_ties_matches_the_textbook():
-    x, y = [1.0, 1.0, 2.0, 3.0, 3.0, 3.0], [1.0, 2.0, 2.0, 2.0, 0.5]
-    assert mann_whitney_z(np.array(x), np.array(y)) == pytest.approx(_mann_whitney_by_hand(x, y))
+def test_each_links_rank_test_is_the_textbook_test_against_all_other_links(tables):
+    """link_transfers ranks every instance once for all links; each link's z must equal the textbook
+    one-sided test of its normalised instances against every other link's (ties mid-ranked)."""
+    inst = _transfer_instances(tables).with_columns(pl.format("{}|{}", "link", "name").alias("key"))
+    refs = {}  # (key, kind) -> median transfer of the kind on the other links, recomputed here
+    for key, kind in inst.select("key", "kind").unique().iter_rows():
+        rest = inst.filter((pl.col("kind") == kind) & (pl.col("key") != key))["t"]
+        if rest.len():
+            refs[(key, kind)] = float(rest.median())
+    rows = [(k, math.log(max(t, 1.0) / max(refs[(k, c)], 1.0))) for k, c, t in inst.select("key", "kind", "t").iter_rows()
+            if (k, c) in refs]
+    links = link_transfers(tables, 100e6, TUN)
+    assert links.height > 1
+    for row in links.iter_rows(named=True):
+        key = f"{row['link']}|{row['name']}"
+        x, y = [v for k, v in rows if k == key], [v for k, v in rows if k != key]
+        assert row["z"] == pytest.approx(_mann_whitney_by_hand(x, y), rel=1e-9, abs=1e-9), key
 
 
 def test_a_stage_heavy_in_barely_half_the_steps_is_not_stage_imbalance(tables):

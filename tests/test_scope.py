@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import tracekit
-from tracekit.analysis.links import median_without, mann_whitney_z
+from tracekit.analysis.links import median_without
 from tracekit.analysis.tunables import Tunables
 from tracekit.simulate.config import SimConfig
 from tracekit.simulate.tables import write_duckdb
@@ -96,36 +96,6 @@ def test_median_without_is_the_median_of_the_rest():
         values = np.round(rng.normal(size=int(rng.integers(2, 30))), 1)  # rounded: ties
         idx = rng.choice(values.size, int(rng.integers(1, values.size)), replace=False)
         assert median_without(np.sort(values), values[idx]) == pytest.approx(float(np.median(np.delete(values, idx))))
-
-
-def test_link_rank_test_equals_the_pairwise_rank_test(verdicts):
-    """The links' one-ranking Mann-Whitney z equals the textbook test of each link against the rest."""
-    from tracekit.analysis.links import _transfer_instances, link_transfers
-
-    _, _, tables = verdicts["p2p_link"]
-    links = link_transfers(tables, 1e9)
-    inst = _transfer_instances(tables)
-    assert links.height > 3
-    # recompute two links' z by the textbook test on the normalised instances
-    import polars as pl
-
-    from tracekit.analysis.tables import per_tables  # noqa: F401 (the cache is what the diagnosis shares)
-
-    keyed = inst.with_columns(pl.format("{}|{}", "link", "name").alias("key"))
-    refs = {}
-    for kind, per in keyed.group_by("kind"):
-        for key in per["key"].unique().to_list():
-            rest = per.filter(pl.col("key") != key)["t"]
-            if rest.len():
-                refs[(key, kind[0])] = float(rest.median())
-    keyed = keyed.filter(pl.struct("key", "kind").map_elements(lambda s: (s["key"], s["kind"]) in refs,
-                                                                return_dtype=pl.Boolean))
-    lr = np.log(np.clip(keyed["t"].to_numpy(), 1.0, None) / np.clip(np.array(
-        [refs[(k, c)] for k, c in keyed.select("key", "kind").iter_rows()]), 1.0, None))
-    keys = keyed["key"].to_numpy()
-    for row in links.head(2).iter_rows(named=True):
-        key = f"{row['link']}|{row['name']}"
-        assert row["z"] == pytest.approx(mann_whitney_z(lr[keys == key], lr[keys != key]), rel=1e-9, abs=1e-9)
 
 
 def test_a_dataset_store_gives_the_same_scoped_verdict_reading_only_its_rank_blocks(tmp_path, monkeypatch):

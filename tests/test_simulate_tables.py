@@ -8,7 +8,6 @@ nanosecond the profiler's microsecond timestamps round away.
 from __future__ import annotations
 
 import duckdb
-import polars as pl
 import pytest
 
 from tracekit.ingest import ingest
@@ -96,7 +95,7 @@ def test_a_diagnosis_of_the_straight_tables_names_the_slow_rank(tmp_path):
     with tracekit.open(tmp_path / "s.duckdb") as s:
         d = s.diagnose()
     assert [f.ranks for f in d.findings if f.kind == "straggler"] == [(5,)], d.headline
-    assert isinstance(d.findings[0].cost_ns, float) and pl.__version__
+    assert d.findings[0].cost_ns > 0 and 0 < d.findings[0].cost_share < 1
 
 
 def test_simulate_parquet_then_stragglers_through_the_cli(tmp_path):

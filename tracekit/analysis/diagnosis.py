@@ -246,13 +246,12 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
     links = link_transfers(tables, step_ns, tun)
     findings += _link_findings(tables, links, step_ns, metrics)
     findings = _data_or_device(tables, loc, findings, tun, work, metrics, step_ns)
-    if scope is not None and compute.has_data:
-        pass  # a scope holds partial groups: their waits alone name no one (compute and links do)
-    elif not compute.has_data and loc.verdict in ("straggler", "group", "transient", "stage", "moving"):
+    # a scope holds partial groups: there, waits alone name no one (compute and links do)
+    if not compute.has_data and loc.verdict in ("straggler", "group", "transient", "stage", "moving"):
         cause = explain(tables, loc, tun, work)
         if cause.kind not in ("none", "unexplained") or loc.confidence >= 0.5:
             findings.append(_waits_finding(tables, loc, cause, step_ns))
-    elif compute.has_data and not findings and loc.verdict in ("straggler", "group", "transient"):
+    elif scope is None and compute.has_data and not findings and loc.verdict in ("straggler", "group", "transient"):
         cause = explain(tables, loc, tun, work)
         if cause.kind == "cpu_bound":  # late without computing more: launch gaps on its host
             findings.append(_waits_finding(tables, loc, cause, step_ns))

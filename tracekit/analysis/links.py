@@ -79,26 +79,6 @@ def _transfer_instances(tables: RunTables) -> pl.DataFrame:
     return pl.concat(parts).drop_nulls("t")
 
 
-def mann_whitney_z(x: np.ndarray, y: np.ndarray) -> float:
-    """One-sided Mann-Whitney z (normal approximation, ties corrected): > 0 when x tends above y."""
-    n1, n2 = x.size, y.size
-    if n1 == 0 or n2 == 0:
-        return 0.0
-    both = np.concatenate([x, y])
-    order = both.argsort(kind="mergesort")
-    ranks = np.empty(both.size)
-    sorted_vals = both[order]
-    # average ranks over ties
-    _, first, counts = np.unique(sorted_vals, return_index=True, return_counts=True)
-    avg = first + (counts + 1) / 2.0
-    ranks[order] = np.repeat(avg, counts)
-    u = ranks[:n1].sum() - n1 * (n1 + 1) / 2.0
-    n = n1 + n2
-    tie = float((counts ** 3 - counts).sum()) / (n * (n - 1)) if n > 1 else 0.0
-    var = n1 * n2 / 12.0 * ((n + 1) - tie)
-    return float((u - n1 * n2 / 2.0) / math.sqrt(var)) if var > 0 else 0.0
-
-
 def median_without(s: np.ndarray, own: np.ndarray) -> float:
     """The median of the multiset ``s`` (sorted) without ``own`` (a sub-multiset of it), in
     O(|own| log |s|): every link is compared with all the others, and there are thousands."""

@@ -47,15 +47,15 @@ def per_tables(fn):
     frames (matched collectives, compute speed, link transfers) from several places."""
     @functools.wraps(fn)
     def wrapper(tables, *args, **kwargs):
-        key = (fn.__module__, fn.__qualname__, args, tuple(sorted(kwargs.items())))
         cache = getattr(tables, "cache", None)
+        key = (fn.__module__, fn.__qualname__, args, tuple(sorted(kwargs.items())))
         try:
-            hit = cache is not None and key in cache
+            hash(key)
         except TypeError:  # an argument that cannot be a key (a frame of offsets): no caching
+            cache = None
+        if cache is None:
             return fn(tables, *args, **kwargs)
-        if not hit:
-            if cache is None:
-                return fn(tables, *args, **kwargs)
+        if key not in cache:
             cache[key] = fn(tables, *args, **kwargs)
         return cache[key]
     return wrapper

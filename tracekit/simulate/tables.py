@@ -24,7 +24,7 @@ from tracekit.simulate.clock import EPOCH_NS, Clocks
 from tracekit.simulate.config import SimConfig
 from tracekit.simulate.flight import POLL_MS, TIMEOUT_MS
 from tracekit.simulate.kineto import PROFILING_NAME, kernel_name, new_nccl
-from tracekit.simulate.model import Op, Trace
+from tracekit.simulate.model import Trace
 from tracekit.simulate.ranks import STREAMS
 from tracekit.simulate.run import manifest, run_model
 from tracekit.simulate.schedule import Groups
@@ -105,12 +105,6 @@ class _Stage:
         self.step_start = trace.step_start[:, p].reshape(cfg.steps, lanes)
         self.step_end = trace.step_end[:, p].reshape(cfg.steps, lanes)
 
-    def ns(self, true_ms: np.ndarray) -> np.ndarray:
-        """Epoch ns on each lane's host clock (last axis: lanes); +inf stays NaN-free: callers mask it."""
-        with np.errstate(invalid="ignore"):
-            v = np.where(np.isfinite(true_ms), true_ms, 0.0)
-        return EPOCH_NS + np.rint((self.skew + v * self.rate) * 1e6).astype(np.int64)
-
     def tables(self, new: bool, fr_tail: int) -> dict[str, pl.DataFrame]:
         kinds = np.array([o.kind for o in self.ops])
         return {"events": self._events(kinds == "compute", new), "collectives": self._collectives(kinds == "collective"),
@@ -143,10 +137,6 @@ class _Stage:
             "microbatch": pl.Series([None] * len(op_i), dtype=pl.Int32), "correlation": (op_i + 1).astype(np.int64),
             "is_comm": np.zeros(len(op_i), dtype=bool)}).sort("rank", "ts_ns")
 
-    def _group_name(self, op: Op, lanes: np.ndarray) -> np.ndarray:
-        of = self.groups.of
-        return np.array([of[(op.dim, int(r))].name if (op.dim, int(r)) in of else "?" for r in self.rank[lanes]])
-
     def _lane_names(self, dim: str) -> np.ndarray:
         """Each lane's group name in ``dim`` (one lookup per lane, not per row)."""
         of = self.groups.of
@@ -172,7 +162,7 @@ class _Stage:
             "step": self._per_op(op_i, [o.step for o in self.ops], pl.Int32),
             "source": pl.Series(["kernel"] * len(op_i), dtype=pl.Utf8)}).sort("pg_name", "seq", "rank")
 
-    def _p2p_seq(self, kinds: np.ndarray) -> list[int]:
+    def _p2p_seq(self) -> list[int]:
         """Per op, its count among the stage's earlier p2p ops of the same direction and peer stage."""
         seen: dict[tuple, int] = {}
         out = []
@@ -194,7 +184,7 @@ class _Stage:
             "rank": rank.astype(np.int32), "peer": peer.astype(np.int32),
             "direction": self._per_op(op_i, [o.kind for o in self.ops], pl.Utf8),
             "pg_name": pl.Series(pp_names[lane].tolist(), dtype=pl.Utf8),
-            "seq": self._per_op(op_i, self._p2p_seq(kinds), pl.Int64), **self._times(op_i, lane),
+            "seq": self._per_op(op_i, self._p2p_seq(), pl.Int64), **self._times(op_i, lane),
             "nbytes": self._per_op(op_i, [o.in_nelems * BYTES[o.dtype] for o in self.ops], pl.Int64),
             "step": self._per_op(op_i, [o.step for o in self.ops], pl.Int32),
             "microbatch": pl.Series([None] * len(op_i), dtype=pl.Int32),
