@@ -298,6 +298,7 @@ def main() -> None:
     hta: dict[str, list[bool | None]] = defaultdict(list)
     per_kind: dict[str, list[bool]] = defaultdict(list)
     calib: list[tuple[float, bool]] = []
+    calib_none: list[tuple[float, bool]] = []  # "no straggler" answers: (confidence, right)
     results = []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tk-grid-") as tmp:
@@ -314,6 +315,9 @@ def main() -> None:
                 res, right, cal = {"error": f"{type(e).__name__}: {e}"}, False, []
             per_kind[case.kind].append(right)
             calib += cal
+            d = res.get("diagnosis")
+            if d and not d["findings"] and d["localization"]["verdict"] == "no_straggler":
+                calib_none.append((d["localization"]["confidence"], right))
             results.append({"case": case.label, "right": right, **res})
             print(f"[{i + 1}/{len(cases)}] {'ok   ' if right else 'WRONG'} {case.label}", file=sys.stderr, flush=True)
             if not right and args.show_wrong:
@@ -345,6 +349,14 @@ def main() -> None:
         b = [ok for c, ok in calib if lo <= c < hi]
         if b:
             print(f"| [{lo:.2f}, {min(hi, 1):.2f}) | {len(b)} | {sum(b)} | {sum(b) / len(b):.1%} |")
+    if calib_none:
+        print("\n\"no straggler\" answers (right on clean runs; wrong where a fault was missed):")
+        print("| confidence | answers | right | share right |")
+        print("|---|---|---|---|")
+        for lo, hi in ((0, 0.5), (0.5, 0.7), (0.7, 0.9), (0.9, 0.97), (0.97, 1.01)):
+            b = [ok for c, ok in calib_none if lo <= c < hi]
+            if b:
+                print(f"| [{lo:.2f}, {min(hi, 1):.2f}) | {len(b)} | {sum(b)} | {sum(b) / len(b):.1%} |")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=str))
     if args.native is not None:

@@ -32,6 +32,9 @@ from tracekit.analysis.compute_speed import step_scatter
 from tracekit.analysis.standout import spread
 from tracekit.analysis.tunables import Tunables
 
+SENSITIVITY_RATIO = 1.03  # the slowdown a "no straggler" answer says how many steps would take
+SENSITIVITY_POWER = 0.9  # "would have stood out": in this share of runs
+
 
 @dataclass(frozen=True)
 class RankFinding:
@@ -55,13 +58,39 @@ class ComputeCulprits:
     sigma: float = 0.0  # step-to-step scatter of the log compute ratio
     cell_bar: float = 0.0  # log ratio a single (step, rank) must reach to stand out
     has_data: bool = False
+    # the smallest persistent slowdown (compute ratio) this run could show, and the steps one of
+    # SENSITIVITY_RATIO would need: what "no straggler" can and cannot rule out
+    detectable_ratio: float | None = None
+    steps_for_sensitivity: int | None = None
+    top_margin: float = 0.0  # the highest persistent margin of any rank, in noise units
+    bar: float = 0.0  # the margin a persistent culprit must reach
+
+    def none_confidence(self) -> float | None:
+        """How sure "no persistent straggler" is: how far the strongest candidate stays below the
+        bar, in noise units (1 - exp(-distance)); None without the measurement."""
+        if self.detectable_ratio is None:
+            return None
+        return float(1.0 - math.exp(-max(0.0, self.bar - self.top_margin)))
+
+    def sensitivity_text(self) -> str:
+        """E.g. 'a rank 4.6% slower than its peers would have stood out (compute scatter 1.9%
+        per step over 8 steps; 3% needs about 19 steps)'; '' without the measurement."""
+        if self.detectable_ratio is None:
+            return ""
+        text = (f"a rank {self.detectable_ratio - 1:.1%} slower than its peers would have stood out "
+                f"(compute scatter {math.exp(self.sigma) - 1:.1%} per step over {self.steps_total} steps")
+        if self.steps_for_sensitivity and self.detectable_ratio > SENSITIVITY_RATIO:
+            text += f"; {SENSITIVITY_RATIO - 1:.0%} needs about {self.steps_for_sensitivity} steps"
+        return text + ")"
 
     def of_kind(self, kind: str) -> list[RankFinding]:
         return [f for f in self.findings if f.kind == kind]
 
     def to_dict(self) -> dict:
         return {"findings": [f.to_dict() for f in self.findings], "steps_total": self.steps_total,
-                "ranks_compared": self.ranks_compared, "sigma": self.sigma, "cell_bar": self.cell_bar}
+                "ranks_compared": self.ranks_compared, "sigma": self.sigma, "cell_bar": self.cell_bar,
+                "detectable_ratio": self.detectable_ratio, "steps_for_sensitivity": self.steps_for_sensitivity,
+                "top_margin": self.top_margin, "bar": self.bar}
 
 
 def _confidence(margin: float, bar: float, steps_share: float) -> float:
@@ -97,6 +126,8 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int
     stage_of = dict(speed.select("rank", "pp").unique("rank").iter_rows())
     findings: list[RankFinding] = []
     persistent: set[int] = set()
+    units: list[tuple[float, int]] = []  # each rank's noise unit, and its steps kept
+    margins: list[float] = []
     if T >= tun.compute_min_steps:
         for j, r in enumerate(ranks):
             col = e[:, j][np.isfinite(e[:, j])]
@@ -114,9 +145,20 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int
             noise = max(sigma / math.sqrt(kept.size), spread(others[np.isfinite(others)]), tun.compute_noise_floor)
             effect = float(np.mean(kept)) if col.size >= 6 else float(np.median(col))
             margin = effect / noise
+            units.append((noise, kept.size))
+            margins.append(margin)
             # persistent means most steps carry it: more than half the effect in persist_min of them
             # (a straggler that moves leaves a mean excess too, but only in its own steps)
             slower = float((col > effect / 2).mean())
+            # where a step's noise is as large as the effect, that share is itself noise: then
+            # persistent means still clearing the bar without the rank's standout steps (an episode
+            # leaves nothing behind once its cells are out)
+            quiet = col[col < cell_bar]
+            if slower < tun.persist_min and quiet.size >= tun.compute_min_steps:
+                rest = np.sort(quiet)[1:-1] if quiet.size >= 6 else quiet
+                rest_effect = float(np.mean(rest))
+                if rest_effect / max(sigma / math.sqrt(rest.size), noise) >= bar:
+                    slower = float((col > 0).mean())
             if margin >= bar and effect >= math.log(tun.compute_effect_min_ratio) and slower >= tun.persist_min:
                 persistent.add(j)
                 cost = (math.exp(effect) - 1) * float(np.median([ref_ns.get((int(t), r), 0.0) for t in steps]))
@@ -158,4 +200,28 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int
                                     float(math.exp(np.median(vals))), cost, margin,
                                     _confidence(margin, z_bar, 1.0)))
     findings.sort(key=lambda f: (f.kind != "persistent", -f.cost_ns))
-    return ComputeCulprits(findings, T, n, float(sigma), float(cell_bar), True)
+    detectable, steps_needed = _sensitivity(units, bar, tun)
+    top = max((m for m in margins if math.isfinite(m)), default=0.0)
+    return ComputeCulprits(findings, T, n, float(sigma), float(cell_bar), True, detectable, steps_needed, float(top),
+                           float(bar))
+
+
+def _sensitivity(units: list[tuple[float, int]], bar: float, tun: Tunables) -> tuple[float | None, int | None]:
+    """The persistent slowdown a typical rank shows in SENSITIVITY_POWER of runs like this one
+    (its margin, in its noise unit, must clear the bar: the effect must sit z(power) noise units
+    above it), and the steps a SENSITIVITY_RATIO slowdown needs for the same: both parts of the noise
+    unit (the standard error over steps, the spread of the ranks' own medians) shrink as 1/sqrt(steps).
+    The noise unit is the median over ranks. For the steps, it is taken at its upper 80% bound: it is
+    estimated from this run (its spread part from the ranks' medians: a robust spread of n values
+    has a relative standard error of about 1.17 / sqrt(n)), and an estimate that came out low by
+    chance would promise too few steps. Checked by simulation (benchmarks/sensitivity_check.py)."""
+    if not units:
+        return None, None
+    noise = float(np.median([u for u, _ in units]))
+    kept = int(np.median([k for _, k in units]))
+    reach = bar + NormalDist().inv_cdf(SENSITIVITY_POWER)
+    detectable = max(math.exp(reach * noise), tun.compute_effect_min_ratio)
+    noise_high = noise * (1.0 + NormalDist().inv_cdf(0.8) * 1.17 / math.sqrt(max(len(units) - 1, 1)))
+    need = kept * (reach * noise_high / math.log(SENSITIVITY_RATIO)) ** 2
+    trimmed = 2 if kept + 2 >= 6 else 0  # the two extreme steps left out (find_culprits)
+    return detectable, max(tun.compute_min_steps, math.ceil(need) + trimmed)

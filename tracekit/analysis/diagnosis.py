@@ -197,7 +197,8 @@ def _link_findings(tables: RunTables, links: pl.DataFrame, step_ns: float, metri
         conf = float(min(0.99, 1 - 2.0 ** (-(row["z"] - row["z_bar"]) - 1)))
         out.append(Finding("slow_link", ranks, where, (), row["excess_per_step_ns"],
                            row["excess_per_step_ns"] / step_ns, conf, "slow_link",
-                           f"slow link: {where} transfers {row['ratio']:.1f}x slower than the same kind elsewhere",
+                           f"slow link: {where} transfers {row['ratio']:.{2 if row['ratio'] < 1.5 else 1}f}x slower than the "
+                           "same kind elsewhere",
                            NEXT_STEP["slow_link"].format(who=f"ranks {list(ranks)}"),
                            {"link": row["name"], "ratio": row["ratio"], "z": row["z"], "z_bar": row["z_bar"],
                             "transfer_ns": row["transfer_ns"], "compute_ratio": max(
@@ -259,8 +260,22 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
     # a rank without data is never blamed (its peers' waits on it say nothing of its speed)
     findings = [f for f in findings if not set(f.ranks) & set(damaged) or f.kind == "slow_link"
                 and not set(f.ranks) <= set(damaged)]
-    return Diagnosis(_primary(loc, findings, tables), _primary_cause(findings, loc, tables), findings, compute, damaged,
-                     scope)
+    cause = _primary_cause(findings, loc, tables, compute, _minor_links(tables, links, step_ns, tun))
+    return Diagnosis(_primary(loc, findings, tables, compute), cause, findings, compute, damaged, scope)
+
+
+def _minor_links(tables: RunTables, links: pl.DataFrame, step_ns: float, tun: Tunables) -> str:
+    """Links that are measurably slower but cost less than the reporting floor: not findings, but
+    a "no straggler" answer should not hide them."""
+    minor = links.filter(~pl.col("slow") & (pl.col("ratio") >= tun.slow_link_ratio) & (pl.col("z") >= pl.col("z_bar"))
+                         & (pl.col("excess_per_step_ns") > 0)).head(3)
+    parts = []
+    for row in minor.iter_rows(named=True):
+        ranks = tuple(sorted(int(r) for r in row["ranks"]))
+        where = f"p2p rank {row['ranks'][0]} -> rank {row['ranks'][1]}" if row["link"] == "p2p" else _where(tables, ranks)
+        parts.append(f"{where} transfers {row['ratio']:.2f}x slower, costing {row['excess_per_step_ns'] / 1e6:.1f} ms "
+                     f"per step ({row['excess_per_step_ns'] / step_ns:.1%})")
+    return (f"below the {tun.link_effect_min_frac:.0%} reporting floor: " + "; ".join(parts)) if parts else ""
 
 
 def _data_or_device(tables: RunTables, loc: Localization, findings: list[Finding], tun: Tunables, work,
@@ -339,11 +354,16 @@ def _no_data_reason(tables: RunTables) -> str:
     return "; ".join(m.text() for m in missing)
 
 
-def _primary(loc: Localization, findings: list[Finding], tables: RunTables) -> Localization:
+def _primary(loc: Localization, findings: list[Finding], tables: RunTables,
+             compute: ComputeCulprits | None = None) -> Localization:
     """The Localization the findings amount to (the costliest rank finding leads)."""
     if not findings:
         verdict = "no_data" if loc.verdict == "no_data" else "no_straggler"
-        return replace(loc, verdict=verdict, culprit_rank=None, culprit_ranks=(), coords={})
+        # compute, measured on each rank's own clock, is the evidence findings come from; the waits'
+        # margins (loc.confidence) only where no compute was recorded
+        sure = compute.none_confidence() if compute is not None and verdict == "no_straggler" else None
+        return replace(loc, verdict=verdict, culprit_rank=None, culprit_ranks=(), coords={},
+                       confidence=loc.confidence if sure is None else sure)
     ranked = [f for f in findings if f.kind in ("straggler", "transient", "moving")]
     if ranked:
         kinds = {f.kind for f in ranked}
@@ -366,11 +386,16 @@ def _primary(loc: Localization, findings: list[Finding], tables: RunTables) -> L
                    confidence=lead.confidence)
 
 
-def _primary_cause(findings: list[Finding], loc: Localization, tables: RunTables) -> Cause:
+def _primary_cause(findings: list[Finding], loc: Localization, tables: RunTables,
+                   compute: ComputeCulprits | None = None, minor: str = "") -> Cause:
     if not findings:
         if loc.verdict == "no_data":
             return Cause("insufficient_data", (), _no_data_reason(tables), {})
-        return Cause("none", (), "no rank, stage or link stands out beyond noise", {})
+        limit = compute.sensitivity_text() if compute is not None else ""
+        evidence = {"detectable_ratio": compute.detectable_ratio,
+                    "steps_for_sensitivity": compute.steps_for_sensitivity} if limit else {}
+        text = "; ".join(x for x in ("no rank, stage or link stands out beyond noise", limit, minor) if x)
+        return Cause("none", (), text, evidence)
     lead = max(findings, key=lambda f: (f.kind == "straggler", f.cost_ns))
     return Cause(lead.cause, lead.ranks, lead.summary,
                  {**lead.evidence, "cost_ns": lead.cost_ns, "cost_share": lead.cost_share})

@@ -47,9 +47,10 @@ class Tunables:
     # CPU gaps (time neither computing nor communicating) above peers by this share of the step.
     cpu_gap_frac: float = 0.03
     # A link is slow when its median transfer (end minus last arrival) is this many times the same
-    # kind's elsewhere, its instances rank above the others' (one-sided Mann-Whitney) beyond the
+    # kind's elsewhere (a large transfer, e.g. a DP all-gather, delayed by a few ms is only 1.06x
+    # slower yet costs several % of a step: the cost floor below is what keeps small ones out), its instances rank above the others' (one-sided Mann-Whitney) beyond the
     # Bonferroni bar for link_alpha over all links (and at least link_z_min) (links.py) ...
-    slow_link_ratio: float = 1.1
+    slow_link_ratio: float = 1.05
     link_alpha: float = 0.001
     link_z_min: float = 3.0
     # ... and the link's excess transfer time costs at least this share of a step.
