@@ -108,3 +108,16 @@ def test_a_step_stands_out_only_beyond_noise_and_a_share_of_the_step():
     step_ns = 1e9
     assert standout(row, step_ns, TUN, TUN.effect_min_frac) == (3, 4.5e6, False)
     assert standout(row * 10, step_ns, TUN, TUN.effect_min_frac) == (3, 4.5e7, True)
+
+
+def test_a_moving_finding_from_waits_alone_names_no_rank_and_leads_a_moving_verdict(tables):
+    # a torch-native dp 1 x pp 2 job without compute spans: the waits saw the slowest stage move,
+    # beside a heavier stage; this crashed with an IndexError (nothing to lead with)
+    from tracekit.analysis.diagnosis import Finding, _primary
+    from tracekit.analysis.localize import localize
+
+    loc = localize(tables)
+    moving = Finding("moving", (), "the job", (), 5e6, 0.02, 0.6, "slow_compute", "the slowest stage changes", "")
+    stage = Finding("stage_imbalance", (1,), "pipeline stage 1", (), 9e6, 0.04, 0.8, "stage_imbalance", "stage", "")
+    out = _primary(loc, [stage, moving], tables)
+    assert (out.verdict, out.culprit_rank, out.culprit_ranks) == ("moving", None, ())

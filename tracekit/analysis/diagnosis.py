@@ -368,7 +368,8 @@ def _primary(loc: Localization, findings: list[Finding], tables: RunTables,
     if ranked:
         kinds = {f.kind for f in ranked}
         lead = max(ranked, key=lambda f: (f.kind == "straggler", f.cost_ns))
-        if "straggler" not in kinds and "moving" in kinds and len({f.ranks for f in ranked}) > 1:
+        # a moving slowness seen in waits alone names no rank (nothing to lead with)
+        if "straggler" not in kinds and "moving" in kinds and (len({f.ranks for f in ranked}) > 1 or not lead.ranks):
             return replace(loc, verdict="moving", culprit_rank=None, culprit_ranks=tuple(sorted(
                 {r for f in ranked for r in f.ranks})), coords={}, confidence=lead.confidence)
         r = lead.ranks[0]
