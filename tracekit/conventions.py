@@ -113,3 +113,28 @@ def parse_compute(name: str) -> ComputeAnnotation | None:
         )
     except (KeyError, ValueError) as e:
         raise ConventionError(f"bad compute span {name!r}: {e}") from None
+
+
+# Frames of the reference trainer's CPU memory snapshots (reference_trainer/alloc_sites.py). The CPU
+# profiler records allocations without a stack, so an allocation's frames are the profiler spans open
+# around it on its thread, and a persistent buffer's is the trainer's own name for it. Their file
+# names say that they are not source lines.
+OP_FRAME_FILE = "<profiler op>"  # a cpu_op span: name 'aten::mm', 'autograd::engine::evaluate_function: ...'
+ANNOTATION_FRAME_FILE = "<annotation>"  # a user_annotation span: 'tk.compute phase=fwd vstage=0 mb=1'
+STATE_FRAME_FILE = "<trainer state>"  # a parameter, gradient bucket or optimizer state: 'parameter layers.0.wq.weight'
+
+
+def annotation_context(name: str) -> str | None:
+    """A span annotation as a short, step-independent place: 'fwd vstage=0' for a compute span (no
+    micro-batch), 'all_gather cp' for a comm span (no sequence number), None for ProfilerStep#N, and
+    any other annotation as it is."""
+    if name.startswith("ProfilerStep#"):
+        return None
+    try:
+        if (c := parse_compute(name)) is not None:
+            return c.phase + (f" vstage={c.vstage}" if c.vstage is not None else "")
+        if (m := parse_comm(name)) is not None:
+            return f"{m.op} {m.dim}"
+    except ConventionError:
+        pass
+    return name
