@@ -30,8 +30,9 @@ SPAN_CATEGORIES = ("cpu_op", "user_annotation", "python_function")
 
 
 class _Frames:
-    """One frame dict per distinct span name: a snapshot pickle memoizes a repeated dict (so a site
-    seen every step costs a reference), and tracekit's reader caches a stack by its frames' identity."""
+    """One frame dict per distinct span name (and one frames list per distinct stack): a snapshot
+    pickle memoizes a repeated object (so a site seen every step costs a reference), and tracekit's
+    reader caches a stack by its frames' identity."""
 
     def __init__(self) -> None:
         self.known: dict[tuple[str, str], Frame] = {}
@@ -62,6 +63,7 @@ def memory_frames(events: list[dict[str, Any]], memory: list[dict[str, Any]]) ->
     for i, m in enumerate(memory):
         by_tid[m.get("tid")].append(i)
     frames = _Frames()
+    stacks: dict[tuple[int, ...], list[Frame]] = {}
     out: list[list[Frame]] = [[] for _ in memory]
     for tid, rows in by_tid.items():
         opened = sorted(spans.get(tid, ()), key=lambda s: (s[0], -s[1]))
@@ -78,7 +80,9 @@ def memory_frames(events: list[dict[str, Any]], memory: list[dict[str, Any]]) ->
                 stack.append((end, frames.of(cat, name)))
             while stack and stack[-1][0] < ts:
                 stack.pop()
-            out[i] = _enclosing(stack, ts)
+            chain = _enclosing(stack, ts)
+            key = tuple(map(id, chain))  # one list per distinct stack, as for frames: a memo reference each
+            out[i] = stacks.setdefault(key, chain)
     return out
 
 

@@ -185,7 +185,9 @@ def snapshot_from_trace(trace: dict[str, Any], state: dict[int, StateBuffer],
                  "blocks": [{"address": addr, "size": size, "requested_size": size,
                              "state": "active_allocated", "frames": frames, "category": cat}]}
                 for addr, (size, cat, frames) in sorted(blocks.items())]
-    return {"segments": segments, "device_traces": [trace_out],
+    # the trace first: pickle memoizes the entries' keys ('action', 'addr' ...) where first seen,
+    # and after the segments' frames they would take 5-byte references instead of 2 (+40% in size)
+    return {"device_traces": [trace_out], "segments": segments,
             "allocator_settings": {"source": "profiler_events"}}
 
 
