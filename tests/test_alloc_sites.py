@@ -158,8 +158,9 @@ def test_memory_by_frame_names_what_is_live_at_the_peak(store):
                      "<trainer state>:0:gradient": 128, "<trainer state>:0:parameter layers.0.wq.weight": 64}
 
 
-def test_a_comm_thread_s_site_is_its_collective():
-    mem = [_mem(310, 0xB0, 512, tid=COMM)]
-    snap = snapshot_from_trace({"traceEvents": SPANS + mem}, {})
-    assert top_user_frame(snap["device_traces"][0][0]["frames"]) == \
-        "<profiler op>:0:c10d::_allgather_base_ in all_gather cp"
+def test_sites_of_a_collective_of_an_annotation_alone_and_of_no_span():
+    mem = [_mem(310, 0xB0, 512, tid=COMM), _mem(560, 0xC8, 64), _mem(2000, 0xD0, 8)]
+    frames = [e["frames"] for e in snapshot_from_trace({"traceEvents": SPANS + mem}, {})["device_traces"][0]]
+    assert top_user_frame(frames[0]) == "<profiler op>:0:c10d::_allgather_base_ in all_gather cp"
+    assert top_user_frame(frames[1]) == "<annotation>:0:bwd vstage=0"  # no op: not labelled as one
+    assert top_user_frame(frames[2]) is None

@@ -99,7 +99,7 @@ def _span_site(frames: list) -> str | None:
     op, context = site or fallback or (ops[-1] if ops else None, None)
     if op is None and context is None:
         return None
-    return f"{OP_FRAME_FILE}:0:" + " in ".join(x for x in (op, context) if x)
+    return f"{OP_FRAME_FILE if op else ANNOTATION_FRAME_FILE}:0:" + " in ".join(x for x in (op, context) if x)
 
 
 def _python_frame(frames: list) -> str | None:
