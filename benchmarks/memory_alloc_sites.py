@@ -67,11 +67,13 @@ def main() -> None:
     allocated = ev.filter(pl.col("action") == "alloc").select("rank", "frame", pl.col("size").alias("bytes"))
     live = result.live_at_peak(by="frame")
     table = pl.concat([shares(allocated, "allocated"), shares(live, "live at peak")], how="diagonal_relaxed")
+    table = table.with_columns(pl.col(pl.Float64).fill_null(0.0))
     pl.Config.set_tbl_rows(100)
     pl.Config.set_tbl_cols(20)
+    pl.Config.set_fmt_str_lengths(80)
     print(f"run {run}: share of bytes by what names their allocation site")
-    print(table.fill_null(0.0))
-    named = 1 - table["unknown"].fill_null(0).mean() if "unknown" in table.columns else 1.0
+    print(table)
+    named = 1 - table["unknown"].mean() if "unknown" in table.columns else 1.0
     print(f"mean share with a site (not <unknown>): {named:.2%}")
     print(result.peaks.select("rank", "peak_allocated", "peak_frame"))
 
