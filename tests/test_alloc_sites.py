@@ -51,7 +51,9 @@ GATHER = _span("cpu_op", "c10d::_allgather_base_", 305, 30, tid=COMM)
 # an async send's annotation: open from before the backward span until inside it (overlaps, does
 # not nest), so it is no caller of what the backward span allocates
 SEND = _span("user_annotation", "gloo:send", 450, 100)
-SPANS = [STEP, FWD, LINEAR, MM, EMPTY, BWD, EVAL, COMM_SPAN, GATHER, SEND]
+# an async send's work annotation around a whole forward span: as long as its work, not a caller
+LONG_SEND = _span("user_annotation", "gloo:send", 90, 320)
+SPANS = [STEP, FWD, LINEAR, MM, EMPTY, BWD, EVAL, COMM_SPAN, GATHER, SEND, LONG_SEND]
 
 
 def test_each_event_gets_the_spans_around_it_on_its_own_thread_innermost_first():

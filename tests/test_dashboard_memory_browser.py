@@ -113,6 +113,9 @@ def test_hovering_a_trainer_run_s_memory_shows_the_spans_that_allocated(tmp_path
         page.goto(url)
         D.wait_rendered(page)
         assert D.focus(page)[0] == rank
+        page.locator(".tk-memory canvas").first.wait_for(timeout=60_000)
+        assert "allocated by <profiler op>:0:" in D.text(page, ".tk-memory")
+        page.locator(".tk-memory").first.screenshot(path=str(tmp_path / "memory-trainer.png"))  # docs/img
         _hover_the_deepest_stack(page, stacks, tmp_path / "memory-hover-trainer.png")
 
 
