@@ -2,6 +2,7 @@
 ``tracekit memory --by frame`` and "allocated by" name, against ``<unknown>``.
 
     PYTHONPATH=. python benchmarks/memory_alloc_sites.py                 # a tiny 4-rank run (tp 2 x pp 2)
+    PYTHONPATH=. python benchmarks/memory_alloc_sites.py --stack         # the same, profiled with_stack
     PYTHONPATH=. python benchmarks/memory_alloc_sites.py --run sample_traces/slow_rank_8
 
 Per rank: the bytes of every allocation in the profiled steps, and the bytes live at the rank's peak,
@@ -54,12 +55,13 @@ def shares(df: pl.DataFrame, what: str) -> pl.DataFrame:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run", type=Path, help="an existing run directory (default: a fresh tiny run)")
+    ap.add_argument("--stack", action="store_true", help="the fresh run profiles with Python stacks (profile_stack)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         run = args.run
         if run is None:
             run = Path(tmp) / "run"
-            launch(TINY, run)
+            launch(TINY.replace(profile_stack=args.stack), run)
         ingest([run], Path(tmp) / "s.duckdb")
         _, tables, _, _ = load_tables(Path(tmp) / "s.duckdb", None)
     ev = tables["memory_events"]

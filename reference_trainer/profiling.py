@@ -199,7 +199,8 @@ def _compute(e: dict[str, Any]):
 class RankProfiler:
     """Profiles steps ``window`` of one rank; ``step()`` after every training step."""
 
-    def __init__(self, rank: int, run: Path, window: tuple[int, int], backend: str, trainer, memory: bool = True):
+    def __init__(self, rank: int, run: Path, window: tuple[int, int], backend: str, trainer, memory: bool = True,
+                 stack: bool = False):
         self.rank, self.run, self.window, self.trainer = rank, Path(run), window, trainer
         self.cuda = backend == "nccl" and torch.cuda.is_available()
         self.memory = memory
@@ -215,7 +216,7 @@ class RankProfiler:
             activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else []),
             schedule=schedule(skip_first=max(first - 1, 0), wait=0, warmup=1 if first > 0 else 0,
                               active=last - first + 1, repeat=1),
-            profile_memory=memory, record_shapes=False,
+            profile_memory=memory, record_shapes=False, with_stack=stack,
             on_trace_ready=self._export)
         self.exported: Path | None = None
         self.state_before: dict[int, tuple[int, str]] | None = None

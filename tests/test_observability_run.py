@@ -41,7 +41,9 @@ def runs(tmp_path_factory):
     jobs = [(BASE.replace(profile_steps="1-2", faults=f"slow:rank={SLOW_RANK},factor={SLOW_FACTOR}"),
              root / "slow"),
             (BASE.replace(steps=2, faults="link:a=0,b=1,delay_ms=150,steps=1"), root / "link"),
-            (BASE.replace(profile_steps="1-2", faults="moving:ranks=1+2+3,factor=4"), root / "moving"),
+            # profiled with Python stacks (with_stack): its snapshots' frames gain source lines
+            (BASE.replace(profile_steps="1-2", profile_stack=True, faults="moving:ranks=1+2+3,factor=4"),
+             root / "moving"),
             (BASE.replace(tp=1, pp=4, n_layers=4, steps=2), root / "pp4")]
     results = launch_many(jobs)
     return dict(zip(("slow", "link", "moving", "pp4"), results))
@@ -183,6 +185,18 @@ def test_memory_snapshots_say_what_made_almost_every_byte(runs, tmp_path):
         live[row["frame"] == "<unknown>"] += row["bytes"]
     assert live[False] >= 0.95 * sum(live.values()), live
     assert all(p["peak_frame"] and p["peak_frame"].startswith("<profiler op>:0:") for p in out["peaks"])
+
+
+def test_a_run_profiled_with_stacks_names_source_lines(runs):
+    """--profile-stack: the trace's python_function spans become source frames among the spans'."""
+    snap = pickle.loads(memory_path(runs["moving"].out, 0).read_bytes())
+    allocs = [e for e in snap["device_traces"][0] if e["action"] == "alloc"]
+    with_source = [e for e in allocs if any(f["filename"].endswith("reference_trainer/model.py") and f["line"] > 0
+                                            for f in e["frames"])]
+    assert len(with_source) >= 0.2 * len(allocs)
+    assert any(f["name"] == "_layer" for e in with_source for f in e["frames"])
+    plain = pickle.loads(memory_path(runs["slow"].out, 0).read_bytes())
+    assert not any(f["line"] for e in plain["device_traces"][0] for f in e["frames"])  # spans only
 
 
 
