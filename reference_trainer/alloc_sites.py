@@ -22,12 +22,11 @@ import re
 from collections import defaultdict
 from typing import Any
 
-from tracekit.conventions import ANNOTATION_FRAME_FILE, COMM_PREFIX, COMPUTE_PREFIX, OP_FRAME_FILE, STATE_FRAME_FILE
+from tracekit.conventions import ANNOTATION_FRAME_FILE, OP_FRAME_FILE, STATE_FRAME_FILE, TRAINER_SPAN_PREFIXES
 
 Frame = dict[str, Any]
 _PY_FUNCTION = re.compile(r"^(?P<file>.+)\((?P<line>\d+)\): (?P<func>.+)$")  # 'reference_trainer/model.py(157): _layer'
 SPAN_CATEGORIES = ("cpu_op", "user_annotation", "python_function")
-TRAINER_PREFIXES = (COMPUTE_PREFIX, COMM_PREFIX)
 _WORK_PREFIXES = ("gloo:", "nccl:")  # c10d's annotation of a collective's work, named backend:op
 
 
@@ -105,7 +104,7 @@ def _callers_only(chain: list[Frame]) -> list[Frame]:
     outermost tk.* annotation: such a span lasts as long as its work, which an async op's does past
     the call that issued it, so it can enclose the compute that follows without having called it.
     (The trainer calls its tk.* spans from the step itself: only ProfilerStep#N is around them.)"""
-    outer = max((i for i, f in enumerate(chain) if f["name"].startswith(TRAINER_PREFIXES)), default=None)
+    outer = max((i for i, f in enumerate(chain) if f["name"].startswith(TRAINER_SPAN_PREFIXES)), default=None)
     if outer is None:
         return chain
     return chain[:outer + 1] + [f for f in chain[outer + 1:] if not f["name"].startswith(_WORK_PREFIXES)]

@@ -40,6 +40,7 @@ def _names(frames: list[dict]) -> list[str]:
 
 STEP = _span("user_annotation", "ProfilerStep#1", 0, 1000)
 FWD = _span("user_annotation", "tk.compute phase=fwd vstage=0 mb=1", 100, 300)
+MODULE = _span("user_annotation", "tk.module layers.0.attention", 105, 95)
 LINEAR = _span("cpu_op", "aten::linear", 110, 50)
 MM = _span("cpu_op", "aten::mm", 115, 40)
 EMPTY = _span("cpu_op", "aten::empty", 120, 5)
@@ -53,7 +54,7 @@ GATHER = _span("cpu_op", "c10d::_allgather_base_", 305, 30, tid=COMM)
 SEND = _span("user_annotation", "gloo:send", 450, 100)
 # an async send's work annotation around a whole forward span: as long as its work, not a caller
 LONG_SEND = _span("user_annotation", "gloo:send", 90, 320)
-SPANS = [STEP, FWD, LINEAR, MM, EMPTY, BWD, EVAL, COMM_SPAN, GATHER, SEND, LONG_SEND]
+SPANS = [STEP, FWD, MODULE, LINEAR, MM, EMPTY, BWD, EVAL, COMM_SPAN, GATHER, SEND, LONG_SEND]
 
 
 def test_each_event_gets_the_spans_around_it_on_its_own_thread_innermost_first():
@@ -69,7 +70,8 @@ def test_each_event_gets_the_spans_around_it_on_its_own_thread_innermost_first()
     ]
     frames = memory_frames(SPANS + mem, mem)
     fwd_stack = ["<profiler op>|aten::empty", "<profiler op>|aten::mm", "<profiler op>|aten::linear",
-                 "<annotation>|tk.compute phase=fwd vstage=0 mb=1", "<annotation>|ProfilerStep#1"]
+                 "<annotation>|tk.module layers.0.attention", "<annotation>|tk.compute phase=fwd vstage=0 mb=1",
+                 "<annotation>|ProfilerStep#1"]
     assert _names(frames[0]) == fwd_stack
     assert _names(frames[1]) == fwd_stack[1:]
     assert _names(frames[2]) == ["<profiler op>|c10d::_allgather_base_", "<annotation>|" + COMM_SPAN["name"]]
@@ -143,11 +145,11 @@ def test_tracekit_reads_a_site_and_a_stack_for_every_allocation(store):
     blocks = dict(con.execute("SELECT address, frame FROM memory_blocks").fetchall())
     con.close()
     # the op the trainer's code called (aten::linear, not the aten::empty inside it), and where
-    assert rows[0xA0] == "<profiler op>:0:aten::linear in fwd vstage=0"
+    assert rows[0xA0] == "<profiler op>:0:aten::linear in layers.0.attention"
     assert rows[0x100] == "<profiler op>:0:MmBackward0 in bwd vstage=0"
     assert stack.split("\n") == ["<profiler op>:0:aten::empty", "<profiler op>:0:aten::mm",
-                                 "<profiler op>:0:aten::linear", "<annotation>:0:tk.compute phase=fwd vstage=0 mb=1",
-                                 "<annotation>:0:ProfilerStep#1"]
+                                 "<profiler op>:0:aten::linear", "<annotation>:0:tk.module layers.0.attention",
+                                 "<annotation>:0:tk.compute phase=fwd vstage=0 mb=1", "<annotation>:0:ProfilerStep#1"]
     assert blocks[0x300] == "<trainer state>:0:parameter layers.0.wq.weight"
 
 
@@ -156,13 +158,14 @@ def test_memory_by_frame_names_what_is_live_at_the_peak(store):
     assert out.exit_code == 0, out.output
     sites = {r["frame"]: r["bytes"] for r in json.loads(out.output)["live_by_frame"]}
     # the peak is aten::mm's 256 B buffer inside aten::linear, beside the 4096 B one of aten::empty
-    assert sites == {"<profiler op>:0:aten::linear in fwd vstage=0": 4096 + 256,
+    assert sites == {"<profiler op>:0:aten::linear in layers.0.attention": 4096 + 256,
                      "<trainer state>:0:gradient": 128, "<trainer state>:0:parameter layers.0.wq.weight": 64}
 
 
 def test_sites_of_a_collective_of_an_annotation_alone_and_of_no_span():
-    mem = [_mem(310, 0xB0, 512, tid=COMM), _mem(560, 0xC8, 64), _mem(2000, 0xD0, 8)]
+    mem = [_mem(310, 0xB0, 512, tid=COMM), _mem(560, 0xC8, 64), _mem(2000, 0xD0, 8), _mem(250, 0xE8, 32)]
     frames = [e["frames"] for e in snapshot_from_trace({"traceEvents": SPANS + mem}, {})["device_traces"][0]]
-    assert top_user_frame(frames[0]) == "<profiler op>:0:c10d::_allgather_base_ in all_gather cp"
-    assert top_user_frame(frames[1]) == "<annotation>:0:bwd vstage=0"  # no op: not labelled as one
-    assert top_user_frame(frames[2]) is None
+    assert top_user_frame(frames[0]) == "<annotation>:0:fwd vstage=0"  # in fwd, outside the module span
+    assert top_user_frame(frames[1]) == "<profiler op>:0:c10d::_allgather_base_ in all_gather cp"
+    assert top_user_frame(frames[2]) == "<annotation>:0:bwd vstage=0"  # no op: not labelled as one
+    assert top_user_frame(frames[3]) is None

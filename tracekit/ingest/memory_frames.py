@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import re
 
-from tracekit.conventions import (ANNOTATION_FRAME_FILE, COMM_PREFIX, COMPUTE_PREFIX, OP_FRAME_FILE,
-                                  annotation_context)
+from tracekit.conventions import ANNOTATION_FRAME_FILE, OP_FRAME_FILE, TRAINER_SPAN_PREFIXES, annotation_context
 
 _CPU_FRAME = re.compile(r"^(?P<file>.+)\((?P<line>\d+)\): (?P<func>.+)$")  # 'train.py(83): step'
 _INTERNAL = ("/torch/", "torch/", "<built-in", "multiprocessing/", "threading.py", "<string>")
@@ -26,7 +25,6 @@ _AUTOGRAD = re.compile(r"^torch::autograd::(?:generated::(\w+?)(?:_apply_functio
 # 'autograd::engine::evaluate_function: MmBackward0'; its site says MmBackward0.
 _SPAN_FILES = (OP_FRAME_FILE, ANNOTATION_FRAME_FILE)
 _EVALUATE = re.compile(r"^autograd::engine::evaluate_function: ")
-TRAINER_PREFIXES = (COMPUTE_PREFIX, COMM_PREFIX)
 
 # The stored stack (memory_events.frames): its Python frames, innermost first, at most STACK_FRAMES
 # of them and STACK_LINE characters a line, so that one pathological stack (deep recursion, a
@@ -79,7 +77,7 @@ def _autograd_frame(frames: list) -> str | None:
 
 def _span_site(frames: list) -> str | None:
     """Where a stack of profiler spans allocated: the outermost op inside the innermost trainer
-    annotation (tk.compute, tk.comm; else the innermost other one, not ProfilerStep#N), with that
+    annotation (tk.module, tk.comm, tk.compute; else the innermost other one, not ProfilerStep#N), with that
     annotation in its short, step-independent form. The op is the one a line of the trainer called;
     the ops inside it are its implementation."""
     ops: list[str] = []
@@ -92,7 +90,7 @@ def _span_site(frames: list) -> str | None:
             ops.append(_EVALUATE.sub("", name))
         elif file == ANNOTATION_FRAME_FILE and (context := annotation_context(name)) is not None:
             here = (ops[-1] if ops else None, context)
-            if name.startswith(TRAINER_PREFIXES):
+            if name.startswith(TRAINER_SPAN_PREFIXES):
                 site = here
                 break
             fallback = fallback or here
