@@ -6,8 +6,8 @@
     PYTHONPATH=. python benchmarks/memory_alloc_sites.py --run sample_traces/slow_rank_8
 
 Per rank: the bytes of every allocation in the profiled steps, and the bytes live at the rank's peak,
-split by what names them: 'trainer span' (a profiler op inside a trainer annotation, tk.compute or
-tk.comm: 'aten::linear in fwd vstage=0'), 'op' (a profiler op or a torch annotation alone:
+split by what names them: 'trainer span' (a profiler op inside a trainer annotation, tk.module,
+tk.comm or tk.compute: 'aten::linear in layers.0.attention', 'MmBackward0 in bwd vstage=0'), 'op' (a profiler op or a torch annotation alone:
 'aten::eq', 'aten::empty in gloo:all_gather'), 'state' (the trainer's name for a persistent buffer),
 'source' (a Python frame), 'unknown' (no frames); and the peak's own site.
 """
@@ -37,7 +37,8 @@ def kind(frame: pl.Expr) -> pl.Expr:
     """What names a site: its file part and, for an op, whether a trainer annotation says where."""
     return (pl.when(frame.is_null() | (frame == "<unknown>")).then(pl.lit("unknown"))
             .when(frame.str.starts_with("<trainer state>")).then(pl.lit("state"))
-            .when(frame.str.contains(r":(.* in )?((fwd|bwd|opt)\b|\w+ (dp|pp|cp|tp|other)$)")).then(pl.lit("trainer span"))
+            .when(frame.str.contains(r":(.* in )?((fwd|bwd|opt)\b|\w+ (dp|pp|cp|tp|dp_cp|world|other)$"
+                                     r"|layers\.\d+\.\w+$|embed$|head$)")).then(pl.lit("trainer span"))
             .when(frame.str.starts_with("<profiler op>") | frame.str.starts_with("<annotation>")).then(pl.lit("op"))
             .otherwise(pl.lit("source")))
 
