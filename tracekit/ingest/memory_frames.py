@@ -26,7 +26,7 @@ _AUTOGRAD = re.compile(r"^torch::autograd::(?:generated::(\w+?)(?:_apply_functio
 _SPAN_FILES = (OP_FRAME_FILE, ANNOTATION_FRAME_FILE)
 _EVALUATE = re.compile(r"^autograd::engine::evaluate_function: ")
 
-# The stored stack (memory_events.frames): its Python frames, innermost first, at most STACK_FRAMES
+# The stored stack (memory_events.frames): its Python (or span) frames, innermost first, at most STACK_FRAMES
 # of them and STACK_LINE characters a line, so that one pathological stack (deep recursion, a
 # generated name) cannot make each of a million rows kilobytes long.
 STACK_FRAMES, STACK_LINE = 32, 240
@@ -44,8 +44,9 @@ def top_user_frame(frames: object) -> str | None:
 
 def stack_text(frames: object) -> str | None:
     """The allocation's stack as text: every Python frame (torch's too, as memory_viz shows them)
-    as 'file:line:function', innermost first, one a line; a backward allocation without Python
-    frames: its autograd node. At most STACK_FRAMES lines (then '... N more frames')."""
+    and every profiler-span frame ('<profiler op>:0:aten::mm', '<annotation>:0:tk.compute ...') as
+    'file:line:function', innermost first, one a line (C++ frames left out); a backward allocation
+    without such frames: its autograd node. At most STACK_FRAMES lines (then '... N more frames')."""
     if not isinstance(frames, list):
         return None
     lines = []
