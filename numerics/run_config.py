@@ -19,7 +19,7 @@ from typing import Any, Mapping
 # does not change the ascending micro-batch accumulation; the rest is observability and debugging).
 TRAINER_ONLY = frozenset({"consecutive", "schedule", "timeout_s", "dump_state", "plant_bug", "faults",
                           "device_gflops", "device_gbps", "device_launch_us", "device_jitter", "profile_steps",
-                          "profile_memory", "flight_recorder", "fr_watchdog_s"})
+                          "profile_memory", "profile_stack", "flight_recorder", "fr_watchdog_s"})
 
 
 class RunConfigError(ValueError):

@@ -38,6 +38,8 @@ _HELP = {
     "device_jitter": "relative sd of the emulated device's per-span time (lognormal, seeded)",
     "profile_steps": "profile steps a-b: <out>/traces/rank<R>.json.gz and <out>/memory/rank<R>.pickle",
     "profile_memory": "record allocations in the profiled steps and write <out>/memory/rank<R>.pickle",
+    "profile_stack": "profile with Python stacks (with_stack): CPU snapshots' allocation frames gain source lines; "
+                     "bigger traces (benchmarks/recording_overhead.py)",
     "flight_recorder": "write <out>/fr/rank<R> (end of run, stall, SIGUSR1)",
     "fr_watchdog_s": "flight-recorder dump after this long without progress (0 = timeout/2)",
 }

@@ -82,6 +82,7 @@ class TrainConfig:
     device_jitter: float = 0.0
     profile_steps: str = ""  # "a-b": torch.profiler trace + memory snapshot of steps a..b
     profile_memory: bool = True  # record allocations in the profiled steps and write the memory snapshot
+    profile_stack: bool = False  # torch.profiler with_stack: Python frames in the trace and the CPU snapshot
     flight_recorder: bool = True  # <out>/fr/rank<R> at the end, on a stall and on SIGUSR1
     fr_watchdog_s: float = 0.0  # dump after this long without progress; 0 = timeout_s / 2
 

@@ -4,6 +4,10 @@ Parameters are created from *canonical* full tensors (one seeded generator per c
 every layout starts from the same weights) and sliced to this rank's TP shard. Canonical names:
 ``embed.weight``, ``layers.<i>.{attn_norm,wq,wk,wv,wo,mlp_norm,w1,w3,w2}.weight``,
 ``norm.weight``, ``head.weight``; weights are [out, in] like torch.nn.Linear.
+
+Each part of the forward runs in a ``tk.module`` profiler span (``embed``, ``layers.<i>.attention``,
+``layers.<i>.mlp``, ``head``: tracekit.conventions.module_span_name), so that a profiled
+allocation says which layer made it (reference_trainer/alloc_sites.py).
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.profiler import record_function
+
+from tracekit.conventions import module_span_name
 
 from . import bugs
 from .activations import ActivationRecorder
@@ -154,19 +161,22 @@ class Stage(nn.Module):
         c, comm, tp = self.cfg, self.ctx.comm, self.ctx.tp
         w = lambda n: self.params[f"layers.{i}.{n}.weight"]  # noqa: E731
         b = x.shape[0]
-        hf = gather_sequence(rms_norm(x, w("attn_norm"), c.norm_eps), comm, tp)
-        s = hf.shape[1]
-        q = F.linear(hf, w("wq")).view(b, s, -1, c.head_dim)
-        k = F.linear(hf, w("wk")).view(b, s, -1, c.head_dim)
-        v = F.linear(hf, w("wv")).view(b, s, -1, c.head_dim)
-        q, k = rope(q, mb.positions, c.rope_theta), rope(k, mb.positions, c.rope_theta)
-        k, v = gather_kv(k, comm, self.ctx.cp), gather_kv(v, comm, self.ctx.cp)
-        o = self._record(mb, f"layers.{i}.attention.heads", attention(q, k, v, mb.mask).reshape(b, s, -1))
-        x = x + self._record(mb, f"layers.{i}.attention", reduce_scatter_sequence(F.linear(o, w("wo")), comm, tp))
-        hf = gather_sequence(rms_norm(x, w("mlp_norm"), c.norm_eps), comm, tp,
-                             bwd_reduce=not bugs.active("tp-bwd-reduce"))
-        act = F.silu(F.linear(hf, w("w1"))) * F.linear(hf, w("w3"))
-        x = x + self._record(mb, f"layers.{i}.mlp", reduce_scatter_sequence(F.linear(act, w("w2")), comm, tp))
+        with record_function(module_span_name(f"layers.{i}.attention")):
+            hf = gather_sequence(rms_norm(x, w("attn_norm"), c.norm_eps), comm, tp)
+            s = hf.shape[1]
+            q = F.linear(hf, w("wq")).view(b, s, -1, c.head_dim)
+            k = F.linear(hf, w("wk")).view(b, s, -1, c.head_dim)
+            v = F.linear(hf, w("wv")).view(b, s, -1, c.head_dim)
+            q, k = rope(q, mb.positions, c.rope_theta), rope(k, mb.positions, c.rope_theta)
+            k, v = gather_kv(k, comm, self.ctx.cp), gather_kv(v, comm, self.ctx.cp)
+            o = self._record(mb, f"layers.{i}.attention.heads", attention(q, k, v, mb.mask).reshape(b, s, -1))
+            x = x + self._record(mb, f"layers.{i}.attention",
+                                 reduce_scatter_sequence(F.linear(o, w("wo")), comm, tp))
+        with record_function(module_span_name(f"layers.{i}.mlp")):
+            hf = gather_sequence(rms_norm(x, w("mlp_norm"), c.norm_eps), comm, tp,
+                                 bwd_reduce=not bugs.active("tp-bwd-reduce"))
+            act = F.silu(F.linear(hf, w("w1"))) * F.linear(hf, w("w3"))
+            x = x + self._record(mb, f"layers.{i}.mlp", reduce_scatter_sequence(F.linear(act, w("w2")), comm, tp))
         return self._record(mb, f"layers.{i}", x)
 
     def forward(self, x: torch.Tensor | None, mb: MicroBatch) -> torch.Tensor:
@@ -174,15 +184,18 @@ class Stage(nn.Module):
         share of the step loss (sum of token losses / tokens per step, fp32 scalar)."""
         comm, tp = self.ctx.comm, self.ctx.tp
         if self.is_first:
-            x = self._record(mb, "embed", vocab_parallel_embedding(mb.tokens, self.params["embed.weight"],
-                                                                  self.vocab_start, comm, tp))
+            with record_function(module_span_name("embed")):
+                x = self._record(mb, "embed", vocab_parallel_embedding(mb.tokens, self.params["embed.weight"],
+                                                                      self.vocab_start, comm, tp))
         assert x is not None
         for i in self.layer_ids:
             x = self._layer(i, x, mb)
         if not self.is_last:
             return x
-        normed = self._record(mb, "norm", rms_norm(x, self.params["norm.weight"], self.cfg.norm_eps))
-        logits = self._record(mb, "logits", F.linear(gather_sequence(normed, comm, tp), self.params["head.weight"]))
-        losses = self._record(mb, "token_loss",
-                              vocab_parallel_cross_entropy(logits, mb.targets, self.vocab_start, comm, tp))
-        return losses.sum() / self.cfg.tokens_per_step
+        with record_function(module_span_name("head")):
+            normed = self._record(mb, "norm", rms_norm(x, self.params["norm.weight"], self.cfg.norm_eps))
+            logits = self._record(mb, "logits",
+                                  F.linear(gather_sequence(normed, comm, tp), self.params["head.weight"]))
+            losses = self._record(mb, "token_loss",
+                                  vocab_parallel_cross_entropy(logits, mb.targets, self.vocab_start, comm, tp))
+            return losses.sum() / self.cfg.tokens_per_step

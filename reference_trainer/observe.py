@@ -104,7 +104,8 @@ def observed_training(cfg: TrainConfig, comm: Comm, out: Path) -> list[StepResul
         for h in late:
             comm.add_hook(h)
         if window is not None:
-            prof = RankProfiler(comm.rank, out, window, comm.backend, trainer, cfg.profile_memory)
+            prof = RankProfiler(comm.rank, out, window, comm.backend, trainer, cfg.profile_memory,
+                                cfg.profile_stack)
             prof.start()
             parts["prof"] = prof
 

@@ -19,7 +19,9 @@
   the trace (as ``_dump_snapshot``'s are). The CPU profiler reports no free of a block allocated
   before it started: a state buffer of the start that is gone by the end (last step's reduced
   gradient shard) gets its free entries, with its category, where its address is next allocated,
-  or else at the end of the trace.
+  or else at the end of the trace. The profiler records no stack (``with_stack`` is off): each
+  entry's frames are the profiler spans open around its event (reference_trainer.alloc_sites), and
+  a state buffer's the trainer's name for it.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ import gzip
 import json
 import os
 import pickle
+from bisect import bisect_right
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from .alloc_sites import memory_frames, state_frames
 from tracekit.conventions import parse_compute
 
 
@@ -67,23 +71,29 @@ def memory_source(backend: str) -> str:
     return "cuda" if backend == "nccl" else "profiler_events"
 
 
-def state_categories(trainer) -> dict[int, tuple[int, str]]:
-    """Storage address -> (bytes, category) of the trainer's persistent state."""
-    out: dict[int, tuple[int, str]] = {}
+class StateBuffer(NamedTuple):
+    nbytes: int
+    category: str  # parameter | gradient | optimizer_state
+    name: str | None = None  # the trainer's name: 'layers.0.wq.weight', 'vstage 0 grad_shard'
 
-    def add(t: torch.Tensor | None, cat: str) -> None:
+
+def state_categories(trainer) -> dict[int, StateBuffer]:
+    """Storage address -> (bytes, category, name) of the trainer's persistent state."""
+    out: dict[int, StateBuffer] = {}
+
+    def add(t: torch.Tensor | None, cat: str, name: str) -> None:
         if t is not None:
             s = t.untyped_storage()
-            out[s.data_ptr()] = (s.nbytes(), cat)
+            out[s.data_ptr()] = StateBuffer(s.nbytes(), cat, name)
 
     for st in trainer.stages.values():
-        for p in st.params.values():
-            add(p, "parameter")
-    for b in trainer.optimizer.buckets.values():
+        for name, p in st.params.items():
+            add(p, "parameter", name)
+    for vstage, b in trainer.optimizer.buckets.items():
         for name in ("grad", "grad_shard", "reduced"):
-            add(getattr(b, name, None), "gradient")
+            add(getattr(b, name, None), "gradient", f"vstage {vstage} {name}")
         for name in ("master", "exp_avg", "exp_avg_sq"):
-            add(getattr(b, name, None), "optimizer_state")
+            add(getattr(b, name, None), "optimizer_state", f"vstage {vstage} {name}")
     return out
 
 
@@ -95,24 +105,29 @@ def read_trace(path: Path) -> dict[str, Any]:
         raise ProfilingError(f"{path}: not a readable Chrome trace: {e}") from None
 
 
-def snapshot_from_trace(trace: dict[str, Any], state: dict[int, tuple[int, str]],
-                        state_before: dict[int, tuple[int, str]] | None = None) -> dict[str, Any]:
+def snapshot_from_trace(trace: dict[str, Any], state: dict[int, StateBuffer],
+                        state_before: dict[int, StateBuffer] | None = None) -> dict[str, Any]:
     """A CUDA-format snapshot (device 0 = this rank's CPU) from a trace's ``[memory]`` events.
-    ``state``: the persistent state when the trace ended; ``state_before``: when it began."""
+    ``state``: the persistent state when the trace ended; ``state_before``: when it began.
+
+    Frames (reference_trainer.alloc_sites): an entry's are the profiler spans open around its event
+    (the op and the trainer's annotations); a block's are its allocation's. A state buffer allocated
+    before the trace has no allocation entry: its block and its free entries (if it is freed) carry
+    the trainer's name for it instead, so that every block says what it is."""
     events = trace["traceEvents"]
     # trace times are microseconds from baseTimeNanoseconds; snapshots carry epoch microseconds,
     # so that memory entries line up with the trace's steps and spans once ingested
     base_us = (trace.get("baseTimeNanoseconds") or 0) // 1000
     fwd = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
                  if e.get("ph") == "X" and (a := _compute(e)) is not None and a.phase == "fwd")
+    fwd_starts = [lo for lo, _ in fwd]
     mem = sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Bytes")),
                  key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))
+    frames_of = memory_frames(events, mem)
 
     def span_of(ts: float) -> tuple[float, float] | None:
-        for lo, hi in fwd:
-            if lo <= ts <= hi:
-                return lo, hi
-        return None
+        i = bisect_right(fwd_starts, ts) - 1  # forward spans do not overlap: the last one opened
+        return fwd[i] if i >= 0 and ts <= fwd[i][1] else None
 
     before = state_before or {}
     seen: set[int] = set()
@@ -123,12 +138,12 @@ def snapshot_from_trace(trace: dict[str, Any], state: dict[int, tuple[int, str]]
         # the CPU profiler reports no free of a block allocated before it started: a state buffer
         # from before the recording (last step's reduced shard) is freed where its address is
         # reused, or else by the end
-        size, cat = before[addr]
+        buf = before[addr]
         for action in ("free_requested", "free_completed"):
-            trace_out.append({"action": action, "addr": addr, "size": size, "stream": 0, "time_us": ts_us,
-                              "frames": [], "category": cat})
+            trace_out.append({"action": action, "addr": addr, "size": buf.nbytes, "stream": 0, "time_us": ts_us,
+                              "frames": state_frames(buf.category, buf.name), "category": buf.category})
 
-    for e in mem:
+    for e, frames in zip(mem, frames_of):
         addr, nbytes, ts = int(e["args"]["Addr"]), int(e["args"]["Bytes"]), float(e["ts"])
         if addr not in seen:
             seen.add(addr)
@@ -136,16 +151,19 @@ def snapshot_from_trace(trace: dict[str, Any], state: dict[int, tuple[int, str]]
                 freed_unseen(addr, int(ts + base_us))
         if nbytes > 0:
             r = {"action": "alloc", "addr": addr, "size": nbytes, "stream": 0, "time_us": int(ts + base_us),
-                 "frames": [], "category": "unknown", "_span": span_of(ts)}
+                 "frames": frames, "category": "unknown", "_span": span_of(ts)}
             live[addr] = r
             trace_out.append(r)
         else:
             a = live.pop(addr, None)
             size = a["size"] if a else -nbytes
-            cat = {"category": before[addr][1]} if a is None and addr in before else {}
+            cat = {}
+            if a is None and addr in before:  # no allocation entry says what it is: its name does
+                buf = before[addr]
+                cat, frames = {"category": buf.category}, state_frames(buf.category, buf.name)
             for action in ("free_requested", "free_completed"):
                 trace_out.append({"action": action, "addr": addr, "size": size, "stream": 0,
-                                  "time_us": int(ts + base_us), "frames": [], **cat})
+                                  "time_us": int(ts + base_us), "frames": frames, **cat})
             if a is not None and a["_span"] is not None:
                 a["category"] = "temporary" if ts <= a["_span"][1] else "activation"
     end_us = trace_out[-1]["time_us"] if trace_out else int(base_us)
@@ -154,20 +172,22 @@ def snapshot_from_trace(trace: dict[str, Any], state: dict[int, tuple[int, str]]
             freed_unseen(addr, end_us)
     for addr, r in live.items():  # still allocated at the end: a state buffer by its address
         if addr in state:
-            r["category"] = state[addr][1]
+            r["category"] = state[addr].category
         elif r["_span"] is not None:
             r["category"] = "activation"
     for r in trace_out:
         r.pop("_span", None)
-    blocks = {addr: (size, cat) for addr, (size, cat) in state.items()}
-    blocks.update({addr: (r["size"], r["category"]) for addr, r in live.items()})
+    blocks = {addr: (buf.nbytes, buf.category, state_frames(buf.category, buf.name)) for addr, buf in state.items()}
+    blocks.update({addr: (r["size"], r["category"], r["frames"]) for addr, r in live.items()})
     segments = [{"device": 0, "address": addr, "total_size": size, "allocated_size": size,
                  "active_size": size, "requested_size": size, "stream": 0, "segment_type": "large",
-                 "segment_pool_id": (0, 0), "is_expandable": False, "frames": [],
+                 "segment_pool_id": (0, 0), "is_expandable": False, "frames": frames,
                  "blocks": [{"address": addr, "size": size, "requested_size": size,
-                             "state": "active_allocated", "frames": [], "category": cat}]}
-                for addr, (size, cat) in sorted(blocks.items())]
-    return {"segments": segments, "device_traces": [trace_out],
+                             "state": "active_allocated", "frames": frames, "category": cat}]}
+                for addr, (size, cat, frames) in sorted(blocks.items())]
+    # the trace first: pickle memoizes the entries' keys ('action', 'addr' ...) where first seen,
+    # and after the segments' frames they would take 5-byte references instead of 2 (+40% in size)
+    return {"device_traces": [trace_out], "segments": segments,
             "allocator_settings": {"source": "profiler_events"}}
 
 
@@ -179,7 +199,8 @@ def _compute(e: dict[str, Any]):
 class RankProfiler:
     """Profiles steps ``window`` of one rank; ``step()`` after every training step."""
 
-    def __init__(self, rank: int, run: Path, window: tuple[int, int], backend: str, trainer, memory: bool = True):
+    def __init__(self, rank: int, run: Path, window: tuple[int, int], backend: str, trainer, memory: bool = True,
+                 stack: bool = False):
         self.rank, self.run, self.window, self.trainer = rank, Path(run), window, trainer
         self.cuda = backend == "nccl" and torch.cuda.is_available()
         self.memory = memory
@@ -195,7 +216,7 @@ class RankProfiler:
             activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else []),
             schedule=schedule(skip_first=max(first - 1, 0), wait=0, warmup=1 if first > 0 else 0,
                               active=last - first + 1, repeat=1),
-            profile_memory=memory, record_shapes=False,
+            profile_memory=memory, record_shapes=False, with_stack=stack,
             on_trace_ready=self._export)
         self.exported: Path | None = None
         self.state_before: dict[int, tuple[int, str]] | None = None

@@ -11,11 +11,17 @@ After writing, every run is checked: torch's ``torchfrtrace`` on fr/ (no mismatc
 ``_memory_viz stats`` on one snapshot; sizes per rank per profiled step are printed.
 
     PYTHONPATH=. python sample_traces/regenerate.py [--out sample_traces] [--with-16] [--only NAME]
+
+``--memory-only`` rebuilds each run's memory/rank<R>.pickle from its own traces, leaving traces, fr and
+manifest as they are (used when the snapshot builder gained allocation frames): the state buffers'
+addresses and categories are read back from the snapshot being replaced (the trainer is gone, so the
+state buffers are named by category only), and the rebuilt snapshot must equal it but for frames.
 """
 
 from __future__ import annotations
 
 import argparse
+import pickle
 import shutil
 import subprocess
 import sys
@@ -26,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from reference_trainer.config import TrainConfig  # noqa: E402
 from reference_trainer.launch import launch  # noqa: E402
-from reference_trainer.profiling import parse_steps  # noqa: E402
+from reference_trainer.profiling import (StateBuffer, memory_path, parse_steps, read_trace,  # noqa: E402
+                                         snapshot_from_trace, trace_path)
 from tracekit.demo_run import DEVICE  # noqa: E402
 
 # Every rank gets the demo's emulated device (reference_trainer/device.py): compute time follows
@@ -62,15 +69,48 @@ def check(run: Path) -> None:
         raise SystemExit(f"_memory_viz stats failed on {run}: {mv.stderr}")
 
 
+STATE_CATEGORIES = ("parameter", "gradient", "optimizer_state")
+
+
+def _without_frames(x):
+    if isinstance(x, dict):
+        return {k: _without_frames(v) for k, v in x.items() if k != "frames"}
+    if isinstance(x, list):
+        return [_without_frames(v) for v in x]
+    return x
+
+
+def rebuild_memory(run: Path, world: int) -> None:
+    """Each rank's snapshot again from its trace, with frames; see the module's docstring."""
+    for r in range(world):
+        old = pickle.loads(memory_path(run, r).read_bytes())
+        after = {b["address"]: StateBuffer(b["size"], b["category"])
+                 for seg in old["segments"] for b in seg["blocks"] if b.get("category") in STATE_CATEGORIES}
+        # a state buffer from before the trace has a free entry with its category where it went away
+        before = {e["addr"]: StateBuffer(e["size"], e["category"]) for e in old["device_traces"][0]
+                  if e["action"] == "free_completed" and e.get("category") in STATE_CATEGORIES}
+        new = snapshot_from_trace(read_trace(trace_path(run, r)), after, before)
+        if _without_frames(new) != _without_frames(old):  # (dicts compare without their key order)
+            raise SystemExit(f"{memory_path(run, r)}: the rebuilt snapshot differs from the old one beyond frames")
+        with open(memory_path(run, r), "wb") as f:
+            pickle.dump(new, f)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
     ap.add_argument("--with-16", action="store_true")
     ap.add_argument("--only")
+    ap.add_argument("--memory-only", action="store_true", help="rebuild memory/ from the runs' own traces")
     args = ap.parse_args()
     names = [n for n in RUNS if (args.with_16 or not n.endswith("_16")) and (not args.only or n == args.only)]
     for name in names:
         cfg, run = RUNS[name], args.out / name
+        if args.memory_only:
+            rebuild_memory(run, cfg.world_size)
+            check(run)
+            print(f"{name}: memory/ rebuilt from traces/, equal to the old snapshots but for frames")
+            continue
         shutil.rmtree(run, ignore_errors=True)
         t0 = time.perf_counter()
         launch(cfg, run)

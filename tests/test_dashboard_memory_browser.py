@@ -1,12 +1,15 @@
 """The memory view in a real browser (Debian's headless Chromium via Playwright): the hover shows
 the whole stack of the allocation under the mouse, on a store whose slow rank's memory is a real
 CUDA snapshot (an H100 FSDP2 run, tests/gpu_fixtures/native_fsdp2_h100; the oracle is the
-pickle); and linked selections: a click on the memory curve, on the step timeline's peer lanes
+pickle), and on the bundled trainer run, whose CPU snapshots' stacks are the profiler spans
+around each allocation; and linked selections: a click on the memory curve, on the step timeline's peer lanes
 and on the heatmap moves every other view."""
 
 from __future__ import annotations
 
+import json
 import pickle
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,6 +20,7 @@ import _dashboard as D  # noqa: E402
 
 pytestmark = pytest.mark.skipif(D.browser_missing() is not None, reason=str(D.browser_missing()))
 SNAPSHOT = Path(__file__).parent / "gpu_fixtures" / "native_fsdp2_h100" / "memory" / "rank0.pickle"
+SAMPLE = Path(__file__).resolve().parents[1] / "sample_traces" / "slow_rank_8"
 
 TOOLTIP_JS = """() => {  // the texts of the tooltips shown (Bokeh draws them in the plot's shadow root)
     const out = [];
@@ -64,28 +68,56 @@ def store(tmp_path_factory) -> Path:
     return path
 
 
+def _hover_the_deepest_stack(page, stacks: set[str], shot: Path, right_of: float = 0.5) -> None:
+    """Hover the point of the memory curve with the deepest stack right of ``right_of`` of the time
+    axis (its tooltip fits on the left) and check that the tooltip shows that stack, which must be
+    one of ``stacks``."""
+    page.locator(".tk-memory canvas").first.wait_for(timeout=60_000)
+    mem = D.text(page, ".tk-memory")
+    assert "its stack" in mem and "allocation sites unknown" not in mem
+    shipped = D.plot_column(page, "tk-memory-fig", "stack")
+    t_ms = D.plot_column(page, "tk-memory-fig", "t_ms")
+    right = [i for i in range(len(t_ms)) if t_ms[i] > min(t_ms) + right_of * (max(t_ms) - min(t_ms))]
+    deep = max(right, key=lambda i: (shipped[i] or "").count("\n"))
+    assert shipped[deep] in stacks  # the browser holds each point's stack as the snapshot has it
+    px, py = D.plot_point(page, "tk-memory-fig", t_ms[deep], None)
+    page.mouse.move(px - 40, py)  # a move over the plot (not a jump onto it) fires the hover
+    page.mouse.move(px, py, steps=8)
+    D.wait_for(lambda: page.evaluate(TOOLTIP_JS), "no tooltip over the memory curve", 30)
+    shown = page.evaluate(TOOLTIP_JS)
+    assert any(any(s.split("\n")[0] in tip and s.split("\n")[-1] in tip for s in stacks) for tip in shown)
+    assert any(shipped[deep].split("\n")[-1] in tip for tip in shown)
+    page.locator(".tk-memory").first.screenshot(path=str(shot))
+
+
 def test_hovering_the_memory_curve_shows_the_allocation_s_whole_stack(store, tmp_path):
-    stacks = _python_stacks()
     with D.served(store) as url, D.chromium(tmp_path / "profile") as page:
         page.goto(url)
         D.wait_rendered(page)
-        page.locator(".tk-memory canvas").first.wait_for(timeout=60_000)
         assert D.focus(page)[0] == D.SLOW
-        mem = D.text(page, ".tk-memory")
-        assert "its stack" in mem and "allocation sites unknown" not in mem
-        shipped = D.plot_column(page, "tk-memory-fig", "stack")
-        t_ms = D.plot_column(page, "tk-memory-fig", "t_ms")
-        right = [i for i in range(len(t_ms)) if t_ms[i] > (min(t_ms) + max(t_ms)) / 2]  # its tooltip fits left
-        deep = max(right, key=lambda i: shipped[i].count("\n"))
-        assert shipped[deep] in stacks  # the browser holds each point's stack as the snapshot has it
-        px, py = D.plot_point(page, "tk-memory-fig", t_ms[deep], None)
-        page.mouse.move(px - 40, py)  # a move over the plot (not a jump onto it) fires the hover
-        page.mouse.move(px, py, steps=8)
-        D.wait_for(lambda: page.evaluate(TOOLTIP_JS), "no tooltip over the memory curve", 30)
-        shown = page.evaluate(TOOLTIP_JS)
-        assert any(any(s.split("\n")[0] in tip and s.split("\n")[-1] in tip for s in stacks) for tip in shown)
-        assert any(shipped[deep].split("\n")[-1] in tip for tip in shown)
-        page.locator(".tk-memory").first.screenshot(path=str(tmp_path / "memory-hover.png"))
+        _hover_the_deepest_stack(page, _python_stacks(), tmp_path / "memory-hover.png")
+
+
+@pytest.mark.skipif(not (SAMPLE / "manifest.json").is_file(), reason=f"bundled sample run not found at {SAMPLE}")
+def test_hovering_a_trainer_run_s_memory_shows_the_spans_that_allocated(tmp_path):
+    """The bundled trainer run (CPU snapshots): a point's stack is the profiler op and the trainer's
+    annotations around the allocation, as the rank's pickle has them (the oracle reads the pickle)."""
+    run = tmp_path / "slow_rank_8"
+    shutil.copytree(SAMPLE, run)  # the store is written next to the run; keep the repo clean
+    rank = json.loads((run / "manifest.json").read_text())["faults"][0]["ranks"][0]  # the page's focus
+    with open(run / "memory" / f"rank{rank}.pickle", "rb") as f:
+        raw = pickle.load(f)  # our own committed sample
+    stacks = {"\n".join(f"{f['filename']}:{f['line']}:{f['name']}" for f in e["frames"][:32])
+              for e in raw["device_traces"][0] if e["frames"]}
+    assert any(s.startswith("<profiler op>:0:") and "<annotation>:0:tk.compute phase=" in s for s in stacks)
+    with D.served(run) as url, D.chromium(tmp_path / "profile") as page:
+        page.goto(url)
+        D.wait_rendered(page)
+        assert D.focus(page)[0] == rank
+        page.locator(".tk-memory canvas").first.wait_for(timeout=60_000)
+        assert "allocated by <profiler op>:0:" in D.text(page, ".tk-memory")
+        page.locator(".tk-memory").first.screenshot(path=str(tmp_path / "memory-trainer.png"))  # docs/img
+        _hover_the_deepest_stack(page, stacks, tmp_path / "memory-hover-trainer.png", right_of=0.75)
 
 
 STEP_STARTS_JS = """() => {  // the memory plot's step starts (x in ms on its axis, step)

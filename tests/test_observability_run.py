@@ -9,6 +9,7 @@ hang, which must end in a LaunchError and leave dumps naming the stalled collect
 from __future__ import annotations
 
 import collections
+import io
 import json
 import os
 import pickle
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 pytest.importorskip("reference_trainer.train", reason="needs reference_trainer")
 
@@ -39,7 +41,9 @@ def runs(tmp_path_factory):
     jobs = [(BASE.replace(profile_steps="1-2", faults=f"slow:rank={SLOW_RANK},factor={SLOW_FACTOR}"),
              root / "slow"),
             (BASE.replace(steps=2, faults="link:a=0,b=1,delay_ms=150,steps=1"), root / "link"),
-            (BASE.replace(profile_steps="1-2", faults="moving:ranks=1+2+3,factor=4"), root / "moving"),
+            # profiled with Python stacks (with_stack): its snapshots' frames gain source lines
+            (BASE.replace(profile_steps="1-2", profile_stack=True, faults="moving:ranks=1+2+3,factor=4"),
+             root / "moving"),
             (BASE.replace(tp=1, pp=4, n_layers=4, steps=2), root / "pp4")]
     results = launch_many(jobs)
     return dict(zip(("slow", "link", "moving", "pp4"), results))
@@ -149,6 +153,50 @@ def test_memory_snapshots_load_in_torch_memory_viz(runs):
         block_cats = {b["category"] for s in snap["segments"] for b in s["blocks"]}
         assert {"parameter", "gradient", "optimizer_state"} <= block_cats
         assert cats["activation"] > 0 and cats["temporary"] > 0, cats
+
+
+def test_memory_snapshots_say_what_made_almost_every_byte(runs, tmp_path):
+    """The CPU snapshots carry frames (the profiler spans around each allocation, the trainer's name
+    for each state buffer): torch's own memory_viz finds a stack for the blocks, and tracekit names an
+    allocation site for what is live at every rank's peak and for the peak's allocation."""
+    from torch.cuda import _memory_viz
+
+    from tracekit.cli import main as cli_main
+
+    for r in range(WORLD):
+        snap = pickle.loads(memory_path(runs["slow"].out, r).read_bytes())
+        flame = io.StringIO()  # memory_viz's flame-graph lines: 'stream;state;frame;frame... bytes'
+        for seg in snap["segments"]:
+            _memory_viz._write_blocks(flame, f"stream_{seg['stream']}", seg["blocks"])
+        sizes = collections.Counter()
+        for line in flame.getvalue().splitlines():
+            stack, size = line.rsplit(" ", 1)
+            sizes["<non-python>" in stack] += int(size)
+        assert sizes[False] >= 0.95 * sum(sizes.values()), (r, sizes)
+        allocs = [e for e in snap["device_traces"][0] if e["action"] == "alloc"]
+        framed = sum(e["size"] for e in allocs if e["frames"])
+        assert framed >= 0.95 * sum(e["size"] for e in allocs), r
+    res = CliRunner().invoke(cli_main, ["memory", str(runs["slow"].out), "--store", str(tmp_path / "s.duckdb"),
+                                        "--by", "frame", "--top", "100000", "--json", "--no-estimate"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    live = collections.Counter()
+    for row in out["live_by_frame"]:
+        live[row["frame"] == "<unknown>"] += row["bytes"]
+    assert live[False] >= 0.95 * sum(live.values()), live
+    assert all(p["peak_frame"] and p["peak_frame"].startswith("<profiler op>:0:") for p in out["peaks"])
+
+
+def test_a_run_profiled_with_stacks_names_source_lines(runs):
+    """--profile-stack: the trace's python_function spans become source frames among the spans'."""
+    snap = pickle.loads(memory_path(runs["moving"].out, 0).read_bytes())
+    allocs = [e for e in snap["device_traces"][0] if e["action"] == "alloc"]
+    with_source = [e for e in allocs if any(f["filename"].endswith("reference_trainer/model.py") and f["line"] > 0
+                                            for f in e["frames"])]
+    assert len(with_source) >= 0.2 * len(allocs)
+    assert any(f["name"] == "_layer" for e in with_source for f in e["frames"])
+    plain = pickle.loads(memory_path(runs["slow"].out, 0).read_bytes())
+    assert not any(f["line"] for e in plain["device_traces"][0] for f in e["frames"])  # spans only
 
 
 

@@ -7,6 +7,7 @@ the single place that writes and parses those names; docs/trace_conventions.md d
     tk.comm op=all_gather pg=5 dim=cp seq=17 ranks=0,2 bytes=4096 dtype=bfloat16
     tk.comm op=send pg=9 dim=pp seq=3 ranks=0,4 peer=4 bytes=8192 dtype=bfloat16
     tk.compute phase=fwd vstage=1 mb=3
+    tk.module layers.3.attention
 
 ``ranks`` lists the group's global ranks in group-local order; ``peer`` is the global rank of the
 other side of a p2p op; ``seq`` counts ops per group (collectives) or per (group, peer, direction)
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 
 COMM_PREFIX = "tk.comm "
 COMPUTE_PREFIX = "tk.compute "
+MODULE_PREFIX = "tk.module "  # a part of the model's forward: 'tk.module layers.3.attention'
+TRAINER_SPAN_PREFIXES = (COMPUTE_PREFIX, COMM_PREFIX, MODULE_PREFIX)
 
 P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
 
@@ -113,3 +116,35 @@ def parse_compute(name: str) -> ComputeAnnotation | None:
         )
     except (KeyError, ValueError) as e:
         raise ConventionError(f"bad compute span {name!r}: {e}") from None
+
+
+# Frames of the reference trainer's CPU memory snapshots (reference_trainer/alloc_sites.py). The CPU
+# profiler records allocations without a stack, so an allocation's frames are the profiler spans open
+# around it on its thread, and a persistent buffer's is the trainer's own name for it. Their file
+# names say that they are not source lines.
+OP_FRAME_FILE = "<profiler op>"  # a cpu_op span: name 'aten::mm', 'autograd::engine::evaluate_function: ...'
+ANNOTATION_FRAME_FILE = "<annotation>"  # a user_annotation span: 'tk.compute phase=fwd vstage=0 mb=1'
+STATE_FRAME_FILE = "<trainer state>"  # a parameter, gradient bucket or optimizer state: 'parameter layers.0.wq.weight'
+
+
+def module_span_name(module: str) -> str:
+    """The span around one part of the model's forward ('layers.3.attention', 'embed', 'head')."""
+    return MODULE_PREFIX + module
+
+
+def annotation_context(name: str) -> str | None:
+    """A span annotation as a short, step-independent place: 'fwd vstage=0' for a compute span (no
+    micro-batch), 'all_gather cp' for a comm span (no sequence number), 'layers.3.attention' for a
+    module span, None for ProfilerStep#N, and any other annotation as it is."""
+    if name.startswith("ProfilerStep#"):
+        return None
+    if name.startswith(MODULE_PREFIX):
+        return name[len(MODULE_PREFIX):]
+    try:
+        if (c := parse_compute(name)) is not None:
+            return c.phase + (f" vstage={c.vstage}" if c.vstage is not None else "")
+        if (m := parse_comm(name)) is not None:
+            return f"{m.op} {m.dim}"
+    except ConventionError:
+        pass
+    return name

@@ -102,7 +102,7 @@ TABLES: dict[str, list[tuple[str, str]]] = {
         ("category", "VARCHAR"),  # parameter | gradient | optimizer_state | activation | ... | NULL
         ("frame", "VARCHAR"),  # top user frame, 'file:line:function'
         # the allocation's Python stack, innermost first, one 'file:line:function' a line (bounded:
-        # memory_snapshot.STACK_FRAMES frames); NULL where the recorder kept no stack
+        # memory_frames.STACK_FRAMES frames); NULL where the recorder kept no stack
         ("frames", "VARCHAR"),
     ],
     "memory_segments": [

@@ -103,8 +103,8 @@ class MemoryView:
         elif not curve.stacks_stored:
             text += "<br>stacks not stored: this store was written before tracekit kept them (ingest the run again)"
         if curve.peak_frame == "<unknown>":
-            text += ("<br>allocation sites unknown: the snapshot recorded no stacks (snapshots made from a CPU "
-                     "profile carry none; CUDA snapshots record them)")
+            text += ("<br>allocation sites unknown: the snapshot recorded no stacks (torch's _profile_to_snapshot "
+                     "writes none; CUDA snapshots and the reference trainer's CPU snapshots record them)")
         if shown != rank:
             text += f" (rank {rank} has no snapshot; ranks with one: {self.ranks})"
         self.text.object = "## Memory\n\n" + text
