@@ -114,3 +114,34 @@ def test_ctrl_c_in_an_analysis(tmp_path: Path) -> None:
     out, err = p.communicate(timeout=300)
     assert p.returncode == 130, out.decode() + err.decode()
     _interrupted(err.decode())
+
+
+SPIN = """
+import sys, click, duckdb
+import tracekit.cli as cli
+
+@click.command()
+def spin():
+    con = duckdb.connect()
+    print("querying", file=sys.stderr, flush=True)
+    con.sql("SELECT count(*) FROM range(100000000000) a WHERE a.range % 7 = 3").pl()
+
+sys.modules["spin_module"] = sys.modules[__name__]
+cli.COMMANDS["spin"] = ("spin_module", "spin", "a long DuckDB query")
+sys.argv[0] = "tracekit"
+cli.main()
+"""
+
+
+def test_ctrl_c_inside_a_duckdb_query(tmp_path: Path) -> None:
+    """DuckDB turns the interrupt into its own error ('Query interrupted'); it exits 130 all the same
+    (the dashboard's first page build, interrupted under load, printed a traceback and exit 1)."""
+    p = subprocess.Popen([sys.executable, "-c", SPIN, "spin"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tmp_path)
+    line = p.stderr.readline()  # type: ignore[union-attr]
+    assert "querying" in line, line
+    time.sleep(1.0)  # inside the query
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    _interrupted(err)

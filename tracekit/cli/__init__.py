@@ -98,6 +98,18 @@ class LazyGroup(click.Group):
 
                 fail(str(e))
             raise
+        except Exception as e:
+            if _query_interrupted(e):
+                interrupted()
+            raise
+
+
+def _query_interrupted(e: BaseException) -> bool:
+    """DuckDB turns a Ctrl-C that lands inside a query into its own error (a RuntimeError "Query
+    interrupted" from the relation API, or InterruptException): the user's interrupt all the same."""
+    duckdb = sys.modules.get("duckdb")
+    return (duckdb is not None and isinstance(e, getattr(duckdb, "InterruptException", ()))) or \
+        str(e).strip() == "Query interrupted"
 
 
 @click.group(cls=LazyGroup)
