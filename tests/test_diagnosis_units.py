@@ -121,3 +121,20 @@ def test_a_moving_finding_from_waits_alone_names_no_rank_and_leads_a_moving_verd
     stage = Finding("stage_imbalance", (1,), "pipeline stage 1", (), 9e6, 0.04, 0.8, "stage_imbalance", "stage", "")
     out = _primary(loc, [stage, moving], tables)
     assert (out.verdict, out.culprit_rank, out.culprit_ranks) == ("moving", None, ())
+
+
+
+def test_a_slow_rank_does_not_make_its_stage_peers_look_fast():
+    # rank 5 (stage 0, with ranks 0, 1, 4) computes 1.5x: its peers' reference leaves the largest of
+    # their others out, so they stay level with stage 1's ranks (a plain mean moved them 4-7%)
+    from tracekit.analysis.compute_speed import compute_speed
+
+    job = make_job(Layout(tp=2, cp=1, pp=2, dp=2), faults=Faults(slow_rank=5, slow_factor=1.5), seed=2, noise=0.02)
+    speed = compute_speed(RunTables.from_mapping(job))
+    med = speed.group_by("rank", "pp").agg(pl.col("log_ratio").median())
+    assert sorted(med.filter(pl.col("pp") == 0)["rank"].to_list()) == [0, 1, 4, 5]
+    level = {st: float(med.filter((pl.col("pp") == st) & (pl.col("rank") != 5))["log_ratio"].median())
+             for st in (0, 1)}
+    assert abs(level[0] - level[1]) < 0.01, level
+    culprit = float(med.filter(pl.col("rank") == 5)["log_ratio"][0])
+    assert culprit - level[1] == pytest.approx(math.log(1.5), abs=0.05)

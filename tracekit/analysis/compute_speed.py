@@ -97,10 +97,17 @@ def compute_speed(tables: RunTables) -> pl.DataFrame:
     spans = spans.join(tables.coords().select("rank", "pp"), on="rank")
     peers = ["pp", "step", "key"]
     # the reference is the mean of the *other* ranks' same span: with two ranks per stage, a median
-    # that includes the rank itself would halve its own slowdown and mirror it onto its peer
+    # that includes the rank itself would halve its own slowdown and mirror it onto its peer. With
+    # three others or more, the largest of them is left out: a slow rank would otherwise lift every
+    # peer's reference and make its whole stage look fast (and, beside it, every other stage slow)
     n = pl.len().over(peers)
-    spans = spans.with_columns(((pl.col("own_ns").sum().over(peers) - pl.col("own_ns")) / (n - 1)).alias("ref"),
-                               n.alias("n"))
+    own = pl.col("own_ns")
+    top = own.max().over(peers)
+    second = own.sort(descending=True).get(1).over(peers)
+    top_other = pl.when(own >= top).then(second).otherwise(top)  # the largest of the others
+    rest = own.sum().over(peers) - own
+    spans = spans.with_columns(pl.when(n >= 4).then((rest - top_other) / (n - 2)).otherwise(rest / (n - 1))
+                               .alias("ref"), n.alias("n"))
     spans = spans.filter((pl.col("n") > 1) & (pl.col("own_ns") > 0) & (pl.col("ref") > 0))
     lr = (pl.col("own_ns") / pl.col("ref")).log()
     # the mean of the middle 60% of the spans' log ratios: as robust to a few preempted spans as a

@@ -116,6 +116,7 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int
     if T == 0:
         return ComputeCulprits()
     ref_ns = {(int(t), int(r)): float(v) for t, r, v in speed.select("step", "rank", "ref_ns").iter_rows()}
+    stage_of = dict(speed.select("rank", "pp").unique("rank").iter_rows())
     e = mat - np.nanmedian(mat, axis=1, keepdims=True)
     sigma = max(step_scatter(mat), tun.compute_noise_floor)
     n_all = max(n, compared or 0)
@@ -123,7 +124,6 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int
     cell_bar = max(NormalDist().inv_cdf(1 - tun.episode_alpha / cells) * sigma, math.log(tun.episode_min_ratio))
     bar = tun.compute_margin_min + tun.compute_margin_per_log * math.log(max(1.0, n_all / 2))
     med = np.nanmedian(e, axis=0)
-    stage_of = dict(speed.select("rank", "pp").unique("rank").iter_rows())
     findings: list[RankFinding] = []
     persistent: set[int] = set()
     units: list[tuple[float, int]] = []  # each rank's noise unit, and its steps kept
