@@ -203,7 +203,9 @@ def _run_ray(work: list[list[rundir.Job]], out_dir: str, address: str | None) ->
         raise EngineUnavailable("the ray engine needs Ray: pip install 'tracekit[cluster]'") from None
     if not ray.is_initialized():
         try:
-            ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+            # No dashboard: a batch command has no use for it, and starting it costs a process and
+            # its imports on every cold start (benchmarks/ingest_ray.py, docs/dataset.md).
+            ray.init(address=address, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
         except Exception as e:  # noqa: BLE001 - no cluster at the address, a version mismatch, ...
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise EngineUnavailable(f"cannot start or reach Ray{f' at {address}' if address else ''}: {first}") from None
