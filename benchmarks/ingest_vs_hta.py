@@ -6,6 +6,12 @@
 
     python benchmarks/ingest_vs_hta.py --hta-python python3   # an existing HTA install (no network)
     python benchmarks/ingest_vs_hta.py --floor         # also: what any ingest must pay here (below)
+    python benchmarks/ingest_vs_hta.py --set sim-profiler --ranks 64   # another generator (below)
+
+``--set`` picks the traces: ``gen`` (the default, below) or tracekit simulate's ``--detail`` traces
+(another event mix, args and names, aten ops and ac2g flows) as the simulator writes them
+(``sim-gz``: compact, gzipped), or rewritten uncompressed in the profiler's multi-line layout
+(``sim-profiler``) or as one compact line (``sim-compact``); see benchmarks/trace_sets.py.
 
 Traces (NCCL flavour, benchmarks/gen_traces.py, written by --gen-jobs processes, one per core by
 default) are cached under benchmarks/_work/. HTA 0.5.0 runs in
@@ -24,11 +30,13 @@ not counted twice. MB/s is uncompressed JSON bytes per second of wall time; MB/C
 user + system CPU of the tool and every process it waited for, which depends far less on what
 else the machine runs than wall time does (this machine is shared: read the load column).
 
-``--floor`` measures, in the same run, two lower bounds on tracekit's wall time, against the 20x
-target's budget (HTA's wall / 20): ``fixed``, the CLI ingesting an empty folder (interpreter,
-imports, store); and ``scan only``, the imports plus the native scanner reading every trace with
-the same workers into Arrow batches that are then dropped: no normalization, no store. Whatever
-ingest does beyond reading the bytes comes on top of ``scan only``.
+``--floor`` measures, in the same run, three lower bounds on tracekit's wall time, against the 20x
+target's budget (HTA's wall / 20): ``fixed``, the CLI ingesting one trace of one event
+(interpreter, imports, store, log); ``bytes``, each file decompressed (when gzip) and passed over
+once (a count of '{', in C) by as many processes as workers, pool start included; and ``scan
+only``, the imports plus the native scanner reading every trace with the same workers into Arrow
+batches that are then dropped: no normalization, no store. Whatever ingest does beyond reading
+the bytes comes on top of ``scan only``.
 """
 
 from __future__ import annotations
