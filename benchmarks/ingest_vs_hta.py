@@ -61,11 +61,16 @@ sys.path.insert(0, str(HERE))
 from gen_traces import generate  # noqa: E402
 from trace_sets import KINDS, build  # noqa: E402
 
+# Each file's rank given from its name: HTA finds a file's rank with the regex '"rank":\\s+(\\d+)',
+# which compact JSON ('"rank":3') never matches; every such file would then be rank 0 and HTA
+# would read one file of the set.
 HTA_RUN = """
-import sys
+import os, re, sys
 from hta.trace_analysis import TraceAnalysis
-a = TraceAnalysis(trace_dir=sys.argv[1])
-print(sum(len(a.t.get_trace(r)) for r in a.t.get_ranks()), "events")
+files = {int(re.search(r"rank(\\d+)", f).group(1)): os.path.join(sys.argv[1], f)
+         for f in os.listdir(sys.argv[1]) if f.endswith((".json", ".json.gz"))}
+a = TraceAnalysis(trace_files=files, trace_dir=sys.argv[1])
+print(len(a.t.get_ranks()), "ranks", sum(len(a.t.get_trace(r)) for r in a.t.get_ranks()), "events")
 """
 
 
@@ -246,7 +251,10 @@ def run_case(ranks: int, events: int, workers: int, hta: bool, hta_python: str |
         py = ensure_hta(hta_python)
         warm(traces)
         load = os.getloadavg()[0]
-        res["hta"] = (*measure([str(py), "-c", HTA_RUN, str(traces[0].parent)])[:3], load)
+        *hta_run, out = measure([str(py), "-c", HTA_RUN, str(traces[0].parent)])
+        if int(out.split()[-4]) != len(traces):
+            raise SystemExit(f"HTA read {out.strip()} of {len(traces)} traces")
+        res["hta"] = (*hta_run, load)
     return res
 
 
