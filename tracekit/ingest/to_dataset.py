@@ -246,7 +246,8 @@ def ingest(paths: list[str | Path], out_dir: str | Path, run_id: str | None = No
            workers: int | None = None, address: str | None = None, progress: Progress | None = None) -> IngestReport:
     """Ingest files and run directories into the dataset at ``out_dir`` (created if new); never
     raises for bad files. ``engine``: "local" (threads) or "ray" (one Ray task per file or batch of
-    small files, on the cluster at ``address``, or this machine's when None and Ray is not started)."""
+    small files, on the cluster at ``address`` or RAY_ADDRESS, else on a Ray started on this machine for the
+    command: ``ray_init_args``)."""
     t0 = time.perf_counter()
     out = dataset.create(out_dir)
     jobs = rundir.collect([Path(p) for p in paths], run_id)
