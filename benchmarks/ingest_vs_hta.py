@@ -6,6 +6,12 @@
 
     python benchmarks/ingest_vs_hta.py --hta-python python3   # an existing HTA install (no network)
     python benchmarks/ingest_vs_hta.py --floor         # also: what any ingest must pay here (below)
+    python benchmarks/ingest_vs_hta.py --set sim-profiler --ranks 64   # another generator (below)
+
+``--set`` picks the traces: ``gen`` (the default, below) or tracekit simulate's ``--detail`` traces
+(another event mix, args and names, aten ops and ac2g flows) as the simulator writes them
+(``sim-gz``: compact, gzipped), or rewritten uncompressed in the profiler's multi-line layout
+(``sim-profiler``) or as one compact line (``sim-compact``); see benchmarks/trace_sets.py.
 
 Traces (NCCL flavour, benchmarks/gen_traces.py, written by --gen-jobs processes, one per core by
 default) are cached under benchmarks/_work/. HTA 0.5.0 runs in
@@ -24,11 +30,13 @@ not counted twice. MB/s is uncompressed JSON bytes per second of wall time; MB/C
 user + system CPU of the tool and every process it waited for, which depends far less on what
 else the machine runs than wall time does (this machine is shared: read the load column).
 
-``--floor`` measures, in the same run, two lower bounds on tracekit's wall time, against the 20x
-target's budget (HTA's wall / 20): ``fixed``, the CLI ingesting an empty folder (interpreter,
-imports, store); and ``scan only``, the imports plus the native scanner reading every trace with
-the same workers into Arrow batches that are then dropped: no normalization, no store. Whatever
-ingest does beyond reading the bytes comes on top of ``scan only``.
+``--floor`` measures, in the same run, three lower bounds on tracekit's wall time, against the 20x
+target's budget (HTA's wall / 20): ``fixed``, the CLI ingesting one trace of one event
+(interpreter, imports, store, log); ``bytes``, each file decompressed (when gzip) and passed over
+once (a count of '{', in C) by as many processes as workers, pool start included; and ``scan
+only``, the imports plus the native scanner reading every trace with the same workers into Arrow
+batches that are then dropped: no normalization, no store. Whatever ingest does beyond reading
+the bytes comes on top of ``scan only``.
 """
 
 from __future__ import annotations
@@ -51,12 +59,18 @@ HTA_VENV = WORK / "hta-venv"
 HTA_DEPS = ["pandas<3", "numpy", "networkx", "plotly", "pydot", "psutil", "pyyaml"]
 sys.path.insert(0, str(HERE))
 from gen_traces import generate  # noqa: E402
+from trace_sets import KINDS, build  # noqa: E402
 
+# Each file's rank given from its name: HTA finds a file's rank with the regex '"rank":\\s+(\\d+)',
+# which compact JSON ('"rank":3') never matches; every such file would then be rank 0 and HTA
+# would read one file of the set.
 HTA_RUN = """
-import sys
+import os, re, sys
 from hta.trace_analysis import TraceAnalysis
-a = TraceAnalysis(trace_dir=sys.argv[1])
-print(sum(len(a.t.get_trace(r)) for r in a.t.get_ranks()), "events")
+files = {int(re.search(r"rank(\\d+)", f).group(1)): os.path.join(sys.argv[1], f)
+         for f in os.listdir(sys.argv[1]) if f.endswith((".json", ".json.gz"))}
+a = TraceAnalysis(trace_files=files, trace_dir=sys.argv[1])
+print(len(a.t.get_ranks()), "ranks", sum(len(a.t.get_trace(r)) for r in a.t.get_ranks()), "events")
 """
 
 
@@ -70,7 +84,7 @@ for k, v in PROCESS_DEFAULTS.items():
 from pathlib import Path
 import tracekit.ingest.pipeline
 from tracekit.ingest import kineto
-files, lock = sorted(Path(sys.argv[1]).glob("*.json")), threading.Lock()
+files, lock = sorted(p for p in Path(sys.argv[1]).iterdir() if ".json" in p.name), threading.Lock()
 def work():
     while True:
         with lock:
@@ -84,6 +98,26 @@ for w in workers:
 for w in workers:
     w.join()
 """
+
+# The bytes floor: decompression (gzip) and one pass over the bytes (a count of '{' in C), each
+# file in one of `workers` processes (pool start included), with ingest's own reader of the bytes.
+BYTES_ONLY = """
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+def one(path):
+    from tracekit.ingest.jsonsplit import _Source
+    src, n = _Source(Path(path), None), 0
+    while (block := src.read()):
+        n += block.count(b"{")
+    return n
+if __name__ == "__main__":
+    files = sorted(str(p) for p in Path(sys.argv[1]).iterdir() if ".json" in p.name)
+    with ProcessPoolExecutor(int(sys.argv[2])) as pool:
+        print(sum(pool.map(one, files)))
+"""
+TINY_TRACE = ('{"distributedInfo": {"rank": 0, "world_size": 1, "backend": "gloo"}, "traceEvents": ['
+              '{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 1.0, "dur": 1.0}]}')
 
 
 def ensure_hta(python: str | None = None) -> Path:
@@ -178,10 +212,20 @@ def warm(paths: list[Path]) -> None:
                 pass
 
 
+def raw_size(path: Path) -> int:
+    """Bytes of JSON in a trace: a gzip file's from its trailer (its size mod 2^32; traces are smaller)."""
+    if path.name.endswith(".gz"):
+        with open(path, "rb") as f:
+            f.seek(-4, os.SEEK_END)
+            return int.from_bytes(f.read(4), "little")
+    return path.stat().st_size
+
+
 def run_case(ranks: int, events: int, workers: int, hta: bool, hta_python: str | None = None,
-             gen_jobs: int = 1, floor: bool = False) -> dict:
-    traces = generate(WORK / f"traces-{ranks}x{events}", ranks, events, gen_jobs)
-    mb = sum(p.stat().st_size for p in traces) / 1e6
+             gen_jobs: int = 1, floor: bool = False, kind: str = "gen", steps: int = 40) -> dict:
+    traces = generate(WORK / f"traces-{ranks}x{events}", ranks, events, gen_jobs) if kind == "gen" \
+        else build(kind, ranks, steps, gen_jobs)
+    mb = sum(raw_size(p) for p in traces) / 1e6
     res: dict = {"ranks": ranks, "raw_mb": mb}
     with tempfile.TemporaryDirectory(dir=WORK) as tmp:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -191,10 +235,15 @@ def run_case(ranks: int, events: int, workers: int, hta: bool, hta_python: str |
         load = os.getloadavg()[0]
         res["tracekit"] = (*measure(cmd, env)[:3], load)
         if floor:
-            empty = Path(tmp) / "empty"
-            empty.mkdir()
-            fixed = cmd[:4] + [str(empty), "--store", str(Path(tmp) / "empty.duckdb"), "--json"]
+            tiny = Path(tmp) / "tiny"  # one trace of one event: interpreter, imports, store, log
+            tiny.mkdir()
+            (tiny / "rank0.json").write_text(TINY_TRACE)
+            fixed = cmd[:4] + [str(tiny), "--store", str(Path(tmp) / "tiny.duckdb"), "--json"]
             res["fixed"] = (*measure(fixed, env)[:3], os.getloadavg()[0])
+            warm(traces)
+            warm(traces)
+            pass_ = [sys.executable, "-c", BYTES_ONLY, str(traces[0].parent), str(workers)]
+            res["bytes"] = (*measure(pass_, env)[:3], os.getloadavg()[0])
             warm(traces)
             scan = [sys.executable, "-c", SCAN_ONLY, str(traces[0].parent), str(workers)]
             res["scan only"] = (*measure(scan, env)[:3], os.getloadavg()[0])
@@ -202,7 +251,10 @@ def run_case(ranks: int, events: int, workers: int, hta: bool, hta_python: str |
         py = ensure_hta(hta_python)
         warm(traces)
         load = os.getloadavg()[0]
-        res["hta"] = (*measure([str(py), "-c", HTA_RUN, str(traces[0].parent)])[:3], load)
+        *hta_run, out = measure([str(py), "-c", HTA_RUN, str(traces[0].parent)])
+        if int(out.split()[-4]) != len(traces):
+            raise SystemExit(f"HTA read {out.strip()} of {len(traces)} traces")
+        res["hta"] = (*hta_run, load)
     return res
 
 
@@ -224,19 +276,24 @@ def main() -> None:
     ap.add_argument("--hta-python", help="an interpreter that already has HTA 0.5.0 and pandas<3 (else a venv is made)")
     ap.add_argument("--floor", action="store_true",
                     help="also measure the fixed cost and a scan-only read, against the 20x budget")
+    ap.add_argument("--set", dest="kind", choices=("gen",) + KINDS, default="gen",
+                    help="gen: gen_traces.py's set (--events per rank); sim-*: tracekit simulate --detail's "
+                         "traces (--steps), as written (gz) or rewritten (benchmarks/trace_sets.py)")
+    ap.add_argument("--steps", type=int, default=40, help="steps of the sim-* sets")
     ap.add_argument("--gen-jobs", type=int, default=os.cpu_count() or 1, help="processes generating the traces")
     a = ap.parse_args()
     WORK.mkdir(exist_ok=True)
     byte_compile()
-    print(f"cpus={os.cpu_count()} workers={a.workers}; load = 1-min load average when the tool started")
+    print(f"set {a.kind}; cpus={os.cpu_count()} workers={a.workers}; load = 1-min load average when the tool started; "
+          f"raw MB = uncompressed JSON")
     print(f"{'ranks':>5} {'raw MB':>7} {'tool':>8} {'load':>5} {'wall s':>7} {'MB/s':>7} {'CPU s':>7} "
           f"{'MB/CPU-s':>8} {'peak MB':>8} {'peak/raw':>8}")
     for r in a.ranks:
         runs = []
         for _ in range(a.repeats):
-            res = run_case(r, a.events, a.workers, not a.skip_hta, a.hta_python, a.gen_jobs, a.floor)
+            res = run_case(r, a.events, a.workers, not a.skip_hta, a.hta_python, a.gen_jobs, a.floor, a.kind, a.steps)
             runs.append(res)
-            for tool in ("tracekit", "hta", "fixed", "scan only"):
+            for tool in ("tracekit", "hta", "fixed", "bytes", "scan only"):
                 if tool in res:
                     wall, peak, cpu, load = res[tool]
                     mb = res["raw_mb"] if tool != "fixed" else float("nan")  # reads no trace
@@ -252,7 +309,7 @@ def main() -> None:
                   f"{hc / tc:.1f}x HTA (CPU); peak memory = {tp / hp:.2f}x HTA (load now {os.getloadavg()[0]:.1f})")
             if a.floor:
                 budget = hw / 20
-                parts = {t: statistics.median(x[t][0] for x in runs) for t in ("fixed", "scan only", "tracekit")}
+                parts = {t: statistics.median(x[t][0] for x in runs) for t in ("fixed", "bytes", "scan only", "tracekit")}
                 print(f"{r:>5} 20x budget {budget:.2f} s: " + ", ".join(
                     f"{t} {v:.2f} s = {v / budget:.0%}" for t, v in parts.items()))
 

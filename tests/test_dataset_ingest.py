@@ -149,3 +149,30 @@ def test_engine_ray_without_ray_says_how_to_install(run_dir, tmp_path, monkeypat
 def test_engine_ray_needs_a_dataset(run_dir, tmp_path) -> None:
     res = CliRunner().invoke(main, ["ingest", str(run_dir), "--store", str(tmp_path / "s.duckdb"), "--engine", "ray"])
     assert res.exit_code == 2 and "--out" in res.stderr
+
+
+def test_ray_started_by_the_engine_runs_tasks_at_the_commands_priority(run_dir, tmp_path, monkeypatch) -> None:
+    """Without --address the engine starts Ray for the command alone: its tasks get this process's
+    niceness, not Ray's default of 15 (under which anything else on the machine goes first), and
+    the same rows as the local engine."""
+    ray = pytest.importorskip("ray")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    if ray.is_initialized():
+        ray.shutdown()  # the module's own Ray (ray_local): this test starts its own
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    shutil.copy(next((SAMPLE / "traces").glob("rank2*")), traces)
+    try:
+        report = to_dataset.ingest([traces], tmp_path / "ds", engine="ray")
+        assert [f.status for f in report.files] == ["ok"]
+        import os
+
+        nice = ray.get(ray.remote(lambda: os.nice(0)).remote())
+        assert nice == os.nice(0)
+    finally:
+        ray.shutdown()
+    local = to_dataset.ingest([traces], tmp_path / "ds_local")
+    from tracekit.dataset import connect
+
+    count = "SELECT count(*), sum(ts_ns) FROM events"
+    assert connect(tmp_path / "ds").execute(count).fetchall() == connect(tmp_path / "ds_local").execute(count).fetchall()

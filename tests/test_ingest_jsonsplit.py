@@ -69,3 +69,35 @@ def test_truncation_is_detected(tmp_path_factory: pytest.TempPathFactory, cut: i
     f.write_bytes(data[:-cut])
     with pytest.raises(TraceFormatError, match=str(f)):
         split_trace(f, io.BytesIO())
+
+
+def _inflaters() -> list:
+    import zlib
+
+    out = [pytest.param(zlib, id="zlib")]
+    try:
+        from isal import isal_zlib
+    except ImportError:
+        return out
+    return out + [pytest.param(isal_zlib, id="isal")]
+
+
+@pytest.mark.parametrize("inflater", _inflaters())
+def test_each_inflater_reads_gzip_alike(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, inflater) -> None:
+    """ISA-L's inflate where installed, zlib's otherwise: the same events from a stream of two
+    gzip members cut into small blocks, and one line naming the file for a corrupt or cut one."""
+    monkeypatch.setattr(jsonsplit, "inflater", inflater)
+    monkeypatch.setattr(jsonsplit, "CHUNK", 333)
+    events = [{"ph": "X", "name": f"{NASTY[i % 4]} {i}", "ts": i} for i in range(2000)]
+    data = _doc(events, "middle", 2)
+    f = tmp_path / "t.json.gz"
+    half = len(data) // 2
+    f.write_bytes(gzip.compress(data[:half]) + gzip.compress(data[half:]))  # concatenated members
+    with open(tmp_path / "events.json", "w+b") as out:
+        meta = split_trace(f, out)
+    assert json.loads((tmp_path / "events.json").read_bytes()) == events and meta["baseTimeNanoseconds"] == 5
+    packed = gzip.compress(data)
+    for bad in (packed[:len(packed) // 2], packed[:40] + bytes(200) + packed[240:]):
+        f.write_bytes(bad)
+        with pytest.raises(TraceFormatError, match=f"{f}: (corrupt or truncated|truncated)"):
+            split_trace(f, io.BytesIO())

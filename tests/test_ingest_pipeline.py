@@ -266,13 +266,20 @@ def test_report_lists_files_in_the_order_given(tmp_path: Path) -> None:
 SAMPLE = Path(__file__).parent.parent / "sample_traces" / "slow_rank_8"
 
 
-@pytest.mark.parametrize("files", [["traces/rank0.json.gz"], ["fr/rank0", "memory/rank0.pickle"]],
-                         ids=["kineto", "fr+memory"])
+NO_COMM_TRACE = ('{"distributedInfo": {"rank": 0, "world_size": 1, "backend": "gloo"}, "traceEvents": ['
+                 '{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 1.0, "dur": 1.0}]}')
+
+
+@pytest.mark.parametrize("files", [["traces/rank0.json.gz"], ["fr/rank0", "memory/rank0.pickle"], ["no_comm"]],
+                         ids=["kineto", "fr+memory", "kineto-without-communication"])
 def test_ingest_does_not_import_pandas(tmp_path: Path, files: list[str]) -> None:
-    """pyarrow imports pandas (0.5 CPU-s) when it converts Python objects or numpy arrays; ingest
-    builds its tables in DuckDB or from Arrow buffers instead, so no format pays for it."""
+    """pyarrow imports pandas (0.5 CPU-s) when it converts Python objects or numpy arrays, or
+    combines a chunked array of no chunks; ingest builds its tables in DuckDB or from Arrow buffers
+    instead, so no format pays for it, nor a trace without communication events."""
     pytest.importorskip("pandas")  # without pandas installed the check would say nothing
-    paths = [str(SAMPLE / f) for f in files]
+    (tmp_path / "no_comm").mkdir()
+    (tmp_path / "no_comm" / "rank0.json").write_text(NO_COMM_TRACE)
+    paths = [str(tmp_path / f if f == "no_comm" else SAMPLE / f) for f in files]
     code = ("import sys; from tracekit.ingest.pipeline import ingest; "
             f"rep = ingest({paths!r}, {str(tmp_path / 's.duckdb')!r}); "
             f"assert [f.status for f in rep.files] == {['ok'] * len(files)!r}, rep.files; "

@@ -78,11 +78,18 @@ def from_values(values: Sequence[Any], typ: pa.DataType, name: str = "column") -
     return pa.Array.from_buffers(typ, n, [bitmap, pa.py_buffer(data)], null_count=nulls)
 
 
+def one_array(values: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """A chunked array as one array (an array as it is). pyarrow's own ``combine_chunks`` imports
+    pandas for a chunked array of no chunks (a trace without communication events has some)."""
+    if not isinstance(values, pa.ChunkedArray):
+        return values
+    return values.combine_chunks() if values.num_chunks else pa.nulls(0, values.type)
+
+
 def to_numpy(values: pa.Array) -> np.ndarray:
     """A numeric Arrow array without nulls as a numpy view of its buffer (``to_numpy`` would
     import pandas)."""
-    if isinstance(values, pa.ChunkedArray):
-        values = values.combine_chunks()
+    values = one_array(values)
     if values.null_count:
         raise TypeError(f"to_numpy takes numbers without nulls, not {values.type} with {values.null_count} nulls")
     return _data(values)
@@ -90,8 +97,7 @@ def to_numpy(values: pa.Array) -> np.ndarray:
 
 def filled(values: pa.Array, fill: int = 0) -> np.ndarray:
     """A numeric Arrow array as numpy, ``fill`` where null."""
-    if isinstance(values, pa.ChunkedArray):
-        values = values.combine_chunks()
+    values = one_array(values)
     if not values.null_count:
         return _data(values)
     data = _data(values)
@@ -112,8 +118,7 @@ def _bits(buf: pa.Buffer, offset: int, n: int) -> np.ndarray:
 def to_bools(values: pa.Array) -> np.ndarray:
     """A boolean Arrow array as numpy (null as False), unpacked from its buffers
     (``to_numpy`` would import pandas)."""
-    if isinstance(values, pa.ChunkedArray):
-        values = values.combine_chunks()
+    values = one_array(values)
     n, off = len(values), values.offset
     validity, data = values.buffers()[:2]
     out = _bits(data, off, n)

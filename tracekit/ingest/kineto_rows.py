@@ -70,9 +70,7 @@ class Dictionary:
 
     def encode(self, column: pa.Array, as_value: Callable[[str], str] = lambda v: v) -> np.ndarray:
         """Ids of a string column's values (mapped by ``as_value``), -1 for null (int32)."""
-        enc = pc.dictionary_encode(column)
-        if isinstance(enc, pa.ChunkedArray):
-            enc = enc.combine_chunks()
+        enc = columns.one_array(pc.dictionary_encode(column))
         remap = np.array([self.id(as_value(v)) for v in enc.dictionary.to_pylist()] + [-1], dtype=np.int32)
         local = columns.filled(enc.indices, len(remap) - 1)
         return remap[local]
@@ -255,7 +253,7 @@ class EventRows:
         for k in COMM_FIELDS:
             parts = [a[k] for a in p["comm_args"]]
             cols[k] = pa.concat_arrays(parts) if parts else pa.nulls(0, pa.string())
-        return columns.table({k: v.combine_chunks() if isinstance(v, pa.ChunkedArray) else v for k, v in cols.items()})
+        return columns.table({k: columns.one_array(v) for k, v in cols.items()})
 
     def _pids(self) -> list[int]:
         if not self.pid_counts:
@@ -293,7 +291,7 @@ def try_bigint(con: duckdb.DuckDBPyConnection, text: pa.Array) -> pa.Array:
         res = cur.sql("SELECT TRY_CAST(v AS BIGINT) AS v FROM _tk_try_bigint").to_arrow_table()
     finally:
         cur.close()
-    return res.column("v").combine_chunks()
+    return columns.one_array(res.column("v"))
 
 
 def try_cast_values(con: duckdb.DuckDBPyConnection, values: list[str], sql_type: str) -> list:

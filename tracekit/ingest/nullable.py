@@ -30,9 +30,7 @@ class Text:
 
     @classmethod
     def of(cls, column: pa.Array) -> "Text":
-        enc = pc.dictionary_encode(column)
-        if isinstance(enc, pa.ChunkedArray):
-            enc = enc.combine_chunks()
+        enc = columns.one_array(pc.dictionary_encode(column))
         values = enc.dictionary.to_pylist()
         codes = columns.filled(enc.indices, -1).astype(np.int32)
         return cls(codes, values)
@@ -120,5 +118,5 @@ def ordinals(keys: list[object], ts: Ints, first_step_ns: int | None) -> np.ndar
 
 def ints(col: pa.ChunkedArray | pa.Array) -> Ints:
     """An integer Arrow column as Ints."""
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    arr = columns.one_array(col)
     return Ints(columns.filled(arr), columns.to_bools(arr.is_valid()))

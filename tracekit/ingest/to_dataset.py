@@ -196,6 +196,21 @@ def _run_local(work: list[list[rundir.Job]], out_dir: str, workers: int) -> Iter
                 f.cancel()
 
 
+def ray_init_args(address: str | None, env_address: str | None) -> dict:
+    """``ray.init``'s arguments: the cluster at ``address`` (or RAY_ADDRESS), else a Ray started on
+    this machine for this command alone.
+
+    Started here, its workers run at the command's own priority (``worker_niceness`` 0; Ray's
+    default, 15, lets every other process on the machine go first: on a shared 2-core machine that
+    made each task 5-10x slower in wall time for the same CPU), and without the dashboard, which a
+    batch command has no use for (benchmarks/ingest_ray.py, docs/dataset.md). A cluster that is
+    already running keeps its own settings."""
+    quiet = {"logging_level": "ERROR", "log_to_driver": False}
+    if address is not None or env_address:
+        return {"address": address, **quiet}
+    return {"address": "local", "include_dashboard": False, "_system_config": {"worker_niceness": 0}, **quiet}
+
+
 def _run_ray(work: list[list[rundir.Job]], out_dir: str, address: str | None) -> Iterator[list[Done]]:
     try:
         import ray
@@ -203,7 +218,7 @@ def _run_ray(work: list[list[rundir.Job]], out_dir: str, address: str | None) ->
         raise EngineUnavailable("the ray engine needs Ray: pip install 'tracekit[cluster]'") from None
     if not ray.is_initialized():
         try:
-            ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+            ray.init(**ray_init_args(address, os.environ.get("RAY_ADDRESS")))
         except Exception as e:  # noqa: BLE001 - no cluster at the address, a version mismatch, ...
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise EngineUnavailable(f"cannot start or reach Ray{f' at {address}' if address else ''}: {first}") from None
@@ -231,7 +246,8 @@ def ingest(paths: list[str | Path], out_dir: str | Path, run_id: str | None = No
            workers: int | None = None, address: str | None = None, progress: Progress | None = None) -> IngestReport:
     """Ingest files and run directories into the dataset at ``out_dir`` (created if new); never
     raises for bad files. ``engine``: "local" (threads) or "ray" (one Ray task per file or batch of
-    small files, on the cluster at ``address``, or this machine's when None and Ray is not started)."""
+    small files, on the cluster at ``address`` or RAY_ADDRESS, else on a Ray started on this machine for the
+    command: ``ray_init_args``)."""
     t0 = time.perf_counter()
     out = dataset.create(out_dir)
     jobs = rundir.collect([Path(p) for p in paths], run_id)
