@@ -117,8 +117,11 @@ def test_ctrl_c_in_an_analysis(tmp_path: Path) -> None:
 
 
 SPIN = """
-import sys, click, duckdb
+import signal, sys, click, duckdb
 import tracekit.cli as cli
+
+# as in a terminal: a test run in the background inherits SIGINT ignored, and Python keeps it so
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 @click.command()
 def spin():
