@@ -24,6 +24,9 @@ CASES = {
     "tp_link": (2, 1, 2, 2, ("link:a=4,b=5,delay_ms=10",), {"skew_ms": 1000.0}),
     "hang": (2, 1, 2, 2, ("hang:rank=3,step=3",), {}),
     "damaged": (2, 1, 2, 2, (), {}),  # rank 3's trace cut short before ingest
+    # a slow TP link (ranks 4, 5) whose end 5 is also a slow worker; and a slow link elsewhere
+    "link_beside_slow": (2, 1, 2, 2, ("slow:rank=5,factor=1.5", "link:a=4,b=5,delay_ms=20",
+                                      "link:a=2,b=3,delay_ms=20"), {}),
 }
 
 
@@ -137,3 +140,18 @@ def test_every_analysis_names_the_rank_without_data(diagnosed, command):
     res = CliRunner().invoke(main, [command, str(diagnosed["damaged"]["store"]), "--json"])
     assert res.exit_code == 0, res.output
     assert list(json.loads(res.output)["damaged"]) == ["3"]
+
+
+def test_a_slow_link_at_a_slow_worker_is_in_doubt_and_the_worker_comes_first(diagnosed):
+    d = diagnosed["link_beside_slow"]["d"]
+    kinds = {(f.kind, f.ranks) for f in d.findings}
+    assert ("straggler", (5,)) in kinds, d.headline
+    at_worker = [f for f in d.findings if f.kind == "slow_link" and 5 in f.ranks]
+    elsewhere = [f for f in d.findings if f.kind == "slow_link" and set(f.ranks) == {2, 3}]
+    assert len(at_worker) == 1 and len(elsewhere) == 1, d.headline
+    (link,) = at_worker
+    assert link.confidence <= 0.5 and "rank 5 in it computes slowly" in link.summary
+    assert link.next_step.startswith("first fix rank 5") and link.evidence["straggler_in_link"] == [5]
+    assert elsewhere[0].confidence > 0.5 and "computes slowly" not in elsewhere[0].summary
+    straggler = next(f for f in d.findings if f.kind == "straggler")
+    assert straggler.confidence > 0.9
