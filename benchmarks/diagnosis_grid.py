@@ -268,6 +268,16 @@ def judge(case: Case, res: dict) -> tuple[bool, list[tuple[float, bool]]]:
     return right, [(f["confidence"], ok) for f, ok in zip(fs, ok_finding)]
 
 
+def print_calibration(pairs: list[tuple[float, bool]], noun: str) -> None:
+    """A calibration table: per confidence bucket, how many ``noun`` and the share right."""
+    print(f"| confidence | {noun} | right | share right |")
+    print("|---|---|---|---|")
+    for lo, hi in ((0, 0.5), (0.5, 0.7), (0.7, 0.9), (0.9, 0.97), (0.97, 1.01)):
+        b = [ok for c, ok in pairs if lo <= c < hi]
+        if b:
+            print(f"| [{lo:.2f}, {min(hi, 1):.2f}) | {len(b)} | {sum(b)} | {sum(b) / len(b):.1%} |")
+
+
 def wilson_low(k: int, n: int, z: float = 1.96) -> float:
     if n == 0:
         return float("nan")
@@ -343,20 +353,11 @@ def main() -> None:
         for kind, v in hta.items():
             ran = [x for x in v if x is not None]
             print(f"| {kind} | {len(v)} | {len(ran)} | {sum(ran)}/{len(ran)} | {len(v) - len(ran)} |")
-    print("\n| confidence | findings | right | share right |")
-    print("|---|---|---|---|")
-    for lo, hi in ((0, 0.5), (0.5, 0.7), (0.7, 0.9), (0.9, 0.97), (0.97, 1.01)):
-        b = [ok for c, ok in calib if lo <= c < hi]
-        if b:
-            print(f"| [{lo:.2f}, {min(hi, 1):.2f}) | {len(b)} | {sum(b)} | {sum(b) / len(b):.1%} |")
+    print()
+    print_calibration(calib, "findings")
     if calib_none:
         print("\n\"no straggler\" answers (right on clean runs; wrong where a fault was missed):")
-        print("| confidence | answers | right | share right |")
-        print("|---|---|---|---|")
-        for lo, hi in ((0, 0.5), (0.5, 0.7), (0.7, 0.9), (0.9, 0.97), (0.97, 1.01)):
-            b = [ok for c, ok in calib_none if lo <= c < hi]
-            if b:
-                print(f"| [{lo:.2f}, {min(hi, 1):.2f}) | {len(b)} | {sum(b)} | {sum(b) / len(b):.1%} |")
+        print_calibration(calib_none, "answers")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=str))
     if args.native is not None:

@@ -13,7 +13,8 @@ import pytest
 from synthetic_job import Faults, make_job
 
 from tracekit.analysis.culprits import _confidence
-from tracekit.analysis.diagnosis import _link_findings, _stage_findings
+from tracekit.analysis.diagnosis import _stage_findings
+from tracekit.analysis.link_findings import link_findings
 from tracekit.analysis.links import _transfer_instances, link_transfers
 from tracekit.analysis.standout import standout
 from tracekit.analysis.tables import RunTables
@@ -42,7 +43,7 @@ def test_a_link_just_over_its_bar_is_not_a_confident_finding(tables):
     links = pl.DataFrame([row])
     metrics = pl.DataFrame({"rank": [4, 5], "step": [0, 0], "compute_ns": [1e8, 1e8]},
                            schema={"rank": pl.Int32, "step": pl.Int64, "compute_ns": pl.Float64})
-    (f,) = _link_findings(tables, links, 100e6, metrics)
+    (f,) = link_findings(tables, links, 100e6, metrics)
     assert f.confidence == pytest.approx(1 - 2 ** -1.5)  # 0.646: 1 - 2^-(z - bar + 1)
     assert f.where == "TP group [4, 5]" and f.cost_share == pytest.approx(0.03)
 

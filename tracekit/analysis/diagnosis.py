@@ -17,53 +17,23 @@ Each finding carries its cost (ms per step and share of the step, over which ste
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import polars as pl
 
 from tracekit.analysis.compute_speed import attention_split, compute_speed
 from tracekit.analysis.culprits import ComputeCulprits, RankFinding, find_culprits
 from tracekit.analysis.data_needs import missing_data
+from tracekit.analysis.findings import NEXT_STEP, Finding, where
 from tracekit.analysis.hangs import HangReport
+from tracekit.analysis.link_findings import link_findings, links_beside_stragglers, minor_links
 from tracekit.analysis.links import link_transfers
 from tracekit.analysis.localize import Localization, localize
 from tracekit.analysis.scope import Scope
-from tracekit.analysis.rootcause import Cause, explain, peers, rank_step_metrics, ratio_to_peers, stage_ratios
+from tracekit.analysis.rootcause import Cause, explain, rank_step_metrics, stage_ratios
 from tracekit.analysis.tables import RunTables
 from tracekit.analysis.tunables import Tunables
 from tracekit.analysis.whatif import WhatIfError, saving
-
-NEXT_STEP = {
-    "slow_compute": "drain or test the node of {who} (GPU clocks and thermals, ECC/XID errors, `nvidia-smi -q`); "
-                    "rerun without it to confirm",
-    "cpu_bound": "profile the host side of {who} (data loader, CPU contention, Python GC, launch overhead)",
-    "slow_link": "test the link between {who} (nccl-tests between those hosts, NIC/switch port error counters)",
-    "data_imbalance": "balance the work: per-document CP sharding or variable-length packing (WLB-LLM)",
-    "stage_imbalance": "rebalance the pipeline: move layers off stage {who} (Llama 3 sheds a layer on the first "
-                       "and last stage)",
-    "hang": "run `tracekit hangs` on this run, and dump the stack of {who} (py-spy dump) at the stuck collective",
-    "unexplained": "profile {who} with more detail (CPU ops, kernels) to see where the time goes",
-}
-
-
-@dataclass(frozen=True)
-class Finding:
-    kind: str  # straggler | transient | moving | slow_link | stage_imbalance | data_imbalance | cpu_bound | hang
-    ranks: tuple[int, ...]
-    where: str  # coordinates, group or pair, named by member ranks
-    steps: tuple[int, ...]  # the steps it shows in
-    cost_ns: float  # per step it shows in
-    cost_share: float  # of the median step time
-    confidence: float
-    cause: str  # the Cause kind behind it
-    summary: str
-    next_step: str
-    evidence: dict = field(default_factory=dict)  # the cause's measurements (ratios, links, work)
-
-    def to_dict(self) -> dict:
-        evidence = {k: None if isinstance(v, float) and v != v else v for k, v in self.evidence.items()}
-        return {**asdict(self), "ranks": list(self.ranks), "steps": list(self.steps), "evidence": evidence}
-
 
 @dataclass(frozen=True)
 class Diagnosis:
@@ -106,19 +76,6 @@ class Diagnosis:
 
 def _steps_text(f: Finding) -> str:
     return f" in steps {', '.join(map(str, f.steps))}" if f.kind in ("transient", "moving") and f.steps else ""
-
-
-def _where(tables: RunTables, ranks: tuple[int, ...]) -> str:
-    lay = tables.layout
-    if len(ranks) == 1:
-        c = lay.coords(ranks[0]).as_dict()
-        return f"rank {ranks[0]} (" + ", ".join(f"{d} {v}" for d, v in c.items() if getattr(lay, d) > 1) + ")"
-    dim = lay.dim_of(ranks) if max(ranks) < lay.world_size else None
-    if dim and "_" not in dim:  # one dimension's group; a combined one reads better as shared coordinates
-        return f"{dim.upper()} group {list(ranks)}"
-    values = {d: {getattr(lay.coords(r), d) for r in ranks} for d in ("dp", "pp", "cp", "tp") if getattr(lay, d) > 1}
-    shared = [f"{d} {next(iter(v))}" for d, v in values.items() if len(v) == 1]
-    return f"ranks {list(ranks)}" + (f" (all {', '.join(shared)})" if shared else "")
 
 
 def _hung(hang: HangReport | None, tables: RunTables, damaged: dict[int, str], scope: Scope | None = None
@@ -168,43 +125,17 @@ def _rank_finding(tables: RunTables, f: RankFinding, loc: Localization, tun: Tun
                       {"compute_ratio": f.ratio})
     what = {"straggler": "is a straggler", "transient": "is a transient straggler",
             "moving": "is slow in some steps (the slowness moves)"}[kind]
-    summary = f"{_where(tables, (f.rank,))} {what}: {cause.summary}"
+    summary = f"{where(tables, (f.rank,))} {what}: {cause.summary}"
     cost, share, how = max(f.cost_ns, 0.0), max(f.cost_ns, 0.0) / step_ns, "extra compute"
     try:  # what the step would be with this rank at its peers' speed (the what-if replay), where it replays
         saved, saved_share = saving(tables, [f.rank], list(f.steps) if kind != "straggler" else None)
         cost, share, how = max(saved, 0.0), max(saved_share, 0.0), "what-if replay"
     except WhatIfError:
         pass
-    return Finding(kind, (f.rank,), _where(tables, (f.rank,)), f.steps, cost, share, f.confidence, cause.kind,
+    return Finding(kind, (f.rank,), where(tables, (f.rank,)), f.steps, cost, share, f.confidence, cause.kind,
                    summary, NEXT_STEP.get(cause.kind, NEXT_STEP["unexplained"]).format(who=f"rank {f.rank}"),
                    {"compute_ratio": f.ratio, **cause.evidence, "span_ratio": f.ratio, "margin": f.margin,
                     "extra_compute_ns": max(f.cost_ns, 0.0), "cost_from": how})
-
-
-def _link_findings(tables: RunTables, links: pl.DataFrame, step_ns: float, metrics: pl.DataFrame) -> list[Finding]:
-    out, seen = [], set()
-    for row in links.filter(pl.col("slow")).iter_rows(named=True):
-        ranks = tuple(int(r) for r in row["ranks"])
-        if frozenset(ranks) in seen:  # both directions of one p2p pair: one link
-            continue
-        seen.add(frozenset(ranks))
-        lay = tables.layout
-        if row["link"] == "p2p":
-            a, b = ranks
-            where = (f"pipeline link rank {a} -> rank {b} (stage {lay.coords(a).pp} -> {lay.coords(b).pp})")
-        else:
-            where = _where(tables, tuple(sorted(ranks)))
-        conf = float(min(0.99, 1 - 2.0 ** (-(row["z"] - row["z_bar"]) - 1)))
-        out.append(Finding("slow_link", ranks, where, (), row["excess_per_step_ns"],
-                           row["excess_per_step_ns"] / step_ns, conf, "slow_link",
-                           f"slow link: {where} transfers {row['ratio']:.{2 if row['ratio'] < 1.5 else 1}f}x slower than the "
-                           "same kind elsewhere",
-                           NEXT_STEP["slow_link"].format(who=f"ranks {list(ranks)}"),
-                           {"link": row["name"], "ratio": row["ratio"], "z": row["z"], "z_bar": row["z_bar"],
-                            "transfer_ns": row["transfer_ns"], "compute_ratio": max(
-                                (v for r in ranks if (v := ratio_to_peers(metrics, r, peers(tables, r), "compute_ns"))
-                                 == v), default=float("nan"))}))
-    return out
 
 
 def _stage_findings(tables: RunTables, metrics: pl.DataFrame, tun: Tunables, step_ns: float) -> list[Finding]:
@@ -245,7 +176,7 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
     findings: list[Finding] = [_rank_finding(tables, f, loc, tun, work, step_ns) for f in compute.findings]
     findings += _stage_findings(tables, metrics, tun, step_ns)
     links = link_transfers(tables, step_ns, tun)
-    findings += _link_findings(tables, links, step_ns, metrics)
+    findings += link_findings(tables, links, step_ns, metrics)
     findings = _data_or_device(tables, loc, findings, tun, work, metrics, step_ns)
     # a scope holds partial groups: there, waits alone name no one (compute and links do)
     if not compute.has_data and loc.verdict in ("straggler", "group", "transient", "stage", "moving"):
@@ -256,26 +187,12 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
         cause = explain(tables, loc, tun, work)
         if cause.kind == "cpu_bound":  # late without computing more: launch gaps on its host
             findings.append(_waits_finding(tables, loc, cause, step_ns))
-    findings = _links_beside_stragglers(_merge_data_imbalance(findings, tables))
+    findings = links_beside_stragglers(_merge_data_imbalance(findings, tables))
     # a rank without data is never blamed (its peers' waits on it say nothing of its speed)
     findings = [f for f in findings if not set(f.ranks) & set(damaged) or f.kind == "slow_link"
                 and not set(f.ranks) <= set(damaged)]
-    cause = _primary_cause(findings, loc, tables, compute, _minor_links(tables, links, step_ns, tun))
+    cause = _primary_cause(findings, loc, tables, compute, minor_links(tables, links, step_ns, tun))
     return Diagnosis(_primary(loc, findings, tables, compute), cause, findings, compute, damaged, scope)
-
-
-def _minor_links(tables: RunTables, links: pl.DataFrame, step_ns: float, tun: Tunables) -> str:
-    """Links that are measurably slower but cost less than the reporting floor: not findings, but
-    a "no straggler" answer should not hide them."""
-    minor = links.filter(~pl.col("slow") & (pl.col("ratio") >= tun.slow_link_ratio) & (pl.col("z") >= pl.col("z_bar"))
-                         & (pl.col("excess_per_step_ns") > 0)).head(3)
-    parts = []
-    for row in minor.iter_rows(named=True):
-        ranks = tuple(sorted(int(r) for r in row["ranks"]))
-        where = f"p2p rank {row['ranks'][0]} -> rank {row['ranks'][1]}" if row["link"] == "p2p" else _where(tables, ranks)
-        parts.append(f"{where} transfers {row['ratio']:.2f}x slower, costing {row['excess_per_step_ns'] / 1e6:.1f} ms "
-                     f"per step ({row['excess_per_step_ns'] / step_ns:.1%})")
-    return (f"below the {tun.link_effect_min_frac:.0%} reporting floor: " + "; ".join(parts)) if parts else ""
 
 
 def _data_or_device(tables: RunTables, loc: Localization, findings: list[Finding], tun: Tunables, work,
@@ -322,10 +239,10 @@ def _waits_finding(tables: RunTables, loc: Localization, cause: Cause, step_ns: 
     named = [lv for lv in loc.levels if lv.verdict == "culprit"]
     cost = max((lv.effect_ns for lv in named), default=0.0)
     kind = {"straggler": "straggler", "transient": "transient", "moving": "moving"}.get(loc.verdict, cause.kind)
-    where = _where(tables, tuple(ranks)) if ranks else "the job"
-    return Finding(kind, tuple(ranks), where, tuple(loc.episode_steps), cost, cost / step_ns,
-                   min(loc.confidence, 0.9), cause.kind, f"{where}: {cause.summary}",
-                   NEXT_STEP.get(cause.kind, NEXT_STEP["unexplained"]).format(who=where), dict(cause.evidence))
+    place = where(tables, tuple(ranks)) if ranks else "the job"
+    return Finding(kind, tuple(ranks), place, tuple(loc.episode_steps), cost, cost / step_ns,
+                   min(loc.confidence, 0.9), cause.kind, f"{place}: {cause.summary}",
+                   NEXT_STEP.get(cause.kind, NEXT_STEP["unexplained"]).format(who=place), dict(cause.evidence))
 
 
 def _merge_data_imbalance(findings: list[Finding], tables: RunTables) -> list[Finding]:
@@ -337,30 +254,11 @@ def _merge_data_imbalance(findings: list[Finding], tables: RunTables) -> list[Fi
     ranks = tuple(sorted({r for f in moving for r in f.ranks}))
     steps = tuple(sorted({s for f in moving for s in f.steps}))
     cost = max(f.cost_ns for f in moving)
-    return [Finding("data_imbalance", ranks, _where(tables, ranks), steps, cost, max(f.cost_share for f in moving),
+    return [Finding("data_imbalance", ranks, where(tables, ranks), steps, cost, max(f.cost_share for f in moving),
                     max(f.confidence for f in moving), "data_imbalance",
-                    f"{_where(tables, ranks)} compute more because they get more attention work (up to "
+                    f"{where(tables, ranks)} compute more because they get more attention work (up to "
                     f"{cost / 1e6:.1f} ms per step): data imbalance, not slower devices",
                     NEXT_STEP["data_imbalance"], {"ranks_merged": len(moving)})] + rest
-
-
-def _links_beside_stragglers(findings: list[Finding]) -> list[Finding]:
-    """A slow link one of whose ends is itself a slow worker may be slow because of it: a slower
-    device (or process, on CPUs) runs its communication slower too (torch-native jobs on gloo: the
-    slow rank's own TP group came out a 1.4-3.2x slow link in 3 of 14 runs). The link is kept, said
-    to be in doubt, at confidence at most 0.5, and the worker comes first."""
-    workers = {r: f for f in findings if f.kind == "straggler" and f.cause == "slow_compute" for r in f.ranks}
-    out = []
-    for f in findings:
-        inside = sorted(r for r in f.ranks if r in workers) if f.kind == "slow_link" else []
-        if inside:
-            who = ", ".join(f"rank {r}" for r in inside)
-            f = replace(f, confidence=min(f.confidence, 0.5),
-                        summary=f"{f.summary}, but {who} in it computes slowly, which can slow its transfers too",
-                        next_step=f"first fix {who} (the slow worker), then check whether this link is still slow; "
-                                  + f.next_step, evidence={**f.evidence, "straggler_in_link": inside})
-        out.append(f)
-    return out
 
 
 def _no_data_reason(tables: RunTables) -> str:

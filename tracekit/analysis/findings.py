@@ -1,0 +1,53 @@
+"""What a finding is (``Finding``), what to do about each cause (``NEXT_STEP``), and how a place in
+the job is named (``where``: coordinates, or a group by dimension and members): shared by the
+diagnosis and its link findings."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from tracekit.analysis.tables import RunTables
+
+NEXT_STEP = {
+    "slow_compute": "drain or test the node of {who} (GPU clocks and thermals, ECC/XID errors, `nvidia-smi -q`); "
+                    "rerun without it to confirm",
+    "cpu_bound": "profile the host side of {who} (data loader, CPU contention, Python GC, launch overhead)",
+    "slow_link": "test the link between {who} (nccl-tests between those hosts, NIC/switch port error counters)",
+    "data_imbalance": "balance the work: per-document CP sharding or variable-length packing (WLB-LLM)",
+    "stage_imbalance": "rebalance the pipeline: move layers off stage {who} (Llama 3 sheds a layer on the first "
+                       "and last stage)",
+    "hang": "run `tracekit hangs` on this run, and dump the stack of {who} (py-spy dump) at the stuck collective",
+    "unexplained": "profile {who} with more detail (CPU ops, kernels) to see where the time goes",
+}
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str  # straggler | transient | moving | slow_link | stage_imbalance | data_imbalance | cpu_bound | hang
+    ranks: tuple[int, ...]
+    where: str  # coordinates, group or pair, named by member ranks
+    steps: tuple[int, ...]  # the steps it shows in
+    cost_ns: float  # per step it shows in
+    cost_share: float  # of the median step time
+    confidence: float
+    cause: str  # the Cause kind behind it
+    summary: str
+    next_step: str
+    evidence: dict = field(default_factory=dict)  # the cause's measurements (ratios, links, work)
+
+    def to_dict(self) -> dict:
+        evidence = {k: None if isinstance(v, float) and v != v else v for k, v in self.evidence.items()}
+        return {**asdict(self), "ranks": list(self.ranks), "steps": list(self.steps), "evidence": evidence}
+
+
+def where(tables: RunTables, ranks: tuple[int, ...]) -> str:
+    lay = tables.layout
+    if len(ranks) == 1:
+        c = lay.coords(ranks[0]).as_dict()
+        return f"rank {ranks[0]} (" + ", ".join(f"{d} {v}" for d, v in c.items() if getattr(lay, d) > 1) + ")"
+    dim = lay.dim_of(ranks) if max(ranks) < lay.world_size else None
+    if dim and "_" not in dim:  # one dimension's group; a combined one reads better as shared coordinates
+        return f"{dim.upper()} group {list(ranks)}"
+    values = {d: {getattr(lay.coords(r), d) for r in ranks} for d in ("dp", "pp", "cp", "tp") if getattr(lay, d) > 1}
+    shared = [f"{d} {next(iter(v))}" for d, v in values.items() if len(v) == 1]
+    return f"ranks {list(ranks)}" + (f" (all {', '.join(shared)})" if shared else "")
