@@ -7,7 +7,7 @@ pipeline stage). So each (step, rank) gets an excess e = its log compute ratio m
 median over ranks; the noise unit sigma is the step-to-step scatter pooled over all ranks (rank and
 step effects removed, so neither a culprit nor a busy step inflates it). Then, per rank:
 - persistent: its mean excess over the steps (the two extreme steps left out) clears
-  ``compute_margin_min`` standard errors (a bar rising with the ranks compared) and at least
+  ``culprit_margin_min`` noise units (a bar rising with the ranks compared) and at least
   ``compute_effect_min_ratio``, with more than half of it in ``persist_min`` of the steps. Each rank is judged on its own, so two culprits are two findings;
 - episode cells: (step, rank) cells whose excess clears a Bonferroni bar over all cells (the
   largest of T x n noisy cells is large by chance) and ``episode_min_ratio``. Cells of ranks that
@@ -29,7 +29,7 @@ import numpy as np
 import polars as pl
 
 from tracekit.analysis.compute_speed import step_scatter
-from tracekit.analysis.standout import spread
+from tracekit.analysis.standout import biweight_spread
 from tracekit.analysis.tunables import Tunables
 
 SENSITIVITY_RATIO = 1.03  # the slowdown a "no straggler" answer says how many steps would take
@@ -122,8 +122,8 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int
     n_all = max(n, compared or 0)
     cells = max(T * n_all, 2)
     cell_bar = max(NormalDist().inv_cdf(1 - tun.episode_alpha / cells) * sigma, math.log(tun.episode_min_ratio))
-    bar = tun.compute_margin_min + tun.compute_margin_per_log * math.log(max(1.0, n_all / 2))
-    med = np.nanmedian(e, axis=0)
+    bar = tun.culprit_margin_min + tun.compute_margin_per_log * math.log(max(1.0, n_all / 2))
+    effects = np.array([_effect(e[:, j][np.isfinite(e[:, j])]) for j in range(n)])
     findings: list[RankFinding] = []
     persistent: set[int] = set()
     units: list[tuple[float, int]] = []  # each rank's noise unit, and its steps kept
@@ -133,17 +133,15 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int
             col = e[:, j][np.isfinite(e[:, j])]
             if not col.size:
                 continue
-            # the other ranks' own medians vary a little for reasons that are not a fault; the
-            # candidate's stage peers are left out: their reference holds the candidate, so a slow
-            # rank makes them look fast (with two ranks per stage, its exact mirror image)
+            # the other ranks' own effects vary a little for reasons that are not a fault (and by
+            # chance more than the pooled scatter says: its spans' tails); the candidate's stage
+            # peers are left out: their reference holds the candidate, so a slow rank makes them
+            # look fast (with two ranks per stage, its exact mirror image)
             away = [k for k in range(n) if k != j and stage_of.get(ranks[k]) != stage_of.get(r)]
-            others = med[away] if len(away) >= 2 else np.delete(med, j)
-            # the mean over steps without the two extreme ones: nearly a mean's precision (a
-            # median's standard error is 1.25x larger, which a 3% slowdown cannot afford), and a
-            # step or two of preemption moves nothing
+            others = effects[away] if len(away) >= 2 else np.delete(effects, j)
             kept = np.sort(col)[1:-1] if col.size >= 6 else col
-            noise = max(sigma / math.sqrt(kept.size), spread(others[np.isfinite(others)]), tun.compute_noise_floor)
-            effect = float(np.mean(kept)) if col.size >= 6 else float(np.median(col))
+            noise = max(sigma / math.sqrt(kept.size), biweight_spread(others), tun.compute_noise_floor)
+            effect = float(effects[j])
             margin = effect / noise
             units.append((noise, kept.size))
             margins.append(margin)
@@ -206,14 +204,23 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int
                            float(bar))
 
 
+def _effect(col: np.ndarray) -> float:
+    """A rank's persistent effect: the mean over steps without the two extreme ones (nearly a mean's
+    precision, where a median's standard error is 1.25x larger, which a 3% slowdown cannot afford;
+    a step or two of preemption moves nothing); the median below six steps."""
+    if not col.size:
+        return float("nan")
+    return float(np.mean(np.sort(col)[1:-1])) if col.size >= 6 else float(np.median(col))
+
+
 def _sensitivity(units: list[tuple[float, int]], bar: float, tun: Tunables) -> tuple[float | None, int | None]:
     """The persistent slowdown a typical rank shows in SENSITIVITY_POWER of runs like this one
     (its margin, in its noise unit, must clear the bar: the effect must sit z(power) noise units
     above it), and the steps a SENSITIVITY_RATIO slowdown needs for the same: both parts of the noise
-    unit (the standard error over steps, the spread of the ranks' own medians) shrink as 1/sqrt(steps).
+    unit (the standard error over steps, the spread of the ranks' own effects) shrink as 1/sqrt(steps).
     The noise unit is the median over ranks, taken at its upper 80% bound: it is estimated from this
-    run (its spread part from the ranks' medians: a robust spread of n values has a relative
-    standard error of about 1.17 / sqrt(n)), and an estimate that came out low by chance would
+    run (its spread part from the ranks' effects; 1.17 / sqrt(n) is the relative standard error of
+    a MAD of n values, kept for the biweight as the cautious side), and an estimate that came out low by chance would
     promise what the run cannot see (at the plain estimate, 83% of 36 simulated runs saw the stated
     slowdown). Checked by simulation (benchmarks/sensitivity_check.py)."""
     if not units:

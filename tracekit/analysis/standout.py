@@ -18,6 +18,24 @@ def spread(values: np.ndarray) -> float:
     return float(1.4826 * np.median(np.abs(values - np.median(values))))
 
 
+def biweight_spread(values: np.ndarray, c: float = 9.0) -> float:
+    """Tukey's biweight midvariance, as a spread: as robust as ``spread`` (a culprit among the
+    values moves it little) but about 87% efficient on normal data where the MAD is 37%, so a
+    spread of 8-16 values comes out high by chance far less often (Mosteller and Tukey 1977)."""
+    values = values[np.isfinite(values)]
+    if values.size < 2:
+        return 0.0
+    center = np.median(values)
+    mad = np.median(np.abs(values - center))
+    if mad == 0:
+        return 0.0
+    u = (values - center) / (c * mad)
+    inside = np.abs(u) < 1
+    num = math.sqrt(values.size * np.sum(((values - center) ** 2 * (1 - u ** 2) ** 4)[inside]))
+    den = abs(np.sum(((1 - u ** 2) * (1 - 5 * u ** 2))[inside]))
+    return float(num / den) if den > 0 else spread(values)
+
+
 def standout(row: np.ndarray, step_ns: float, tun: Tunables, effect_min_frac: float) -> tuple[int, float, bool]:
     """One step's top member, its effect over the others' median, and whether it stands out
     (beyond ``margin_min`` noise units of the others' spread, and a minimum share of the step)."""
