@@ -125,6 +125,32 @@ def test_a_moving_finding_from_waits_alone_names_no_rank_and_leads_a_moving_verd
 
 
 
+
+def test_a_lateness_from_waits_alone_is_a_finding_only_when_a_level_measured_its_cost(monkeypatch):
+    # one rank per stage (dp 1 x pp 2): no compute peers, so the waits alone speak. A moving top
+    # stage within its noise (0.48 noise units) cost "0.0 ms per step (0.0%)" and was reported as a
+    # finding on a clean torch-native job; one whose lateness clears its noise is one, with that cost
+    from dataclasses import replace
+
+    import tracekit.analysis.diagnosis as diagnosis
+    from tracekit.analysis.localize import LevelFinding, localize
+
+    one_per_stage = RunTables.from_mapping(make_job(Layout(tp=1, cp=1, pp=2, dp=1), faults=Faults(), seed=3))
+    real = localize(one_per_stage)
+    step = real.step_time_ns
+
+    def moving_pp(margin: float) -> LevelFinding:
+        return LevelFinding("pp", (0, 1), {0: 0.0, 1: 0.04 * step}, None, 0.04 * step, 0.04 * step / margin, margin,
+                            4, 2, 3, "moving")
+
+    for margin, expected in ((0.48, []), (3.0, [0.04])):
+        loc = replace(real, verdict="moving", confidence=0.5, levels=[moving_pp(margin)], culprit_rank=None,
+                      culprit_ranks=())
+        monkeypatch.setattr(diagnosis, "localize", lambda tables, tun=None, loc=loc: loc)
+        d = diagnosis.diagnose(one_per_stage)
+        assert not d.compute.has_data
+        assert [round(f.cost_share, 3) for f in d.findings] == expected, d.headline
+
 def test_a_slow_rank_does_not_make_its_stage_peers_look_fast():
     # rank 5 (stage 0, with ranks 0, 1, 4) computes 1.5x: its peers' reference leaves the largest of
     # their others out, so they stay level with stage 1's ranks (a plain mean moved them 4-7%)
