@@ -48,6 +48,26 @@ def test_a_link_just_over_its_bar_is_not_a_confident_finding(tables):
     assert f.where == "TP group [4, 5]" and f.cost_share == pytest.approx(0.03)
 
 
+
+def test_a_slow_link_within_one_host_over_gloo_is_put_in_doubt(tables):
+    # gloo moves data through the CPUs: between two processes of one host there is no link to
+    # test, and a slower one is their share of the cores (4 of 14 clean torch-native runs on a
+    # loaded machine). Hosts of 4 ranks here: [4, 5] share host1, [3, 4] do not
+    from dataclasses import replace
+
+    row = {"link": "group", "name": "7", "ranks": [4, 5], "kind": "tp:all_reduce", "instances": 40,
+           "transfer_ns": 2e6, "ratio": 1.6, "z": 9.0, "z_bar": 4.0, "excess_per_step_ns": 3e6, "slow": True}
+    metrics = pl.DataFrame({"rank": [3, 4, 5], "step": [0, 0, 0], "compute_ns": [1e8, 1e8, 1e8]},
+                           schema={"rank": pl.Int32, "step": pl.Int64, "compute_ns": pl.Float64})
+    gloo = replace(tables, runs=tables.runs.with_columns(pl.lit("gloo").alias("backend")))
+    (nccl_like,) = link_findings(tables, pl.DataFrame([row]), 100e6, metrics)
+    (same_host,) = link_findings(gloo, pl.DataFrame([row]), 100e6, metrics)
+    (two_hosts,) = link_findings(gloo, pl.DataFrame([{**row, "ranks": [3, 4]}]), 100e6, metrics)
+    assert nccl_like.confidence == pytest.approx(1 - 2 ** -6) and two_hosts.confidence == nccl_like.confidence
+    assert same_host.confidence == 0.5 and same_host.evidence["cpu_host"] == "host1"
+    assert "host host1" in same_host.next_step and "nccl-tests" in nccl_like.next_step
+    assert same_host.kind == "slow_link" and same_host.cost_share == pytest.approx(0.03)
+
 def test_the_link_bar_is_bonferroni_over_the_links_compared(tables):
     links = link_transfers(tables, 100e6, TUN)
     n = links.height

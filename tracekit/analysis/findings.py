@@ -13,6 +13,8 @@ NEXT_STEP = {
                     "rerun without it to confirm",
     "cpu_bound": "profile the host side of {who} (data loader, CPU contention, Python GC, launch overhead)",
     "slow_link": "test the link between {who} (nccl-tests between those hosts, NIC/switch port error counters)",
+    "host_transfer": "look at what else runs on {who}'s cores (load, thread counts, process pinning): a CPU "
+                     "backend's transfers within one host are CPU work, and run slower when its cores are busy",
     "data_imbalance": "balance the work: per-document CP sharding or variable-length packing (WLB-LLM)",
     "stage_imbalance": "rebalance the pipeline: move layers off stage {who} (Llama 3 sheds a layer on the first "
                        "and last stage)",
