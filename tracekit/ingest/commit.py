@@ -119,8 +119,7 @@ def apply(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcom
                 con.execute(f"DELETE FROM {t} WHERE run_id = ?", [job.run_id])
         for t, tbl in parsed.tables.items():
             _insert(con if staged is None else staged, t, tbl, job.run_id, rank)
-        for g in claim.new_groups:
-            topo.insert_group(con, job.run_id, g)
+        topo.insert_groups(con, job.run_id, claim.new_groups)
         topo.insert_file_meta(con, job.run_id, job.path, parsed, rank)
         _log(con, job.run_id, job.path, parsed.format, rank, out.content_hash, "ok", None, parsed.rows,
              out.seconds)

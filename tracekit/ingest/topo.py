@@ -114,9 +114,19 @@ def _settle_descs(con: duckdb.DuckDBPyConnection, run_id: str, facts: FileFacts,
 
 def insert_group(con: duckdb.DuckDBPyConnection, run_id: str, g: dict) -> None:
     """Record one process group (``dim`` is set when the run's topology is recomputed)."""
-    ranks = [int(r) for r in g["ranks"]]
-    con.execute("INSERT INTO groups VALUES (?, ?, ?, NULL, ?, ?)",
-                [run_id, g.get("pg_name"), g.get("pg_desc"), ranks, len(ranks)])
+    insert_groups(con, run_id, [g])
+
+
+def insert_groups(con: duckdb.DuckDBPyConnection, run_id: str, groups: list[dict]) -> None:
+    """Record process groups, in one statement (each one costs about 0.5 ms)."""
+    if not groups:
+        return
+    params: list = []
+    for g in groups:
+        ranks = [int(r) for r in g["ranks"]]
+        params += [run_id, g.get("pg_name"), g.get("pg_desc"), ranks, len(ranks)]
+    rows = ", ".join(["(?, ?, ?, NULL::VARCHAR, ?::INTEGER[], ?)"] * len(groups))
+    con.execute(f"INSERT INTO groups VALUES {rows}", params)
 
 
 def ranges_text(rs: list[int]) -> str:
