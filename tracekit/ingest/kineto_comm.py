@@ -91,16 +91,14 @@ class CommEvents:
 
     def ints(self, field: str, codes: np.ndarray) -> Ints:
         """TRY_CAST(value AS BIGINT) of ``field``'s value for each code."""
-        text = self.args[field]
-        values = try_bigint(self.con, columns.from_values(text.values, pa.string())).to_pylist()
-        return Ints.of(values + [None], codes)
+        return Ints.coded(try_bigint(self.con, self.args[field].dictionary), codes)
 
     # -- NCCL kernels and their record_param_comms ------------------------------------------------
     def kernels(self) -> "_Kernels":
         kern = np.flatnonzero(self.kind.codes == self.kind.code_of("kernel"))
         ext = self.args["ext"]
         param = np.flatnonzero((self.name.codes == self.name.code_of(classify.PARAM_COMMS)) & (ext.codes >= 0))
-        first = np.full(len(ext.values), -1, dtype=np.int64)  # the earliest record_param_comms per id
+        first = np.full(len(ext.dictionary), -1, dtype=np.int64)  # the earliest record_param_comms per id
         order = param[np.lexsort((self.ts.v[param], ~self.ts.ok[param], ext.codes[param]))]
         ids, at = np.unique(ext.codes[order], return_index=True)
         first[ids] = order[at]

@@ -7,7 +7,6 @@ first value that is there, and BIGINT arithmetic that overflows is an error, not
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -21,19 +20,24 @@ from tracekit.ingest.common import IngestError
 _I64 = np.iinfo(np.int64)
 
 
-@dataclass
 class Text:
-    """A text column as codes (int32, -1 for null) into its distinct values."""
+    """A text column as codes (int32, -1 for null) into its distinct values (``dictionary``, an
+    Arrow array; ``values``, the same as Python strings, made when first asked for)."""
 
-    codes: np.ndarray
-    values: list[str]
+    def __init__(self, codes: np.ndarray, dictionary: pa.Array) -> None:
+        self.codes, self.dictionary = codes, dictionary
+        self._values: list[str] | None = None
 
     @classmethod
     def of(cls, column: pa.Array) -> "Text":
         enc = columns.one_array(pc.dictionary_encode(column))
-        values = enc.dictionary.to_pylist()
-        codes = columns.filled(enc.indices, -1).astype(np.int32)
-        return cls(codes, values)
+        return cls(columns.filled(enc.indices, -1).astype(np.int32), enc.dictionary)
+
+    @property
+    def values(self) -> list[str]:
+        if self._values is None:
+            self._values = self.dictionary.to_pylist()
+        return self._values
 
     def code_of(self, value: str) -> int:
         try:
@@ -51,6 +55,14 @@ class Ints:
 
     def __init__(self, v: np.ndarray, ok: np.ndarray) -> None:
         self.v, self.ok = v.astype(np.int64), ok.astype(bool)
+
+    @classmethod
+    def coded(cls, values: pa.Array, codes: np.ndarray) -> "Ints":
+        """The value of each row's code, from an int64 Arrow array of one value per distinct code
+        (a code of -1 is a null)."""
+        v = np.append(columns.filled(values), 0)
+        ok = np.append(columns.to_bools(values.is_valid()), False)
+        return cls(v[codes], ok[codes])
 
     @classmethod
     def of(cls, values: list[int | None], codes: np.ndarray) -> "Ints":
