@@ -61,10 +61,20 @@ class Applied:
     claim: Claim | None = None  # what it holds in the ledger, to take back if its transaction fails
 
 
-def _log(con: duckdb.DuckDBPyConnection, run_id: str, path: Path, fmt: str | None, rank: int | None,
+LOG_ROW = "(?, ?, ?, ?, ?, ?, ?, ?, ?, now())"
+
+
+def _log(con: "duckdb.DuckDBPyConnection | Staged", run_id: str, path: Path, fmt: str | None, rank: int | None,
          digest: str | None, status: str, error: str | None, rows: int, seconds: float) -> None:
-    con.execute("INSERT INTO ingest_log VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, now())",
-                [run_id, str(path), fmt, rank, digest, status, error, rows, seconds])
+    _values(con, "ingest_log", LOG_ROW, [run_id, str(path), fmt, rank, digest, status, error, rows, seconds])
+
+
+def _values(con: "duckdb.DuckDBPyConnection | Staged", table: str, row: str, params: list) -> None:
+    """One row of ``table`` (``row``: its VALUES tuple with parameters), now or staged."""
+    if isinstance(con, Staged):
+        con.add_values(table, row, params)
+    else:
+        con.execute(f"INSERT INTO {table} VALUES {row}", params)
 
 
 def failed(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcome, msg: str,
@@ -119,9 +129,11 @@ def apply(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcom
                 con.execute(f"DELETE FROM {t} WHERE run_id = ?", [job.run_id])
         for t, tbl in parsed.tables.items():
             _insert(con if staged is None else staged, t, tbl, job.run_id, rank)
-        topo.insert_groups(con, job.run_id, claim.new_groups)
-        topo.insert_file_meta(con, job.run_id, job.path, parsed, rank)
-        _log(con, job.run_id, job.path, parsed.format, rank, out.content_hash, "ok", None, parsed.rows,
+        target = con if staged is None else staged
+        for g in claim.new_groups:
+            _values(target, "groups", topo.GROUP_ROW, topo.group_values(job.run_id, g))
+        _values(target, "file_meta", topo.FILE_META_ROW, topo.file_meta_values(job.run_id, job.path, parsed, rank))
+        _log(target, job.run_id, job.path, parsed.format, rank, out.content_hash, "ok", None, parsed.rows,
              out.seconds)
     except (duckdb.Error, pa.ArrowException) as e:
         ledger.release(claim)
@@ -176,15 +188,22 @@ class Staged:
 
     def __init__(self) -> None:
         self.tables: dict[str, list[pa.Table]] = {}
+        self.values: dict[tuple[str, str], list[list]] = {}  # (table, VALUES tuple) -> parameters of each row
 
     def add(self, table: str, rows: pa.Table) -> None:
         self.tables.setdefault(table, []).append(rows)
+
+    def add_values(self, table: str, row: str, params: list) -> None:
+        self.values.setdefault((table, row), []).append(params)
 
     def write(self, con: duckdb.DuckDBPyConnection) -> None:
         """Insert what is staged (then nothing is). Raises StoreWriteError naming no one file: the
         caller redoes the files one by one to find which."""
         tables, self.tables = self.tables, {}
+        values, self.values = self.values, {}
         try:
+            for (table, row), rows in values.items():  # the files' small rows, one INSERT a table
+                con.execute(f"INSERT INTO {table} VALUES {', '.join([row] * len(rows))}", [p for r in rows for p in r])
             for table, parts in tables.items():
                 start = 0
                 for i in range(1, len(parts) + 1):  # runs of parts with one schema, each one INSERT
