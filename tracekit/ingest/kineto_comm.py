@@ -301,7 +301,8 @@ def _gloo(ev: CommEvents, base: int) -> tuple[pa.Table, pa.Table]:
         **_times(ev, c, base), "nbytes": pa.nulls(len(c), pa.int64()), "dtype": pa.nulls(len(c), pa.string()),
         "step": ev.step.take(c).arrow(), "source": constant_text("gloo", len(c))})
     p2p = _table("p2p", {
-        "peer": pa.nulls(len(p), pa.int32()), "direction": text(ops.values, pops), "pg_name": pa.nulls(len(p), pa.string()),
+        "peer": pa.nulls(len(p), pa.int32()), "direction": text(ops.values, pops),
+        "pg_name": pa.nulls(len(p), pa.string()),
         "seq": columns.from_numpy(pseq), **_times(ev, p, base), "nbytes": pa.nulls(len(p), pa.int64()),
         "step": ev.step.take(p).arrow(), "microbatch": pa.nulls(len(p), pa.int32()),
         "source": constant_text("gloo", len(p)), **_no_pair(len(p))}, extra=PAIR)
