@@ -6,8 +6,8 @@
 Part 1, per file (``time.thread_time`` of one thread, averaged over the first ``--files`` traces
 after a warm-up parse, each stage run on its own and the next one including it): the read, the decompression and split of the
 ``traceEvents`` array (jsonsplit), the native scanner into Arrow batches, the batches reduced to the
-store's columns (kineto_rows' ``add``), the steps and final tables (``build``), and the whole
-parse (communication tables included).
+store's columns (kineto_rows' ``add``), the steps and final tables (``build``), the communication
+tables and groups (kineto_comm, on the built rows), and the whole parse.
 
 Part 2, the real ingest in this process (``tracekit.ingest.pipeline.ingest`` of the whole set with
 ``--workers`` threads into a fresh store): the thread CPU of the parse and of the commits (DuckDB's
@@ -48,10 +48,11 @@ def per_file(paths: list[Path]) -> dict[str, float]:
     clock = time.thread_time
     spent: dict[str, float] = {}
 
-    def stage(name: str, fn) -> None:  # noqa: ANN001
+    def stage(name: str, fn):  # noqa: ANN001, ANN202
         t = clock()
-        fn()
+        out = fn()
         spent[name] = spent.get(name, 0.0) + clock() - t
+        return out
 
     def read(p: Path) -> None:
         with open(p, "rb") as f:
@@ -65,9 +66,19 @@ def per_file(paths: list[Path]) -> dict[str, float]:
         stage("+ scan into Arrow batches", lambda: kineto.read_events(con, p, parse_mod.new_hasher(), lambda b: None))
         rows = kineto_rows.EventRows(con, str(p))
         stage("+ batches to the store's columns", lambda: kineto.read_events(con, p, parse_mod.new_hasher(), rows.add))
-        stage("steps, step of each event (build)", rows.build)
+        built = stage("steps, step of each event (build)", rows.build)
+        stage("communication tables and groups (kineto_comm)", lambda: comm_tables(con, p, built))
         stage("whole parse (parse.run)", lambda: parse_mod.run(p, True, frozenset(), con))
     return {k: v / len(paths) for k, v in spent.items()}
+
+
+def comm_tables(con, path: Path, built) -> None:  # noqa: ANN001
+    from tracekit.ingest import kineto_comm
+
+    ev = kineto_comm.CommEvents(built.comm, con, path)
+    first = built.steps[0].start_ns if built.steps else None
+    kineto_comm.tables(ev, 0, first, built.comm_annotations)
+    kineto_comm.groups(ev, built.comm_annotations, {}, path)
 
 
 def whole(paths: list[Path], workers: int) -> tuple[float, float, dict[str, list[float]]]:

@@ -176,3 +176,27 @@ def test_ray_started_by_the_engine_runs_tasks_at_the_commands_priority(run_dir, 
 
     count = "SELECT count(*), sum(ts_ns) FROM events"
     assert connect(tmp_path / "ds").execute(count).fetchall() == connect(tmp_path / "ds_local").execute(count).fetchall()
+
+
+def test_the_command_stops_the_ray_it_started_and_leaves_one_it_found(tmp_path: Path, monkeypatch) -> None:
+    """`tracekit ingest --engine ray` stops the Ray it started before it returns (left to the
+    interpreter's exit, Ray first sleeps 0.5 s); a Ray this process had already initialized is
+    left running."""
+    ray = pytest.importorskip("ray")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    if ray.is_initialized():
+        ray.shutdown()  # the module's own Ray (ray_local)
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    shutil.copy(next((SAMPLE / "traces").glob("rank2*")), traces)
+    res = CliRunner().invoke(main, ["ingest", str(traces), "--out", str(tmp_path / "ds"), "--engine", "ray", "--json"])
+    assert res.exit_code == 0, res.output
+    assert not ray.is_initialized()
+    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        res = CliRunner().invoke(main, ["ingest", str(traces), "--out", str(tmp_path / "ds2"), "--engine", "ray",
+                                        "--json"])
+        assert res.exit_code == 0, res.output
+        assert ray.is_initialized()
+    finally:
+        ray.shutdown()

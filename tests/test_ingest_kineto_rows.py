@@ -156,3 +156,21 @@ def test_base_time_overflow_is_a_bad_file_not_a_crash(tmp_path: Path) -> None:
     rep = ingest([path], tmp_path / "s.duckdb", run_id="r")
     assert [f.status for f in rep.files] == ["failed"]
     assert "a time out of range" in rep.files[0].error
+
+
+GROUP_RANKS = ["[]", "[0]", "[00]", "[01]", "[1,2]", "[ 1, 2]", "[1, 2 ]", "[1,  2]", "[-1]", "[+1]", "[999999999]",
+               "[2147483647]", "[2147483648]", "[9999999999]", "[1, null]", "[1, 2", "1, 2", "", "[1.5]", "[1e1]"]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.one_of(
+    st.lists(st.one_of(st.integers(0, 2**31), st.sampled_from([0, 999_999_999, 2**31 - 1, 2**31, 10**10])), max_size=6)
+    .map(lambda r: "[" + ", ".join(map(str, r)) + "]"), st.sampled_from(GROUP_RANKS)), min_size=1, max_size=8))
+def test_group_ranks_are_read_as_duckdb_casts_them(texts: list[str]) -> None:
+    """'Process Group Ranks' as INTEGER[]: the plain spelling is read without a query; every value,
+    plain or not, comes out as DuckDB's TRY_CAST gives it, alone or among others."""
+    con = duckdb.connect()
+    want = [con.execute("SELECT TRY_CAST(? AS INTEGER[])", [t]).fetchone()[0] for t in texts]
+    assert kineto_rows.try_cast_values(con, texts, "INTEGER[]") == want
+    for t, w in zip(texts, want):
+        assert kineto_rows.try_cast_values(con, [t], "INTEGER[]") == [w]

@@ -372,3 +372,28 @@ def test_cli_gives_arrow_the_system_allocator(user_value: str | None) -> None:
         env["ARROW_DEFAULT_MEMORY_POOL"] = user_value
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip() == (user_value or "system")
+
+
+def test_a_batch_writes_its_files_in_order_around_a_multi_rank_files_deletes(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transaction's files are written per table at its end (commit.Staged), yet in the order they
+    came: an op table (multi-rank) replaces its run's rows of its tables, so the Kineto trace
+    before it in the same transaction loses its events, as it does one file per transaction."""
+    import polars as pl
+
+    run = _run(tmp_path, ranks=2, gz=False)
+    pl.DataFrame({"x": [1]}).write_parquet(run / "zz_ops.parquet")  # after the traces, by name
+
+    def reader(path: Path) -> dict[str, pl.DataFrame]:
+        return {"events": pl.DataFrame({"rank": [5, 6], "ts_ns": [1, 2], "name": ["op", "op"]})}
+
+    monkeypatch.setattr(pipeline, "BATCH_ROWS", 10**9)
+    stores = {}
+    for files in (8, 1):
+        monkeypatch.setattr(pipeline, "BATCH_FILES", files)
+        rep = ingest([run], tmp_path / f"b{files}.duckdb", workers=1, optable_reader=reader)
+        assert [f.status for f in rep.files] == ["ok"] * 3
+        stores[files] = _dump(tmp_path / f"b{files}.duckdb")
+    assert stores[8]["events"] == stores[1]["events"]
+    assert sorted({row[0] for row in stores[8]["events"]}) == [5, 6]  # rank: only the op table's
+    assert stores[8] == stores[1]

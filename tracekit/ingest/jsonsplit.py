@@ -97,8 +97,12 @@ def _find_array_end(window: bytes) -> int | None:
     if i < 0 or window[i] != ord("}"):
         return None
     depth, in_str, close_at = 1, False, None
-    i -= 1
-    while i >= 0:
+    # The bytes before the final '}' walked backwards from structural byte to structural byte
+    # (a regex over the reversed window): a byte at a time in Python took about 1 ms a trace.
+    rev = window[i - 1::-1] if i > 0 else b""
+    last = i - 1
+    for m in _STRUCT.finditer(rev):
+        i = last - m.start()
         if close_at is not None and close_at - i > CONFIRM_WINDOW:
             return close_at
         c = window[i]
@@ -115,7 +119,7 @@ def _find_array_end(window: bytes) -> int | None:
             if depth == 1 and c == 0x5D:
                 close_at = i
             depth += 1
-        elif c in (0x7B, 0x5B):  # { [
+        else:  # { [
             depth -= 1
             if depth == 0:
                 return None  # reached the top-level '{' without meeting the array
@@ -124,7 +128,6 @@ def _find_array_end(window: bytes) -> int | None:
                 if key.endswith(b":") and key[:-1].rstrip().endswith(_KEY):
                     return close_at
                 close_at = None
-        i -= 1
     return close_at
 
 

@@ -47,7 +47,7 @@ import pyarrow as pa
 from tracekit import classify
 from tracekit.conventions import COMM_PREFIX, ConventionError
 from tracekit.ingest import columns
-from tracekit.ingest.nullable import Ints, Text, add, ints, mul, ordinals
+from tracekit.ingest.nullable import Ints, Text, add, constant_text, ints, mul, ordinals, row_ids, text
 from tracekit.ingest.common import IngestError, RankDependent, arrow_schema
 from tracekit.ingest.kineto_rows import COMM_FIELDS, try_bigint, try_cast_values
 
@@ -91,16 +91,14 @@ class CommEvents:
 
     def ints(self, field: str, codes: np.ndarray) -> Ints:
         """TRY_CAST(value AS BIGINT) of ``field``'s value for each code."""
-        text = self.args[field]
-        values = try_bigint(self.con, columns.from_values(text.values, pa.string())).to_pylist()
-        return Ints.of(values + [None], codes)
+        return Ints.coded(try_bigint(self.con, self.args[field].dictionary), codes)
 
     # -- NCCL kernels and their record_param_comms ------------------------------------------------
     def kernels(self) -> "_Kernels":
         kern = np.flatnonzero(self.kind.codes == self.kind.code_of("kernel"))
         ext = self.args["ext"]
         param = np.flatnonzero((self.name.codes == self.name.code_of(classify.PARAM_COMMS)) & (ext.codes >= 0))
-        first = np.full(len(ext.values), -1, dtype=np.int64)  # the earliest record_param_comms per id
+        first = np.full(len(ext.dictionary), -1, dtype=np.int64)  # the earliest record_param_comms per id
         order = param[np.lexsort((self.ts.v[param], ~self.ts.ok[param], ext.codes[param]))]
         ids, at = np.unique(ext.codes[order], return_index=True)
         first[ids] = order[at]
@@ -113,8 +111,30 @@ class CommEvents:
         return np.flatnonzero(hit[self.name.codes])
 
 
+class _Vocab:
+    """Distinct strings with small integer ids (None: -1)."""
+
+    def __init__(self) -> None:
+        self.values: list[str] = []
+        self.ids: dict[str, int] = {}
+
+    def id(self, value: str | None) -> int:
+        if value is None:
+            return -1
+        i = self.ids.get(value)
+        if i is None:
+            i = self.ids[value] = len(self.values)
+            self.values.append(value)
+        return i
+
+    def lut(self, values: list[str | None]) -> np.ndarray:
+        """The id of each value, then -1 (so that a code of -1, a null, looks up -1)."""
+        return np.array([self.id(v) for v in values] + [-1], dtype=np.int32)
+
+
 class _Kernels:
-    """NCCL kernels with their metadata: their own args, else their launcher's (row -1: none)."""
+    """NCCL kernels with their metadata: their own args, else their launcher's (row -1: none).
+    Text is kept as codes into a few distinct values; per-row work is numpy."""
 
     def __init__(self, ev: CommEvents, rows: np.ndarray, launcher: np.ndarray) -> None:
         self.ev, self.rows, self.launcher = ev, rows, launcher
@@ -127,11 +147,16 @@ class _Kernels:
             return np.where(own >= 0, own, np.where(has, codes[safe], -1))
 
         self.code = {k: field(k) for k in COMM_FIELDS if k not in ("coll", "ext")}
+        # the op: the kernel's own Collective name, else its launcher's, else its name's
+        self.ops = ops = _Vocab()
         coll = ev.args["coll"]
-        coll_op = np.array(coll.lut(classify.normalize_op), dtype=object)[coll.codes]
-        own_op, their_op = coll_op[rows], np.where(has, coll_op[safe], None)
-        name_op = np.array(ev.name_op, dtype=object)[ev.name.codes[rows]]
-        self.op = np.where(own_op != None, own_op, np.where(their_op != None, their_op, name_op))  # noqa: E711
+        coll_op = ops.lut(coll.lut(classify.normalize_op)[:-1])[coll.codes]
+        name_op = ops.lut(ev.name_op[:-1])[ev.name.codes[rows]]
+        own_op, their_op = coll_op[rows], np.where(has, coll_op[safe], -1)
+        self.op = np.where(own_op >= 0, own_op, np.where(their_op >= 0, their_op, name_op))
+        p2p_ids = [ops.ids[o] for o in classify.P2P_NORMALIZED if o in ops.ids]
+        self.is_p2p = np.isin(self.op, p2p_ids)
+        self.send, self.recv = ops.ids.get("send", -2), ops.ids.get("recv", -2)
         dtype = ev.args["dtype"]
         width = Ints.of(dtype.lut(lambda d: DTYPE_BYTES.get(d.lower())), dtype.codes)
         self.width = width.take(rows).coalesce(Ints(width.v[safe], width.ok[safe] & has))
@@ -139,28 +164,25 @@ class _Kernels:
         self.ts = ev.ts.take(rows)
         self.nelems = self._greatest(self.int["in_nelems"], self.int["out_nelems"])
         self.seq = self.int["seq_arg"].coalesce(self.int["seq_num"])
-        self.ranks = self._ranks()
+        # TRY_CAST(Process Group Ranks AS INTEGER[]) of each distinct value (+ None for null)
+        self.ranks_of_code = try_cast_values(ev.con, ev.args["pg_ranks"].values, "INTEGER[]") + [None]
+        self.group_code = self._group_codes()
 
     @staticmethod
     def _greatest(a: Ints, b: Ints) -> Ints:  # SQL greatest: nulls ignored
         return Ints(np.where(a.ok & b.ok, np.maximum(a.v, b.v), np.where(a.ok, a.v, b.v)), a.ok | b.ok)
 
-    def _ranks(self) -> list[list[int | None] | None]:
-        """TRY_CAST(Process Group Ranks AS INTEGER[]) per kernel."""
-        text = self.ev.args["pg_ranks"]
-        values = try_cast_values(self.ev.con, text.values, "INTEGER[]")
-        lut = values + [None]
-        return [lut[c] for c in self.code["pg_ranks"].tolist()]
+    def _group_codes(self) -> np.ndarray:
+        """coalesce(pg, 'stream ' || tid) per kernel, as ids of distinct strings (a group named
+        like a stream is that stream's key)."""
+        groups = _Vocab()
+        pg_ids = groups.lut(self.ev.args["pg"].values)
+        tid_ids = groups.lut(["stream " + t for t in self.ev.tid.values])
+        pg = pg_ids[self.code["pg"]]
+        return np.where(pg >= 0, pg, tid_ids[self.ev.tid.codes[self.rows]])
 
-    def text(self, k: str, sel: np.ndarray) -> list[str | None]:
-        lut = self.ev.args[k].values + [None]
-        return [lut[c] for c in self.code[k][sel].tolist()]
-
-    def group(self, sel: np.ndarray) -> list[str | None]:
-        """coalesce(pg, 'stream ' || tid)"""
-        tids = self.ev.tid.values + [None]
-        tid = [tids[c] for c in self.ev.tid.codes[self.rows[sel]].tolist()]
-        return [p if p is not None else (None if t is None else "stream " + t) for p, t in zip(self.text("pg", sel), tid)]
+    def text(self, k: str, sel: np.ndarray) -> pa.Array:
+        return text(self.ev.args[k].values, self.code[k][sel])
 
     def times(self, sel: np.ndarray, base: int) -> dict[str, pa.Array]:
         return _times(self.ev, self.rows[sel], base)
@@ -169,44 +191,46 @@ class _Kernels:
         return mul(self.nelems.take(sel), self.width.take(sel), "message size", self.ev.path).arrow()
 
     def collectives(self, base: int, first_step_ns: int | None) -> pa.Table:
-        sel = np.flatnonzero(np.array([op is not None and op not in classify.P2P_NORMALIZED for op in self.op],
-                                      dtype=bool))
+        sel = np.flatnonzero((self.op >= 0) & ~self.is_p2p)
         seq = self.seq.take(sel)
-        ordinal = ordinals(self.group(sel), self.ts.take(sel), first_step_ns)
+        ordinal = ordinals(self.group_code[sel], self.ts.take(sel), first_step_ns)
         return _table("collectives", {
-            "pg_name": _strings(self.text("pg", sel)), "seq": columns.from_numpy(np.where(seq.ok, seq.v, ordinal)),
-            "op": _strings(self.op[sel].tolist()), **self.times(sel, base), "nbytes": self.nbytes(sel),
-            "dtype": _strings(self.text("dtype", sel)), "step": self.ev.step.take(self.rows[sel]).arrow(),
-            "source": _strings(["kernel"] * len(sel))})
+            "pg_name": self.text("pg", sel), "seq": columns.from_numpy(np.where(seq.ok, seq.v, ordinal)),
+            "op": text(self.ops.values, self.op[sel]), **self.times(sel, base), "nbytes": self.nbytes(sel),
+            "dtype": self.text("dtype", sel), "step": self.ev.step.take(self.rows[sel]).arrow(),
+            "source": constant_text("kernel", len(sel))})
 
     def p2p(self, base: int, first_step_ns: int | None) -> pa.Table:
-        sel = np.flatnonzero(np.array([op in classify.P2P_NORMALIZED for op in self.op], dtype=bool))
-        ops = self.op[sel].tolist()
-        direction = [op if op in ("send", "recv") else None for op in ops]
-        peer = self._peer(sel, ops)
+        sel = np.flatnonzero(self.is_p2p)
+        op = self.op[sel]
+        direction = np.where((op == self.send) | (op == self.recv), op, -1)
+        peer = self._peer(sel, op)
         seq = self.seq.take(sel)
-        keys = list(zip(self.group(sel), [int(p) if ok else None for p, ok in zip(peer.v, peer.ok)], direction))
+        keys = np.stack([self.group_code[sel], peer.ok, np.where(peer.ok, peer.v, 0), direction], axis=1)
         ordinal = ordinals(keys, self.ts.take(sel), first_step_ns)
-        pairs = [r if r is not None and len(r) == 2 else (None, None) for r in (self.ranks[i] for i in sel.tolist())]
+        pair = self._pairs(self.code["pg_ranks"][sel])
         return _table("p2p", {
-            "peer": peer.arrow(), "direction": _strings(direction), "pg_name": _strings(self.text("pg", sel)),
+            "peer": peer.arrow(), "direction": text(self.ops.values, direction), "pg_name": self.text("pg", sel),
             "seq": columns.from_numpy(np.where(seq.ok, seq.v, ordinal)), **self.times(sel, base),
             "nbytes": self.nbytes(sel), "step": self.ev.step.take(self.rows[sel]).arrow(),
-            "microbatch": pa.nulls(len(sel), pa.int32()), "source": _strings(["kernel"] * len(sel)),
-            **{k: columns.from_values([p[i] for p in pairs], pa.int64()) for i, k in enumerate(PAIR)}}, extra=PAIR)
+            "microbatch": pa.nulls(len(sel), pa.int32()), "source": constant_text("kernel", len(sel)),
+            **{k: p.arrow() for k, p in zip(PAIR, pair)}}, extra=PAIR)
 
-    def _peer(self, sel: np.ndarray, ops: list[str]) -> Ints:
+    def _pairs(self, codes: np.ndarray) -> tuple[Ints, Ints]:
+        """The two members of each row's group where it has exactly two (else nulls)."""
+        two = [r if r is not None and len(r) == 2 else (None, None) for r in self.ranks_of_code]
+        return Ints.of([r[0] for r in two], codes), Ints.of([r[1] for r in two], codes)
+
+    def _peer(self, sel: np.ndarray, op: np.ndarray) -> Ints:
         """dst/src rank by direction, else ranks[Rank], else start + Rank * stride."""
         i = {k: self.int[k].take(sel) for k in ("dst_rank", "src_rank", "rank_arg", "rank_start", "rank_stride")}
-        is_send = np.array([op == "send" for op in ops], dtype=bool)
-        is_recv = np.array([op == "recv" for op in ops], dtype=bool)
+        is_send, is_recv = op == self.send, op == self.recv
         peer = Ints(np.where(is_send, i["dst_rank"].v, i["src_rank"].v),
                      (is_send & i["dst_rank"].ok) | (is_recv & i["src_rank"].ok))
         arg = i["rank_arg"]
-        for j, row in enumerate(sel.tolist()):
-            if peer.ok[j] or not arg.ok[j] or arg.v[j] < 0:
-                continue
-            ranks = self.ranks[row]
+        codes = self.code["pg_ranks"][sel]
+        for j in np.flatnonzero(~peer.ok & arg.ok & (arg.v >= 0)).tolist():
+            ranks = self.ranks_of_code[codes[j]]
             if ranks is not None and arg.v[j] < len(ranks) and ranks[arg.v[j]] is not None:
                 peer.v[j], peer.ok[j] = ranks[arg.v[j]], True
         rest = ~peer.ok & arg.ok & (arg.v >= 0) & i["rank_stride"].ok & (i["rank_stride"].v > 0)
@@ -262,24 +286,26 @@ def _annotated(ev: CommEvents, annotations: list[dict], base: int) -> tuple[pa.T
 def _gloo(ev: CommEvents, base: int) -> tuple[pa.Table, pa.Table]:
     """gloo:* worker spans: no group; seq is the op's order on the rank."""
     rows = ev.rows_named("gloo:")
-    op = np.array(ev.name_op + [None], dtype=object)[ev.name.codes[rows]]
+    ops = _Vocab()
+    op = ops.lut(ev.name_op[:-1])[ev.name.codes[rows]]
     is_annotation = ev.kind.codes[rows] == ev.kind.code_of("user_annotation")
-    coll = np.array([o is not None and o not in classify.P2P_NORMALIZED for o in op], dtype=bool) & is_annotation
-    pp = np.array([o in ("send", "recv") for o in op], dtype=bool)
+    coll = (op >= 0) & ~np.isin(op, [ops.ids[o] for o in classify.P2P_NORMALIZED if o in ops.ids]) & is_annotation
+    pp = np.isin(op, [ops.ids[o] for o in ("send", "recv") if o in ops.ids])
     out = []
     for sel in (coll, pp):
-        r, ops = rows[sel], op[sel].tolist()
-        out.append((r, ops, ordinals(ops, ev.ts.take(r), None)))
+        r = rows[sel]
+        out.append((r, op[sel], ordinals(op[sel], ev.ts.take(r), None)))
     (c, cops, cseq), (p, pops, pseq) = out
     collectives = _table("collectives", {
-        "pg_name": pa.nulls(len(c), pa.string()), "seq": columns.from_numpy(cseq), "op": _strings(cops),
+        "pg_name": pa.nulls(len(c), pa.string()), "seq": columns.from_numpy(cseq), "op": text(ops.values, cops),
         **_times(ev, c, base), "nbytes": pa.nulls(len(c), pa.int64()), "dtype": pa.nulls(len(c), pa.string()),
-        "step": ev.step.take(c).arrow(), "source": _strings(["gloo"] * len(c))})
+        "step": ev.step.take(c).arrow(), "source": constant_text("gloo", len(c))})
     p2p = _table("p2p", {
-        "peer": pa.nulls(len(p), pa.int32()), "direction": _strings(pops), "pg_name": pa.nulls(len(p), pa.string()),
+        "peer": pa.nulls(len(p), pa.int32()), "direction": text(ops.values, pops),
+        "pg_name": pa.nulls(len(p), pa.string()),
         "seq": columns.from_numpy(pseq), **_times(ev, p, base), "nbytes": pa.nulls(len(p), pa.int64()),
         "step": ev.step.take(p).arrow(), "microbatch": pa.nulls(len(p), pa.int32()),
-        "source": _strings(["gloo"] * len(p)), **_no_pair(len(p))}, extra=PAIR)
+        "source": constant_text("gloo", len(p)), **_no_pair(len(p))}, extra=PAIR)
     return collectives, p2p
 
 
@@ -326,9 +352,10 @@ def groups(ev: CommEvents, annotations: list[dict], info: dict, path: Path) -> l
             out.append({"pg_name": str(pg.get("pg_name")), "pg_desc": pg.get("pg_desc"),
                         "ranks": [int(r) for r in pg["ranks"]]})
     a = ev.args
-    seen = set(zip(a["pg"].codes.tolist(), a["pg_desc"].codes.tolist(), a["pg_ranks"].codes.tolist()))
+    keys = np.stack([a["pg"].codes, a["pg_desc"].codes, a["pg_ranks"].codes], axis=1)
+    _, first = np.unique(row_ids(keys), return_index=True)
     lut = {k: a[k].values + [None] for k in ("pg", "pg_desc", "pg_ranks")}
-    for pg, desc, ranks in sorted(seen):
+    for pg, desc, ranks in sorted(map(tuple, keys[first].tolist())):
         if pg < 0 or ranks < 0:
             continue
         text = lut["pg_ranks"][ranks]

@@ -294,11 +294,18 @@ def try_bigint(con: duckdb.DuckDBPyConnection, text: pa.Array) -> pa.Array:
     return columns.one_array(res.column("v"))
 
 
+# A list of small non-negative integers as the profiler writes 'Process Group Ranks': read here,
+# as DuckDB's cast reads it (tests/test_ingest_kineto_rows.py compares), without a query.
+_PLAIN_INT_LIST = re.compile(r"\[(?:(?:0|[1-9][0-9]{0,8})(?:, (?:0|[1-9][0-9]{0,8}))*)?\]")
+
+
 def try_cast_values(con: duckdb.DuckDBPyConnection, values: list[str], sql_type: str) -> list:
     """DuckDB's TRY_CAST(value AS sql_type) of a few strings, as Python values (a list type through
     Arrow would import pandas)."""
     if not values:
         return []
+    if sql_type == "INTEGER[]" and all(_PLAIN_INT_LIST.fullmatch(v) for v in values):
+        return [[int(x) for x in v[1:-1].split(", ")] if len(v) > 2 else [] for v in values]
     cur = con.cursor()
     try:
         row = cur.execute(f"SELECT [TRY_CAST(x AS {sql_type}) FOR x IN $1::VARCHAR[]]", [values]).fetchone()

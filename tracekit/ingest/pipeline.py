@@ -218,9 +218,11 @@ def _commit_batch(cur: duckdb.DuckDBPyConnection, items: list[tuple[rundir.Job, 
     if len(items) > 1:
         cur.execute("BEGIN TRANSACTION")
         applied: list[commit.Applied] = []
+        staged = commit.Staged()
         try:
             for job, out in items:
-                applied.append(commit.apply(cur, job, out, ledger))
+                applied.append(commit.apply(cur, job, out, ledger, staged))
+            staged.write(cur)
             crash_point("commit")
             cur.execute("COMMIT")
             crash_point("committed")

@@ -46,14 +46,29 @@ class FileFacts:
     descs: dict[tuple, set] = field(default_factory=dict)  # every pg_desc the files gave each group
 
 
+FILE_META_ROW = "(?, ?, ?, ?, ?, ?, ?)"
+GROUP_ROW = "(?, ?, ?, NULL::VARCHAR, ?::INTEGER[], ?)"
+
+
+def file_meta_values(run_id: str, path: object, parsed: Parsed, rank: int | None) -> list:
+    """The ``file_meta`` row of one file (FILE_META_ROW's parameters): what it says about its run."""
+    return [run_id, str(path), rank, parsed.world_size, parsed.backend,
+            parsed.pids[0] if rank is not None and parsed.pids else None,
+            json.dumps([{"pg_name": g.get("pg_name"), "pg_desc": g.get("pg_desc"),
+                         "ranks": [int(r) for r in g["ranks"]]} for g in parsed.groups])]
+
+
+def group_values(run_id: str, g: dict) -> list:
+    """The ``groups`` row of one process group (GROUP_ROW's parameters; ``dim`` is set when the
+    run's topology is recomputed)."""
+    ranks = [int(r) for r in g["ranks"]]
+    return [run_id, g.get("pg_name"), g.get("pg_desc"), ranks, len(ranks)]
+
+
 def insert_file_meta(con: duckdb.DuckDBPyConnection, run_id: str, path: object, parsed: Parsed,
                      rank: int | None) -> None:
     """Record what one file says about its run, with its rows (its transaction)."""
-    con.execute("INSERT INTO file_meta VALUES (?, ?, ?, ?, ?, ?, ?)",
-                [run_id, str(path), rank, parsed.world_size, parsed.backend,
-                 parsed.pids[0] if rank is not None and parsed.pids else None,
-                 json.dumps([{"pg_name": g.get("pg_name"), "pg_desc": g.get("pg_desc"),
-                              "ranks": [int(r) for r in g["ranks"]]} for g in parsed.groups])])
+    con.execute(f"INSERT INTO file_meta VALUES {FILE_META_ROW}", file_meta_values(run_id, path, parsed, rank))
 
 
 def file_facts(con: duckdb.DuckDBPyConnection, run_id: str) -> FileFacts:
@@ -113,10 +128,8 @@ def _settle_descs(con: duckdb.DuckDBPyConnection, run_id: str, facts: FileFacts,
 
 
 def insert_group(con: duckdb.DuckDBPyConnection, run_id: str, g: dict) -> None:
-    """Record one process group (``dim`` is set when the run's topology is recomputed)."""
-    ranks = [int(r) for r in g["ranks"]]
-    con.execute("INSERT INTO groups VALUES (?, ?, ?, NULL, ?, ?)",
-                [run_id, g.get("pg_name"), g.get("pg_desc"), ranks, len(ranks)])
+    """Record one process group."""
+    con.execute(f"INSERT INTO groups VALUES {GROUP_ROW}", group_values(run_id, g))
 
 
 def ranges_text(rs: list[int]) -> str:
