@@ -171,6 +171,36 @@ def test_a_lateness_from_waits_alone_is_a_finding_only_when_a_level_measured_its
         assert not d.compute.has_data
         assert [round(f.cost_share, 3) for f in d.findings] == expected, d.headline
 
+
+def test_a_rank_alone_at_its_position_is_never_called_slow_or_cpu_bound(monkeypatch):
+    # dp 1 x pp 2, one rank per stage: the last stage idles between ops more than the first by the
+    # schedule's design; with no peer to compare with, a clean torch-native job's rank 1 was called
+    # "CPU-bound: idles 44.4% of the step more than its same" at confidence 0.90. Its lateness is a
+    # finding only in doubt, and "no straggler" there says what it could not see
+    from dataclasses import replace
+
+    import tracekit.analysis.diagnosis as diagnosis
+    from tracekit.analysis.localize import localize
+    from tracekit.analysis.rootcause import explain
+
+    job = RunTables.from_mapping(make_job(Layout(tp=1, cp=1, pp=2, dp=1), faults=Faults(cpu_bound_rank=1), seed=3))
+    real = localize(job)
+    step = real.step_time_ns
+    per_step = pl.DataFrame({"step": [1, 2], "culprit_rank": [1, 1], "effect_ns": [0.1 * step, 0.2 * step]})
+    late = replace(real, verdict="transient", culprit_rank=1, culprit_ranks=(1,), confidence=1.0,
+                   episode_steps=(1, 2), per_step=per_step, levels=[])  # its cost: the steps it stood out in
+    cause = explain(job, late)
+    assert (cause.kind, cause.evidence["peers"]) == ("unexplained", 0), cause.summary
+    monkeypatch.setattr(diagnosis, "localize", lambda tables, tun=None: late)
+    d = diagnosis.diagnose(job)
+    assert [(f.kind, f.ranks, f.steps, f.confidence) for f in d.findings] == [("transient", (1,), (1, 2), 0.5)]
+    assert d.findings[0].cost_ns == pytest.approx(0.15 * step)
+    quiet = replace(real, verdict="no_straggler", culprit_rank=None, culprit_ranks=(), confidence=1.0)
+    monkeypatch.setattr(diagnosis, "localize", lambda tables, tun=None: quiet)
+    d = diagnosis.diagnose(job)
+    assert not d.findings and d.localization.confidence == 0.5
+    assert "no two ranks' compute could be compared" in d.headline
+
 def test_a_slow_rank_does_not_make_its_stage_peers_look_fast():
     # rank 5 (stage 0, with ranks 0, 1, 4) computes 1.5x: its peers' reference leaves the largest of
     # their others out, so they stay level with stage 1's ranks (a plain mean moved them 4-7%)

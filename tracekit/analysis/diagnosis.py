@@ -240,13 +240,20 @@ def _data_or_device(tables: RunTables, loc: Localization, findings: list[Finding
 
 def _waits_finding(tables: RunTables, loc: Localization, cause: Cause, step_ns: float) -> Finding:
     ranks = loc.culprit_ranks or ((loc.culprit_rank,) if loc.culprit_rank is not None else ())
-    # what the levels measured beyond their noise (a moving top member's lateness included)
+    # what the levels measured beyond their noise (a moving top member's lateness included); a
+    # transient's, its lateness in the steps it stood out in (no level names it over all steps)
     named = [lv for lv in loc.levels if lv.verdict == "culprit" or lv.verdict == "moving" and lv.margin >= 1.0]
     cost = max((lv.effect_ns for lv in named), default=0.0)
+    if loc.verdict == "transient" and loc.episode_steps and loc.per_step.height:
+        late = loc.per_step.filter(pl.col("step").is_in(list(loc.episode_steps))
+                                   & (pl.col("culprit_rank") == loc.culprit_rank))["effect_ns"].drop_nulls()
+        cost = max(cost, float(late.mean()) if late.len() else 0.0)
     kind = {"straggler": "straggler", "transient": "transient", "moving": "moving"}.get(loc.verdict, cause.kind)
     place = where(tables, tuple(ranks)) if ranks else "the job"
+    # a rank without peers is late against the other stages only, whose load differs by design
+    alone = cause.evidence.get("peers") == 0
     return Finding(kind, tuple(ranks), place, tuple(loc.episode_steps), cost, cost / step_ns,
-                   min(loc.confidence, 0.9), cause.kind, f"{place}: {cause.summary}",
+                   min(loc.confidence, 0.5 if alone else 0.9), cause.kind, f"{place}: {cause.summary}",
                    NEXT_STEP.get(cause.kind, NEXT_STEP["unexplained"]).format(who=place), dict(cause.evidence))
 
 
@@ -284,6 +291,8 @@ def _primary(loc: Localization, findings: list[Finding], tables: RunTables,
         # compute, measured on each rank's own clock, is the evidence findings come from; the waits'
         # margins (loc.confidence) only where no compute was recorded
         sure = compute.none_confidence() if compute is not None and verdict == "no_straggler" else None
+        if sure is None and compute is not None and not compute.has_data and verdict == "no_straggler":
+            sure = min(loc.confidence, 0.5)  # the waits alone: a slow rank shows there only as its stage
         return replace(loc, verdict=verdict, culprit_rank=None, culprit_ranks=(), coords={},
                        confidence=loc.confidence if sure is None else sure)
     ranked = [f for f in findings if f.kind in ("straggler", "transient", "moving")]
@@ -315,6 +324,9 @@ def _primary_cause(findings: list[Finding], loc: Localization, tables: RunTables
         if loc.verdict == "no_data":
             return Cause("insufficient_data", (), _no_data_reason(tables), {})
         limit = compute.sensitivity_text() if compute is not None else ""
+        if compute is not None and not compute.has_data:
+            limit = ("no two ranks' compute could be compared (no rank shares its position, or no compute "
+                     "spans were recorded): a slow rank shows only in the waits, as its stage")
         evidence = {"detectable_ratio": compute.detectable_ratio,
                     "steps_for_sensitivity": compute.steps_for_sensitivity} if limit else {}
         text = "; ".join(x for x in ("no rank, stage or link stands out beyond noise", limit, minor) if x)

@@ -222,6 +222,9 @@ def _explain_rank(tables, loc, metrics, links, tun: Tunables, step_ns: float, wo
     if loc.verdict == "transient":
         steps = list(loc.episode_steps)
     same = peers(tables, r)
+    if not same:  # one rank per position (e.g. dp 1 x pp 2): nothing to compare its compute or gaps with
+        return Cause("unexplained", (r,), f"rank {r} has no peer doing the same work (it alone holds its "
+                     "position), so whether it is slow or its stage is heavy cannot be told", {"peers": 0})
     compute_ratio = ratio_to_peers(metrics, r, same, "compute_ns", steps)
     m = metrics if steps is None else metrics.filter(pl.col("step").is_in(steps))
     own_gap = m.filter(pl.col("rank") == r)["gap_ns"].median() or 0.0
@@ -255,16 +258,16 @@ def _explain_rank(tables, loc, metrics, links, tun: Tunables, step_ns: float, wo
     if slow:
         if (explained is None and work_ratio is not None
                 and work_ratio - 1 >= tun.work_explains_share * (compute_ratio - 1)):
-            return Cause("data_imbalance", (r,), f"rank {r} had {work_ratio:.2f}x the attention work of its same "
+            return Cause("data_imbalance", (r,), f"rank {r} had {work_ratio:.2f}x the attention work of its peers "
                          f"(compute {compute_ratio:.2f}x)", ev)
         if cv == cv and cv - (cv_peers if cv_peers == cv_peers else 0.0) >= tun.data_cv_min:
-            return Cause("data_imbalance", (r,), f"rank {r} computes {compute_ratio:.2f}x its same, unevenly "
+            return Cause("data_imbalance", (r,), f"rank {r} computes {compute_ratio:.2f}x its peers, unevenly "
                          f"across micro-batches (cv {cv:.2f}): more work, not a slower device", ev)
         return Cause("slow_compute", (r,), f"rank {r} computes {compute_ratio:.2f}x its {len(same)} peers at the "
                      "same position, uniformly: a slow worker", ev)
     if gap_excess >= tun.cpu_gap_frac:
         return Cause("cpu_bound", (r,), f"rank {r} idles {gap_excess:.1%} of the step between ops more than its "
-                     "same (CPU launch gaps)", ev)
+                     "peers (CPU launch gaps)", ev)
     if stage_ratio >= tun.stage_compute_ratio:
         return Cause("stage_imbalance", (r,),
                      f"rank {r}'s stage {stage} computes {stage_ratio:.2f}x the median stage", ev)
