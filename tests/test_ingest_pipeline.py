@@ -33,6 +33,19 @@ def _run(tmp: Path, ranks: int = 3, gz: bool = True) -> Path:
     return tmp / "run"
 
 
+def _one_file_each(monkeypatch: pytest.MonkeyPatch, workers: int = 2) -> None:
+    """Each worker parses one file, all at once: else one worker could take a second file while
+    its writer holds the first, and a test whose commits wait for each other would wait in vain."""
+    parsing = threading.Barrier(workers, timeout=30)
+    real = pipeline.parse_mod.run
+
+    def parse(*a, **k):  # type: ignore[no-untyped-def]
+        parsing.wait()
+        return real(*a, **k)
+
+    monkeypatch.setattr(pipeline.parse_mod, "run", parse)
+
+
 def _dump(db: Path) -> dict[str, list]:
     with tracekit.open(db) as s:
         return {t: s.sql(f"SELECT * EXCLUDE (run_id) FROM {t} ORDER BY ALL").rows() for t in TABLES}
@@ -120,6 +133,7 @@ def test_workers_commit_side_by_side_and_record_each_group_once(tmp_path: Path,
             barrier.wait()
 
     monkeypatch.setattr(Ledger, "claim", claim)
+    _one_file_each(monkeypatch)
     monkeypatch.setattr(pipeline, "BATCH_FILES", 1)
     rep = ingest([run], tmp_path / "two.duckdb", workers=2)
     assert [f.status for f in rep.files] == ["ok", "ok"]
@@ -216,6 +230,7 @@ def test_a_group_claimed_by_a_failed_file_is_still_recorded(tmp_path: Path, monk
     monkeypatch.setattr(Ledger, "claim", claim)
     monkeypatch.setattr(commit, "_insert", insert)
     monkeypatch.setattr(commit, "apply_alone", alone)
+    _one_file_each(monkeypatch)
     monkeypatch.setattr(pipeline, "BATCH_FILES", 1)
     rep = ingest([run], tmp_path / "s.duckdb", workers=2)
     assert {(f.rank, f.status) for f in rep.files} == {(0, "failed"), (1, "ok")}

@@ -284,9 +284,12 @@ def _committed(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], ledger: L
                     rows += out.parsed.rows if out.parsed is not None else 0
                 if batch and (job is None or rows >= BATCH_ROWS or len(batch) >= BATCH_FILES) \
                         and not stop.is_set():
-                    if writing is not None:
-                        writing.result()  # raises what the writer raised
-                    writing = writer.submit(write, write_cur, batch)
+                    if job is None:  # the last batch: committed here, beside the writer's, not after it
+                        write(cur, batch)
+                    else:
+                        if writing is not None:
+                            writing.result()  # raises what the writer raised
+                        writing = writer.submit(write, write_cur, batch)
                     batch, rows = [], 0
                 if job is None:
                     if writing is not None:
