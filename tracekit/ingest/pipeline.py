@@ -246,7 +246,7 @@ def _committed(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], ledger: L
     process of its own, if given ``parsers``), each with a writer thread that commits its batches.
 
     Each worker takes the next file as soon as it is done with one, and hands what it holds to its
-    writer once that is a row group's worth of rows or ``BATCH_FILES`` files, or once no file is
+    writer once that is ``BATCH_ROWS`` rows or ``BATCH_FILES`` files, or once no file is
     left to take; it parses on while the writer commits, and waits only if the writer still holds
     the batch before. A worker's own commit left its core idle whenever the commit waited (on
     DuckDB's commit lock, on the other worker's transaction) and left the other worker's parse
