@@ -81,26 +81,45 @@ def comm_tables(con, path: Path, built) -> None:  # noqa: ANN001
     kineto_comm.groups(ev, built.comm_annotations, {}, path)
 
 
-def whole(paths: list[Path], workers: int) -> tuple[float, float, dict[str, list[float]]]:
+def _sched() -> tuple[float, float]:
+    """(seconds on a core, seconds runnable but waiting for one) of the calling thread, from
+    /proc (Linux); (thread CPU, 0) elsewhere."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            on, waiting = f.read().split()[:2]
+        return int(on) / 1e9, int(waiting) / 1e9
+    except (OSError, ValueError):
+        return time.thread_time(), 0.0
+
+
+def whole(paths: list[Path], workers: int) -> tuple[float, float, dict[str, list[float]], dict[str, float]]:
+    """Wall, process CPU, per part [on a core, waiting for a core, wall, calls], and when (seconds
+    from the start) the first parse began and the last parse and commit ended."""
     from tracekit.ingest import parse as parse_mod
     from tracekit.ingest import pipeline, topo
 
     spent: dict[str, list[float]] = {}
+    marks: dict[str, float] = {}
     lock = threading.Lock()
+    w0 = time.perf_counter()
 
     def timed(mod, name: str, label: str) -> None:  # noqa: ANN001
         fn = getattr(mod, name)
 
         def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
-            t, w = time.thread_time(), time.perf_counter()
+            (on, waiting), w = _sched(), time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
+                (on1, waiting1), w1 = _sched(), time.perf_counter()
                 with lock:
-                    s = spent.setdefault(label, [0.0, 0.0, 0])
-                    s[0] += time.thread_time() - t
-                    s[1] += time.perf_counter() - w
-                    s[2] += 1
+                    s = spent.setdefault(label, [0.0, 0.0, 0.0, 0])
+                    s[0] += on1 - on
+                    s[1] += waiting1 - waiting
+                    s[2] += w1 - w
+                    s[3] += 1
+                    marks.setdefault(f"{label} first", w - w0)
+                    marks[f"{label} last"] = w1 - w0
 
         setattr(mod, name, wrapper)
 
@@ -114,7 +133,7 @@ def whole(paths: list[Path], workers: int) -> tuple[float, float, dict[str, list
         wall, cpu = time.perf_counter() - w0, time.process_time() - c0
     if rep.failed:
         raise SystemExit(f"ingest failed: {rep.failed[0].error}")
-    return wall, cpu, spent
+    return wall, cpu, spent, marks
 
 
 def raw_bytes(p: Path) -> int:
@@ -146,14 +165,22 @@ def main() -> None:
     print("| stage, per file (one thread) | CPU ms | MB/CPU-s |\n|---|---|---|")
     for name, s in per_file(sample).items():
         print(f"| {name} | {s * 1000:.1f} | {mb / s if s else float('inf'):,.0f} |")
-    wall, cpu, spent = whole(paths, a.workers)
+    load = os.getloadavg()[0]
+    wall, cpu, spent, marks = whole(paths, a.workers)
     total = sum(raw_bytes(p) for p in paths) / 1e6
     print(f"\ningest of all {len(paths)} files in this process, {a.workers} workers: wall {wall:.2f} s, "
           f"process CPU {cpu:.2f} s ({cpu / wall:.2f} cores busy), {total / wall:,.0f} MB/s; "
-          f"load {os.getloadavg()[0]:.1f}\n")
-    print("| part | thread CPU s | share of process CPU | calls |\n|---|---|---|---|")
-    for name, (c, _, n) in spent.items():
-        print(f"| {name} | {c:.2f} | {c / cpu:.0%} | {n} |")
+          f"load {load:.1f} before, {os.getloadavg()[0]:.1f} after\n")
+    print("Where the threads were (from /proc/self/task/*/schedstat): on a core; runnable but waiting "
+          "for one (the machine's other work, or more of our threads than cores); blocked (the GIL, "
+          "DuckDB's locks, I/O: our own idle).\n")
+    print("| part | thread CPU s (on a core) | waiting for a core s | blocked s | share of process CPU | calls |")
+    print("|---|---|---|---|---|---|")
+    for name, (on, waiting, w, n) in spent.items():
+        print(f"| {name} | {on:.2f} | {waiting:.2f} | {max(0.0, w - on - waiting):.2f} | {on / cpu:.0%} | {int(n)} |")
+    parse, commits = "parse (all files)", "commits (DuckDB insert + commit)"
+    print(f"\nfirst parse began at {marks[parse + ' first']:.2f} s; last parse ended at {marks[parse + ' last']:.2f} s, "
+          f"last commit at {marks[commits + ' last']:.2f} s, the ingest at {wall:.2f} s")
 
 
 if __name__ == "__main__":

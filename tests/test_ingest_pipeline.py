@@ -33,6 +33,19 @@ def _run(tmp: Path, ranks: int = 3, gz: bool = True) -> Path:
     return tmp / "run"
 
 
+def _one_file_each(monkeypatch: pytest.MonkeyPatch, workers: int = 2) -> None:
+    """Each worker parses one file, all at once: else one worker could take a second file while
+    its writer holds the first, and a test whose commits wait for each other would wait in vain."""
+    parsing = threading.Barrier(workers, timeout=30)
+    real = pipeline.parse_mod.run
+
+    def parse(*a, **k):  # type: ignore[no-untyped-def]
+        parsing.wait()
+        return real(*a, **k)
+
+    monkeypatch.setattr(pipeline.parse_mod, "run", parse)
+
+
 def _dump(db: Path) -> dict[str, list]:
     with tracekit.open(db) as s:
         return {t: s.sql(f"SELECT * EXCLUDE (run_id) FROM {t} ORDER BY ALL").rows() for t in TABLES}
@@ -120,11 +133,43 @@ def test_workers_commit_side_by_side_and_record_each_group_once(tmp_path: Path,
             barrier.wait()
 
     monkeypatch.setattr(Ledger, "claim", claim)
+    _one_file_each(monkeypatch)
     monkeypatch.setattr(pipeline, "BATCH_FILES", 1)
     rep = ingest([run], tmp_path / "two.duckdb", workers=2)
     assert [f.status for f in rep.files] == ["ok", "ok"]
     one, two = _dump(tmp_path / "one.duckdb"), _dump(tmp_path / "two.duckdb")
     assert one == two and one["groups"] == [("0", "default_pg", "world", [0, 1], 2)]
+
+
+def test_a_worker_parses_on_while_its_writer_commits_and_holds_at_most_two_batches(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One worker, a file per batch: the first batch's commit waits until the second file's parse
+    has begun (a worker that committed its batch itself would never get there), then for a third
+    parse, which must not begin while the writer still holds a batch (memory stays bounded)."""
+    run = _run(tmp_path, ranks=4)
+    monkeypatch.setattr(pipeline, "BATCH_FILES", 1)
+    started: list[threading.Event] = [threading.Event() for _ in range(4)]
+    order: list[str] = []
+    real_parse, real_commit = pipeline.parse_mod.run, pipeline._commit_batch
+
+    def parse(path, *a, **k):  # type: ignore[no-untyped-def]
+        n = sum(e.is_set() for e in started)
+        order.append(f"parse {n + 1}")
+        started[n].set()
+        return real_parse(path, *a, **k)
+
+    def commit_batch(cur, items, ledger):  # type: ignore[no-untyped-def]
+        if not order.count("commit 1 done"):
+            assert started[1].wait(30), "the second file was not parsed while the first batch was written"
+            started[2].wait(1)  # a third parse, were there one now, would start here
+            order.append("commit 1 done")
+        return real_commit(cur, items, ledger)
+
+    monkeypatch.setattr(pipeline.parse_mod, "run", parse)
+    monkeypatch.setattr(pipeline, "_commit_batch", commit_batch)
+    rep = ingest([run], tmp_path / "s.duckdb", workers=1)
+    assert [f.status for f in rep.files] == ["ok"] * 4
+    assert order.index("parse 2") < order.index("commit 1 done") < order.index("parse 3")
 
 
 def test_two_files_claiming_one_rank_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -185,6 +230,7 @@ def test_a_group_claimed_by_a_failed_file_is_still_recorded(tmp_path: Path, monk
     monkeypatch.setattr(Ledger, "claim", claim)
     monkeypatch.setattr(commit, "_insert", insert)
     monkeypatch.setattr(commit, "apply_alone", alone)
+    _one_file_each(monkeypatch)
     monkeypatch.setattr(pipeline, "BATCH_FILES", 1)
     rep = ingest([run], tmp_path / "s.duckdb", workers=2)
     assert {(f.rank, f.status) for f in rep.files} == {(0, "failed"), (1, "ok")}
