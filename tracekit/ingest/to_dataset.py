@@ -41,10 +41,6 @@ BATCH_FILES = 16
 RUN_PART = "run"  # the part holding what the driver computes for a run (runs, ranks, groups, warnings)
 
 
-class EngineUnavailable(RuntimeError):
-    """The engine asked for is not installed."""
-
-
 @dataclass
 class Done:
     """What a task did with one file (the done record of an ingested one)."""
@@ -196,69 +192,6 @@ def _run_local(work: list[list[rundir.Job]], out_dir: str, workers: int) -> Iter
                 f.cancel()
 
 
-def ray_init_args(address: str | None, env_address: str | None) -> dict:
-    """``ray.init``'s arguments: the cluster at ``address`` (or RAY_ADDRESS), else a Ray started on
-    this machine for this command alone.
-
-    Started here, its workers run at the command's own priority (``worker_niceness`` 0; Ray's
-    default, 15, lets every other process on the machine go first: on a shared 2-core machine that
-    made each task 5-10x slower in wall time for the same CPU), and without the dashboard, which a
-    batch command has no use for (benchmarks/ingest_ray.py, docs/dataset.md). A cluster that is
-    already running keeps its own settings."""
-    quiet = {"logging_level": "ERROR", "log_to_driver": False}
-    if address is not None or env_address:
-        return {"address": address, **quiet}
-    return {"address": "local", "include_dashboard": False, "_system_config": {"worker_niceness": 0}, **quiet}
-
-
-_ray_connected_here: set[str] = set()  # the Ray jobs (connections) this module's ray.init made
-
-
-def stop_ray() -> None:
-    """Disconnect from the Ray that the ray engine connected to or started (stopping it if started
-    here), if it did. A command calls this before it exits: left to the interpreter's exit, Ray
-    first sleeps 0.5 s for its log messages (about 0.6 s of the command's wall in all). A Ray that
-    was initialized before the engine ran is left as it is."""
-    import sys
-
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized() and ray.get_runtime_context().get_job_id() in _ray_connected_here:
-        _ray_connected_here.clear()
-        ray.shutdown()
-
-
-def _run_ray(work: list[list[rundir.Job]], out_dir: str, address: str | None) -> Iterator[list[Done]]:
-    try:
-        import ray
-    except ImportError:
-        raise EngineUnavailable("the ray engine needs Ray: pip install 'tracekit[cluster]'") from None
-    if not ray.is_initialized():
-        try:
-            ray.init(**ray_init_args(address, os.environ.get("RAY_ADDRESS")))
-        except Exception as e:  # noqa: BLE001 - no cluster at the address, a version mismatch, ...
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise EngineUnavailable(f"cannot start or reach Ray{f' at {address}' if address else ''}: {first}") from None
-        _ray_connected_here.add(ray.get_runtime_context().get_job_id())
-    # A task that dies (its worker killed, out of memory) is retried by Ray; its part is replaced,
-    # so a retry never doubles rows. One that still fails fails its files, and the others go on.
-    task = ray.remote(max_retries=2)(ingest_batch)
-    batch_of = {task.remote(b, out_dir): b for b in work}
-    pending = list(batch_of)
-    try:
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            try:
-                yield ray.get(ready[0])
-            except ray.exceptions.RayError as e:
-                why = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
-                yield [Done(str(j.path), part_name(j.path), j.run_id, *_stat(j.path), "failed",
-                            error=f"{j.path}: its Ray task failed ({why})", logged=False)
-                       for j in batch_of[ready[0]]]
-    finally:
-        for ref in pending:
-            ray.cancel(ref)
-
-
 def ingest(paths: list[str | Path], out_dir: str | Path, run_id: str | None = None, engine: str = "local",
            workers: int | None = None, address: str | None = None, progress: Progress | None = None) -> IngestReport:
     """Ingest files and run directories into the dataset at ``out_dir`` (created if new); never
@@ -281,10 +214,10 @@ def ingest(paths: list[str | Path], out_dir: str | Path, run_id: str | None = No
             results[str(job.path)] = FileResult(job.path, job.run_id, prev.format, prev.rank, "skipped", why, 0, 0.0)
         else:
             todo.append(job)
-    work = batches(todo)
     if engine == "ray":
-        stream = _run_ray(work, str(out), address)
+        stream = _ray_stream(todo, str(out), address, workers)
     elif engine == "local":
+        work = batches(todo)
         stream = _run_local(work, str(out), max(1, workers or min(len(work), os.cpu_count() or 1)))
     else:
         raise ValueError(f"unknown engine {engine!r} (local or ray)")
@@ -300,6 +233,8 @@ def ingest(paths: list[str | Path], out_dir: str | Path, run_id: str | None = No
             done_n += 1
             if progress is not None:
                 progress(done_n, len(jobs), job.path, d.status)
+    if getattr(stream, "note", None):
+        report.warnings.append(stream.note)
     _settle_duplicates(out, jobs, results)
     # the runs that hold a file of this ingest (as the local ingest: a run of failed files only is not one)
     held = [r for r in results.values() if r is not None and r.status in ("ok", "skipped")]
@@ -318,6 +253,27 @@ def ingest(paths: list[str | Path], out_dir: str | Path, run_id: str | None = No
     report.bytes_ingested = sum(max(_stat(f.path)[0], 0) for f in report.ok)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _ray_stream(todo: list[rundir.Job], out_dir: str, address: str | None, workers: int | None):
+    """The ray engine: tasks on the Ray this process is connected to or the cluster at ``address``
+    (or RAY_ADDRESS); else, when there is more to do than one file per driver thread, Ray started
+    here while the driver ingests (on_ray.ColdStart); else the driver's threads alone (a Ray started
+    for files the driver has all taken would get none of them)."""
+    import importlib.util
+    import sys
+
+    from tracekit.ingest import on_ray
+
+    ray = sys.modules.get("ray")
+    if (ray is not None and ray.is_initialized()) or address is not None or os.environ.get("RAY_ADDRESS"):
+        return on_ray.run_ray(batches(todo), out_dir, address)
+    if importlib.util.find_spec("ray") is None:
+        raise on_ray.EngineUnavailable("the ray engine needs Ray: pip install 'tracekit[cluster]'")
+    n = max(1, workers or os.cpu_count() or 1)
+    if len(todo) <= n:
+        return _run_local([[j] for j in todo], out_dir, max(1, len(todo)))
+    return on_ray.ColdStart(todo, out_dir, n)
 
 
 def _inside_dataset(path: Path, out: Path) -> bool:
