@@ -19,7 +19,7 @@ from collections import deque
 from typing import Iterator
 
 from tracekit.ingest import rundir
-from tracekit.ingest.to_dataset import BATCH_BYTES, BATCH_FILES, Done, _stat, ingest_batch, ingest_file, part_name
+from tracekit.ingest.to_dataset import Done, _stat, ingest_batch, ingest_file, part_name, take_batch
 
 
 class EngineUnavailable(RuntimeError):
@@ -42,7 +42,7 @@ def ray_init_args(address: str | None, env_address: str | None) -> dict:
 
 
 _ray_connected_here: set[str] = set()  # the Ray jobs (connections) this module's ray.init made
-_starting: list = []  # ColdStart's Ray processes (multiprocessing.Process), maybe still stopping
+_starting: list = []  # ColdStart's Ray processes (subprocess.Popen), maybe still stopping
 
 
 def stop_ray() -> None:
@@ -51,7 +51,7 @@ def stop_ray() -> None:
     first sleeps 0.5 s for its log messages (about 0.6 s of the command's wall in all). A Ray that
     was initialized before the engine ran is left as it is."""
     while _starting:
-        _starting.pop().join()  # its Ray stopped
+        _starting.pop().wait()  # its Ray stopped
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized() and ray.get_runtime_context().get_job_id() in _ray_connected_here:
         _ray_connected_here.clear()
@@ -105,8 +105,8 @@ def run_ray(work: list[list[rundir.Job]], out_dir: str, address: str | None) -> 
 
 
 class Claims:
-    """The files not yet taken, by the driver one at a time or by Ray a batch at a time (the rule
-    of to_dataset.batches); each file is taken exactly once. ``taken`` lists (path, by whom) in
+    """The files not yet taken, by the driver one at a time or by Ray a batch at a time
+    (to_dataset.take_batch); each file is taken exactly once. ``taken`` lists (path, by whom) in
     the order taken."""
 
     def __init__(self, jobs: list[rundir.Job]) -> None:
@@ -128,14 +128,7 @@ class Claims:
 
     def batch(self, by: str) -> list[rundir.Job]:
         with self._lock:
-            out: list[rundir.Job] = []
-            size = 0
-            while self._left:
-                s = max(_stat(self._left[0].path)[0], 0)
-                if out and (size + s > BATCH_BYTES or len(out) >= BATCH_FILES):
-                    break
-                out.append(self._left.popleft())
-                size += s
+            out = take_batch(self._left)
             self.taken.extend((str(j.path), by) for j in out)
             return out
 
@@ -145,8 +138,8 @@ class ColdStart:
     Ray starts, then Ray the files left (see the module's docstring). ``note``: one line when Ray did
     not start or went away (the driver ingested the files Ray did not).
 
-    Ray is started, and its tasks submitted, by a child process (``_ray_process``, spawned, so a
-    fresh interpreter), not by a thread of this one: ``ray.init`` forks its daemons with Python code
+    Ray is started, and its tasks submitted, by a child process (``_ray_process``, a fresh
+    interpreter), not by a thread of this one: ``ray.init`` forks its daemons with Python code
     run between fork and exec, which crashed them while this process's threads were parsing."""
 
     def __init__(self, jobs: list[rundir.Job], out_dir: str, workers: int) -> None:
@@ -211,13 +204,16 @@ class ColdStart:
             self._drive()
 
     def __iter__(self) -> Iterator[list[Done]]:
-        import multiprocessing
+        import socket
+        import subprocess
+        from multiprocessing.connection import Connection
 
-        ctx = multiprocessing.get_context("spawn")
-        conn, child_conn = ctx.Pipe()
-        proc = ctx.Process(target=_ray_process, args=(child_conn, self._out), name="tracekit-ray")
-        proc.start()
-        child_conn.close()
+        mine, theirs = socket.socketpair()
+        # `python -m` this module, not multiprocessing's spawn, which imports the caller's __main__ again
+        proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno()), self._out],
+                                pass_fds=[theirs.fileno()])
+        theirs.close()
+        conn = Connection(mine.detach())
         _starting.append(proc)
         threads = [threading.Thread(target=self._drive, name=f"tk-driver-{i}") for i in range(self._workers)]
         threads.append(threading.Thread(target=self._link, args=(conn,), name="tk-ray-link"))
@@ -275,3 +271,9 @@ def _ray_process(conn, out_dir: str) -> None:
         return  # the driver is gone
     finally:
         ray.shutdown()
+
+
+if __name__ == "__main__":  # ColdStart's child: the socket to the driver, the dataset
+    from multiprocessing.connection import Connection
+
+    _ray_process(Connection(int(sys.argv[1])), sys.argv[2])

@@ -19,6 +19,7 @@ import json
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,17 +169,25 @@ def _read_done(out: Path, part: str) -> Done | None:
 
 def batches(jobs: list[rundir.Job]) -> list[list[rundir.Job]]:
     """Jobs in tasks: a large file alone, small ones together (a task costs a scheduling round)."""
+    left = deque(jobs)
     out: list[list[rundir.Job]] = []
-    cur: list[rundir.Job] = []
+    while left:
+        out.append(take_batch(left))
+    return out
+
+
+def take_batch(left: deque[rundir.Job]) -> list[rundir.Job]:
+    """The next task's jobs, taken from the front of ``left``: files up to BATCH_BYTES together, at
+    most BATCH_FILES of them, and a larger file alone."""
+    out: list[rundir.Job] = []
     size = 0
-    for job in jobs:
-        s = max(_stat(job.path)[0], 0)
-        if cur and (size + s > BATCH_BYTES or len(cur) >= BATCH_FILES):
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(job)
+    while left:
+        s = max(_stat(left[0].path)[0], 0)
+        if out and (size + s > BATCH_BYTES or len(out) >= BATCH_FILES):
+            break
+        out.append(left.popleft())
         size += s
-    return out + ([cur] if cur else [])
+    return out
 
 
 def _run_local(work: list[list[rundir.Job]], out_dir: str, workers: int) -> Iterator[list[Done]]:
@@ -197,7 +206,7 @@ def ingest(paths: list[str | Path], out_dir: str | Path, run_id: str | None = No
     """Ingest files and run directories into the dataset at ``out_dir`` (created if new); never
     raises for bad files. ``engine``: "local" (threads) or "ray" (one Ray task per file or batch of
     small files, on the cluster at ``address`` or RAY_ADDRESS, else on a Ray started on this machine for the
-    command: ``ray_init_args``)."""
+    command while this process ingests: ``_ray_stream``)."""
     t0 = time.perf_counter()
     out = dataset.create(out_dir)
     jobs = rundir.collect([Path(p) for p in paths], run_id)
