@@ -13,8 +13,7 @@ starting Ray all count), after a read of every trace (page cache warm for each):
 - ``local``: ``tracekit ingest DIR --store S.duckdb`` (the local ingest, the baseline);
 - ``dataset``: ``tracekit ingest DIR --out DS`` (threads here, Parquet parts);
 - ``ray cold``: ``tracekit ingest DIR --out DS --engine ray``: the command starts Ray on this
-  machine (``ray.init()`` in a child process, one CPU per core, workers at its own priority),
-  ingests files itself while Ray starts, hands Ray the rest (tracekit/ingest/on_ray.py) and stops it;
+  machine (``ray.init()``, one CPU per core, workers at its own priority) and stops it;
 - ``ray cluster``: ``tracekit ingest DIR --out DS --engine ray --address HOST:PORT`` against a Ray
   cluster on this machine that the benchmark starts before the timing (``ray start --head --block
   --num-cpus <workers>``, in its own temporary folder so that no other ``ray.init()`` on the machine

@@ -173,8 +173,8 @@ def test_ray_started_by_the_engine_runs_tasks_at_the_commands_priority(tmp_path,
     traces.mkdir()
     for r in (2, 3, 4):
         shutil.copy(next((SAMPLE / "traces").glob(f"rank{r}*")), traces)
-    try:  # more files than driver threads: Ray is started
-        report = to_dataset.ingest([traces], tmp_path / "ds", engine="ray", workers=1)
+    try:
+        report = to_dataset.ingest([traces], tmp_path / "ds", engine="ray")
         assert [f.status for f in report.files] == ["ok"] * 3 and not report.warnings
     finally:
         on_ray.stop_ray()
@@ -183,22 +183,6 @@ def test_ray_started_by_the_engine_runs_tasks_at_the_commands_priority(tmp_path,
 
     count = "SELECT count(*), sum(ts_ns) FROM events"
     assert connect(tmp_path / "ds").execute(count).fetchall() == connect(tmp_path / "ds_local").execute(count).fetchall()
-
-
-def ray_children() -> list[int]:
-    """This process's children that run tracekit's Ray (on_ray's child process)."""
-    import os
-
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (stat.parent / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == os.getpid() and b"tracekit.ingest.on_ray" in cmd:
-            kids.append(int(stat.parent.name))
-    return kids
 
 
 def test_the_command_stops_the_ray_it_started_and_leaves_one_it_found(tmp_path: Path, monkeypatch) -> None:
@@ -214,68 +198,36 @@ def test_the_command_stops_the_ray_it_started_and_leaves_one_it_found(tmp_path: 
     for r in (2, 3):
         shutil.copy(next((SAMPLE / "traces").glob(f"rank{r}*")), traces)
     res = CliRunner().invoke(main, ["ingest", str(traces), "--out", str(tmp_path / "ds"), "--engine", "ray",
-                                    "--workers", "1", "--json"])  # more files than driver threads: Ray starts
+                                    "--json"])
     assert res.exit_code == 0, res.output
-    assert not ray.is_initialized() and not ray_children()  # the process that ran Ray has exited
+    assert not ray.is_initialized()
     ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         res = CliRunner().invoke(main, ["ingest", str(traces), "--out", str(tmp_path / "ds2"), "--engine", "ray",
-                                        "--workers", "1", "--json"])
+                                        "--json"])
         assert res.exit_code == 0, res.output
         assert ray.is_initialized()
     finally:
         ray.shutdown()
 
 
-def test_ray_started_cold_gets_the_files_the_driver_has_not_taken(run_dir, reference, tmp_path, monkeypatch) -> None:
-    """Started by the command, Ray is not waited for: the driver ingests files while it starts, and
-    Ray is handed the rest once up. Here the driver's second file waits until Ray has taken some:
-    each file is taken once, by one of them, and the rows are the local ingest's."""
+def test_a_rerun_with_nothing_to_do_starts_no_ray(run_dir, tmp_path, monkeypatch) -> None:
+    """Every file already done: the ray engine has no task to run and starts no Ray (5-8 s here)."""
     ray = pytest.importorskip("ray")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     if ray.is_initialized():
-        ray.shutdown()  # the module's own Ray (ray_local): this test starts its own
-    import threading
-
-    from tracekit.ingest import on_ray
-
-    ray_took = threading.Event()
-    claims: list[on_ray.Claims] = []
-    real_batch, real_ingest_file = on_ray.Claims.batch, on_ray.ingest_file
-
-    def batch(self, by):
-        claims.append(self)
-        out = real_batch(self, by)
-        if out:
-            ray_took.set()
-        return out
-
-    driver_files: list[str] = []
-
-    def driver_ingest_file(job, out_dir):
-        if driver_files:
-            assert ray_took.wait(120), "Ray never took a file"
-        driver_files.append(str(job.path))
-        return real_ingest_file(job, out_dir)
-
-    monkeypatch.setattr(on_ray.Claims, "batch", batch)
-    monkeypatch.setattr(on_ray, "ingest_file", driver_ingest_file)
-    try:
-        report = to_dataset.ingest([run_dir], tmp_path / "ds", engine="ray", workers=1)
-    finally:
-        on_ray.stop_ray()
-    assert len(report.ok) == 8 and len(report.skipped) == 1 and len(report.failed) == 1 and not report.warnings
-    taken = claims[0].taken
-    paths = [p for p, _ in taken]
-    assert len(paths) == len(set(paths)) == 10  # every file once
-    assert {p for p, by in taken if by == "driver"} == set(driver_files) and len(driver_files) >= 1
-    assert 1 <= sum(by == "ray" for _, by in taken) <= 9
-    assert_same_tables(reference, tmp_path / "ds")
+        ray.shutdown()
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    shutil.copy(next((SAMPLE / "traces").glob("rank2*")), traces)
+    assert len(to_dataset.ingest([traces], tmp_path / "ds").ok) == 1
+    again = to_dataset.ingest([traces], tmp_path / "ds", engine="ray")
+    assert [f.status for f in again.files] == ["skipped"] and not ray.is_initialized()
 
 
 def test_ray_that_cannot_start_leaves_every_file_to_the_driver(run_dir, reference, tmp_path, monkeypatch) -> None:
-    """If the Ray the command starts fails to come up, the driver ingests every file (the same rows)
-    and the command says so in one line."""
+    """If the Ray the command starts fails to come up, this process ingests every file (the same
+    rows) and the command says so in one line."""
     ray = pytest.importorskip("ray")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     if ray.is_initialized():
@@ -283,8 +235,7 @@ def test_ray_that_cannot_start_leaves_every_file_to_the_driver(run_dir, referenc
 
     (tmp_path / "a_file").write_text("")
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "a_file" / "ray"))  # Ray cannot make its folder there
-    res = CliRunner().invoke(main, ["ingest", str(run_dir), "--out", str(tmp_path / "ds"), "--engine", "ray",
-                                    "--workers", "1"])
+    res = CliRunner().invoke(main, ["ingest", str(run_dir), "--out", str(tmp_path / "ds"), "--engine", "ray"])
     assert res.exit_code == 2, res.output  # the broken trace, as the local ingest
     notes = [line for line in res.stdout.splitlines() if "Ray did not start" in line]
     assert len(notes) == 1 and notes[0].startswith("warning: Ray did not start (") and "a_file" in notes[0]

@@ -206,7 +206,7 @@ def ingest(paths: list[str | Path], out_dir: str | Path, run_id: str | None = No
     """Ingest files and run directories into the dataset at ``out_dir`` (created if new); never
     raises for bad files. ``engine``: "local" (threads) or "ray" (one Ray task per file or batch of
     small files, on the cluster at ``address`` or RAY_ADDRESS, else on a Ray started on this machine for the
-    command while this process ingests: ``_ray_stream``)."""
+    command: ``_ray_stream``)."""
     t0 = time.perf_counter()
     out = dataset.create(out_dir)
     jobs = rundir.collect([Path(p) for p in paths], run_id)
@@ -223,8 +223,9 @@ def ingest(paths: list[str | Path], out_dir: str | Path, run_id: str | None = No
             results[str(job.path)] = FileResult(job.path, job.run_id, prev.format, prev.rank, "skipped", why, 0, 0.0)
         else:
             todo.append(job)
+    note = None
     if engine == "ray":
-        stream = _ray_stream(todo, str(out), address, workers)
+        stream, note = _ray_stream(todo, str(out), address, workers)
     elif engine == "local":
         work = batches(todo)
         stream = _run_local(work, str(out), max(1, workers or min(len(work), os.cpu_count() or 1)))
@@ -242,8 +243,8 @@ def ingest(paths: list[str | Path], out_dir: str | Path, run_id: str | None = No
             done_n += 1
             if progress is not None:
                 progress(done_n, len(jobs), job.path, d.status)
-    if getattr(stream, "note", None):
-        report.warnings.append(stream.note)
+    if note is not None:
+        report.warnings.append(note)
     _settle_duplicates(out, jobs, results)
     # the runs that hold a file of this ingest (as the local ingest: a run of failed files only is not one)
     held = [r for r in results.values() if r is not None and r.status in ("ok", "skipped")]
@@ -264,25 +265,26 @@ def ingest(paths: list[str | Path], out_dir: str | Path, run_id: str | None = No
     return report
 
 
-def _ray_stream(todo: list[rundir.Job], out_dir: str, address: str | None, workers: int | None):
-    """The ray engine: tasks on the Ray this process is connected to or the cluster at ``address``
-    (or RAY_ADDRESS); else, when there is more to do than one file per driver thread, Ray started
-    here while the driver ingests (on_ray.ColdStart); else the driver's threads alone (a Ray started
-    for files the driver has all taken would get none of them)."""
-    import importlib.util
+def _ray_stream(todo: list[rundir.Job], out_dir: str, address: str | None,
+                workers: int | None) -> tuple[Iterator[list[Done]], str | None]:
+    """The ray engine's stream, and a line to report: tasks on the Ray this process is connected
+    to or the cluster at ``address`` (or RAY_ADDRESS), else on a Ray started here for the command;
+    if that Ray cannot start, this process's threads ingest every file, and the line says so. With
+    nothing to do (a re-run), no Ray is started."""
     import sys
 
     from tracekit.ingest import on_ray
 
+    if not todo:
+        return iter(()), None
     ray = sys.modules.get("ray")
-    if (ray is not None and ray.is_initialized()) or address is not None or os.environ.get("RAY_ADDRESS"):
-        return on_ray.run_ray(batches(todo), out_dir, address)
-    if importlib.util.find_spec("ray") is None:
-        raise on_ray.EngineUnavailable("the ray engine needs Ray: pip install 'tracekit[cluster]'")
-    n = max(1, workers or os.cpu_count() or 1)
-    if len(todo) <= n:
-        return _run_local([[j] for j in todo], out_dir, max(1, len(todo)))
-    return on_ray.ColdStart(todo, out_dir, n)
+    if not ((ray is not None and ray.is_initialized()) or address is not None or os.environ.get("RAY_ADDRESS")):
+        why = on_ray.start_here()
+        if why is not None:
+            work = batches(todo)
+            return (_run_local(work, out_dir, max(1, workers or min(len(work), os.cpu_count() or 1))),
+                    f"Ray did not start ({why}): all files were ingested by this process")
+    return on_ray.run_ray(batches(todo), out_dir, address), None
 
 
 def _inside_dataset(path: Path, out: Path) -> bool:
