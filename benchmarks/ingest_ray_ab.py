@@ -45,7 +45,8 @@ def main() -> None:
             with tempfile.TemporaryDirectory(dir=WORK) as tmp:
                 out = ["--store", f"{tmp}/s.duckdb", "--workers", str(a.workers)] if name == "local" else \
                     ["--out", f"{tmp}/ds", "--engine", "ray"]
-                cmd = [sys.executable, "-c", "from tracekit.cli import main; main()", "ingest", str(traces[0].parent),
+                # -P: the working directory's tracekit must not shadow the one on PYTHONPATH
+                cmd = [sys.executable, "-P", "-c", "from tracekit.cli import main; main()", "ingest", str(traces[0].parent),
                        *out, "--json"]
                 warm(traces)
                 loads.append(os.getloadavg()[0])
