@@ -146,7 +146,7 @@ def main() -> None:
     engines = [e for e in ENGINES if e in a.engines or e == "local"]
     results: dict[str, list[tuple[float, float, float]]] = {e: [] for e in engines}
     # what --engine ray pays before any file: Ray started and stopped on this machine, nothing else
-    ray_start = [sys.executable, "-c", "import ray; from tracekit.ingest.to_dataset import ray_init_args; "
+    ray_start = [sys.executable, "-c", "import ray; from tracekit.ingest.on_ray import ray_init_args; "
                  "ray.init(**ray_init_args(None, None)); ray.shutdown()"]
     mismatches: dict[str, list[list[str]]] = {e: [] for e in engines if e in OUTPUTS}
     # The cluster is up only around its own runs (started and settled before the timing, stopped
@@ -155,7 +155,7 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory(dir=WORK) as tmp:
             for rep in range(a.repeats):
-                outs = {e: Path(tmp) / f"{OUTPUTS.get(e, e)}{rep}" for e in engines}
+                outs = {e: Path(tmp) / f"{OUTPUTS.get(e, e)}{rep}" for e in ENGINES}
                 outs["local"] = Path(tmp) / f"s{rep}.duckdb"
                 cmds = {"local": cli + ["--store", str(outs["local"]), "--workers", str(a.workers), "--json"],
                         "dataset": cli + ["--out", str(outs["dataset"]), "--workers", str(a.workers), "--json"],

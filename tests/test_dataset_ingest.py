@@ -151,26 +151,33 @@ def test_engine_ray_needs_a_dataset(run_dir, tmp_path) -> None:
     assert res.exit_code == 2 and "--out" in res.stderr
 
 
-def test_ray_started_by_the_engine_runs_tasks_at_the_commands_priority(run_dir, tmp_path, monkeypatch) -> None:
-    """Without --address the engine starts Ray for the command alone: its tasks get this process's
-    niceness, not Ray's default of 15 (under which anything else on the machine goes first), and
-    the same rows as the local engine."""
+def test_ray_started_by_the_engine_runs_tasks_at_the_commands_priority(tmp_path, monkeypatch) -> None:
+    """Without --address the engine starts Ray for the command alone (on_ray.ray_init_args): its
+    tasks get this process's niceness, not Ray's default of 15 (under which anything else on the
+    machine goes first); and the files it ingests give the local engine's rows."""
     ray = pytest.importorskip("ray")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     if ray.is_initialized():
         ray.shutdown()  # the module's own Ray (ray_local): this test starts its own
-    traces = tmp_path / "traces"
-    traces.mkdir()
-    shutil.copy(next((SAMPLE / "traces").glob("rank2*")), traces)
+    from tracekit.ingest import on_ray
+
+    ray.init(**on_ray.ray_init_args(None, None))
     try:
-        report = to_dataset.ingest([traces], tmp_path / "ds", engine="ray")
-        assert [f.status for f in report.files] == ["ok"]
         import os
 
         nice = ray.get(ray.remote(lambda: os.nice(0)).remote())
         assert nice == os.nice(0)
     finally:
         ray.shutdown()
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    for r in (2, 3, 4):
+        shutil.copy(next((SAMPLE / "traces").glob(f"rank{r}*")), traces)
+    try:
+        report = to_dataset.ingest([traces], tmp_path / "ds", engine="ray")
+        assert [f.status for f in report.files] == ["ok"] * 3 and not report.warnings
+    finally:
+        on_ray.stop_ray()
     local = to_dataset.ingest([traces], tmp_path / "ds_local")
     from tracekit.dataset import connect
 
@@ -188,8 +195,10 @@ def test_the_command_stops_the_ray_it_started_and_leaves_one_it_found(tmp_path: 
         ray.shutdown()  # the module's own Ray (ray_local)
     traces = tmp_path / "traces"
     traces.mkdir()
-    shutil.copy(next((SAMPLE / "traces").glob("rank2*")), traces)
-    res = CliRunner().invoke(main, ["ingest", str(traces), "--out", str(tmp_path / "ds"), "--engine", "ray", "--json"])
+    for r in (2, 3):
+        shutil.copy(next((SAMPLE / "traces").glob(f"rank{r}*")), traces)
+    res = CliRunner().invoke(main, ["ingest", str(traces), "--out", str(tmp_path / "ds"), "--engine", "ray",
+                                    "--json"])
     assert res.exit_code == 0, res.output
     assert not ray.is_initialized()
     ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
@@ -200,3 +209,35 @@ def test_the_command_stops_the_ray_it_started_and_leaves_one_it_found(tmp_path: 
         assert ray.is_initialized()
     finally:
         ray.shutdown()
+
+
+def test_a_rerun_with_nothing_to_do_starts_no_ray(run_dir, tmp_path, monkeypatch) -> None:
+    """Every file already done: the ray engine has no task to run and starts no Ray (5-8 s here)."""
+    ray = pytest.importorskip("ray")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    if ray.is_initialized():
+        ray.shutdown()
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    shutil.copy(next((SAMPLE / "traces").glob("rank2*")), traces)
+    assert len(to_dataset.ingest([traces], tmp_path / "ds").ok) == 1
+    again = to_dataset.ingest([traces], tmp_path / "ds", engine="ray")
+    assert [f.status for f in again.files] == ["skipped"] and not ray.is_initialized()
+
+
+def test_ray_that_cannot_start_leaves_every_file_to_the_driver(run_dir, reference, tmp_path, monkeypatch) -> None:
+    """If the Ray the command starts fails to come up, this process ingests every file (the same
+    rows) and the command says so in one line."""
+    ray = pytest.importorskip("ray")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    if ray.is_initialized():
+        ray.shutdown()
+
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "a_file" / "ray"))  # Ray cannot make its folder there
+    res = CliRunner().invoke(main, ["ingest", str(run_dir), "--out", str(tmp_path / "ds"), "--engine", "ray"])
+    assert res.exit_code == 2, res.output  # the broken trace, as the local ingest
+    notes = [line for line in res.stdout.splitlines() if "Ray did not start" in line]
+    assert len(notes) == 1 and notes[0].startswith("warning: Ray did not start (") and "a_file" in notes[0]
+    assert notes[0].endswith("): all files were ingested by this process")
+    assert_same_tables(reference, tmp_path / "ds")

@@ -63,19 +63,19 @@ def ingest_cmd(paths: tuple[Path, ...], store_path: Path | None, out_dir: Path |
     with ingest_progress(as_json) as progress:
         try:
             if out_dir is not None:
-                from tracekit.ingest import to_dataset
+                from tracekit.ingest import on_ray, to_dataset
 
                 try:
                     report = to_dataset.ingest(list(paths), out_dir, run_id=run_id, engine=engine, workers=workers,
                                                address=address, progress=progress)
                 finally:
-                    to_dataset.stop_ray()  # now rather than at exit, where Ray waits 0.5 s first
+                    on_ray.stop_ray()  # now rather than at exit, where Ray waits 0.5 s first
             else:
                 report = ingest(list(paths), store_path, run_id=run_id, workers=workers, progress=progress,
                                 processes=processes)
         except (IngestError, StoreError, ValueError) as e:  # the store cannot be opened, no input, no fork
             fail(str(e))
-        except RuntimeError as e:  # to_dataset.EngineUnavailable: no Ray, or it cannot start or connect
+        except RuntimeError as e:  # on_ray.EngineUnavailable: no Ray, or it cannot start or connect
             fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     if not report.files:
         fail(f"nothing to ingest in {', '.join(map(str, paths))}: no traces, flight-recorder dumps, memory "

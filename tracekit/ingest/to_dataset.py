@@ -19,6 +19,7 @@ import json
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,10 +40,6 @@ DONE_DIR = "_ingest"
 BATCH_BYTES = 32 << 20  # files smaller than this share a task, up to BATCH_FILES of them
 BATCH_FILES = 16
 RUN_PART = "run"  # the part holding what the driver computes for a run (runs, ranks, groups, warnings)
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine asked for is not installed."""
 
 
 @dataclass
@@ -172,17 +169,25 @@ def _read_done(out: Path, part: str) -> Done | None:
 
 def batches(jobs: list[rundir.Job]) -> list[list[rundir.Job]]:
     """Jobs in tasks: a large file alone, small ones together (a task costs a scheduling round)."""
+    left = deque(jobs)
     out: list[list[rundir.Job]] = []
-    cur: list[rundir.Job] = []
+    while left:
+        out.append(take_batch(left))
+    return out
+
+
+def take_batch(left: deque[rundir.Job]) -> list[rundir.Job]:
+    """The next task's jobs, taken from the front of ``left``: files up to BATCH_BYTES together, at
+    most BATCH_FILES of them, and a larger file alone."""
+    out: list[rundir.Job] = []
     size = 0
-    for job in jobs:
-        s = max(_stat(job.path)[0], 0)
-        if cur and (size + s > BATCH_BYTES or len(cur) >= BATCH_FILES):
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(job)
+    while left:
+        s = max(_stat(left[0].path)[0], 0)
+        if out and (size + s > BATCH_BYTES or len(out) >= BATCH_FILES):
+            break
+        out.append(left.popleft())
         size += s
-    return out + ([cur] if cur else [])
+    return out
 
 
 def _run_local(work: list[list[rundir.Job]], out_dir: str, workers: int) -> Iterator[list[Done]]:
@@ -196,75 +201,12 @@ def _run_local(work: list[list[rundir.Job]], out_dir: str, workers: int) -> Iter
                 f.cancel()
 
 
-def ray_init_args(address: str | None, env_address: str | None) -> dict:
-    """``ray.init``'s arguments: the cluster at ``address`` (or RAY_ADDRESS), else a Ray started on
-    this machine for this command alone.
-
-    Started here, its workers run at the command's own priority (``worker_niceness`` 0; Ray's
-    default, 15, lets every other process on the machine go first: on a shared 2-core machine that
-    made each task 5-10x slower in wall time for the same CPU), and without the dashboard, which a
-    batch command has no use for (benchmarks/ingest_ray.py, docs/dataset.md). A cluster that is
-    already running keeps its own settings."""
-    quiet = {"logging_level": "ERROR", "log_to_driver": False}
-    if address is not None or env_address:
-        return {"address": address, **quiet}
-    return {"address": "local", "include_dashboard": False, "_system_config": {"worker_niceness": 0}, **quiet}
-
-
-_ray_connected_here: set[str] = set()  # the Ray jobs (connections) this module's ray.init made
-
-
-def stop_ray() -> None:
-    """Disconnect from the Ray that the ray engine connected to or started (stopping it if started
-    here), if it did. A command calls this before it exits: left to the interpreter's exit, Ray
-    first sleeps 0.5 s for its log messages (about 0.6 s of the command's wall in all). A Ray that
-    was initialized before the engine ran is left as it is."""
-    import sys
-
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized() and ray.get_runtime_context().get_job_id() in _ray_connected_here:
-        _ray_connected_here.clear()
-        ray.shutdown()
-
-
-def _run_ray(work: list[list[rundir.Job]], out_dir: str, address: str | None) -> Iterator[list[Done]]:
-    try:
-        import ray
-    except ImportError:
-        raise EngineUnavailable("the ray engine needs Ray: pip install 'tracekit[cluster]'") from None
-    if not ray.is_initialized():
-        try:
-            ray.init(**ray_init_args(address, os.environ.get("RAY_ADDRESS")))
-        except Exception as e:  # noqa: BLE001 - no cluster at the address, a version mismatch, ...
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise EngineUnavailable(f"cannot start or reach Ray{f' at {address}' if address else ''}: {first}") from None
-        _ray_connected_here.add(ray.get_runtime_context().get_job_id())
-    # A task that dies (its worker killed, out of memory) is retried by Ray; its part is replaced,
-    # so a retry never doubles rows. One that still fails fails its files, and the others go on.
-    task = ray.remote(max_retries=2)(ingest_batch)
-    batch_of = {task.remote(b, out_dir): b for b in work}
-    pending = list(batch_of)
-    try:
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            try:
-                yield ray.get(ready[0])
-            except ray.exceptions.RayError as e:
-                why = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
-                yield [Done(str(j.path), part_name(j.path), j.run_id, *_stat(j.path), "failed",
-                            error=f"{j.path}: its Ray task failed ({why})", logged=False)
-                       for j in batch_of[ready[0]]]
-    finally:
-        for ref in pending:
-            ray.cancel(ref)
-
-
 def ingest(paths: list[str | Path], out_dir: str | Path, run_id: str | None = None, engine: str = "local",
            workers: int | None = None, address: str | None = None, progress: Progress | None = None) -> IngestReport:
     """Ingest files and run directories into the dataset at ``out_dir`` (created if new); never
     raises for bad files. ``engine``: "local" (threads) or "ray" (one Ray task per file or batch of
     small files, on the cluster at ``address`` or RAY_ADDRESS, else on a Ray started on this machine for the
-    command: ``ray_init_args``)."""
+    command: ``_ray_stream``)."""
     t0 = time.perf_counter()
     out = dataset.create(out_dir)
     jobs = rundir.collect([Path(p) for p in paths], run_id)
@@ -281,10 +223,11 @@ def ingest(paths: list[str | Path], out_dir: str | Path, run_id: str | None = No
             results[str(job.path)] = FileResult(job.path, job.run_id, prev.format, prev.rank, "skipped", why, 0, 0.0)
         else:
             todo.append(job)
-    work = batches(todo)
+    note = None
     if engine == "ray":
-        stream = _run_ray(work, str(out), address)
+        stream, note = _ray_stream(todo, str(out), address, workers)
     elif engine == "local":
+        work = batches(todo)
         stream = _run_local(work, str(out), max(1, workers or min(len(work), os.cpu_count() or 1)))
     else:
         raise ValueError(f"unknown engine {engine!r} (local or ray)")
@@ -300,6 +243,8 @@ def ingest(paths: list[str | Path], out_dir: str | Path, run_id: str | None = No
             done_n += 1
             if progress is not None:
                 progress(done_n, len(jobs), job.path, d.status)
+    if note is not None:
+        report.warnings.append(note)
     _settle_duplicates(out, jobs, results)
     # the runs that hold a file of this ingest (as the local ingest: a run of failed files only is not one)
     held = [r for r in results.values() if r is not None and r.status in ("ok", "skipped")]
@@ -318,6 +263,28 @@ def ingest(paths: list[str | Path], out_dir: str | Path, run_id: str | None = No
     report.bytes_ingested = sum(max(_stat(f.path)[0], 0) for f in report.ok)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _ray_stream(todo: list[rundir.Job], out_dir: str, address: str | None,
+                workers: int | None) -> tuple[Iterator[list[Done]], str | None]:
+    """The ray engine's stream, and a line to report: tasks on the Ray this process is connected
+    to or the cluster at ``address`` (or RAY_ADDRESS), else on a Ray started here for the command;
+    if that Ray cannot start, this process's threads ingest every file, and the line says so. With
+    nothing to do (a re-run), no Ray is started."""
+    import sys
+
+    from tracekit.ingest import on_ray
+
+    if not todo:
+        return iter(()), None
+    ray = sys.modules.get("ray")
+    if not ((ray is not None and ray.is_initialized()) or address is not None or os.environ.get("RAY_ADDRESS")):
+        why = on_ray.start_here()
+        if why is not None:
+            work = batches(todo)
+            return (_run_local(work, out_dir, max(1, workers or min(len(work), os.cpu_count() or 1))),
+                    f"Ray did not start ({why}): all files were ingested by this process")
+    return on_ray.run_ray(batches(todo), out_dir, address), None
 
 
 def _inside_dataset(path: Path, out: Path) -> bool:
