@@ -114,15 +114,20 @@ def make_run(out: Path) -> Path:
     """Spawn the 4-rank run writing into ``out``; returns ``out``."""
     import torch.multiprocessing as mp
 
-    for attempt in (1, 2):
+    attempts = 4
+    for attempt in range(1, attempts + 1):
         try:
             mp.spawn(_rank_main, args=(str(out), _free_port()), nprocs=WORLD, join=True)
             return out
         except mp.ProcessRaisedException as e:
             # torch's _profile_to_snapshot sometimes fails its own data-flow check ("version
-            # mismatch") on a tensor that gloo writes in place (reference_trainer/profiling.py says
-            # why the trainer avoids it); it hit 1 of about 6 suite runs here. The run is redone.
-            if attempt == 2 or "version mismatch" not in str(e):
+            # mismatch", "duplicate outputs": tensors that gloo writes in place, addresses reused;
+            # reference_trainer/profiling.py says why the trainer avoids it): 1 run in 5 here at
+            # times. Nothing of ours is under test there; the run is redone.
+            if attempt == attempts or not any(m in str(e) for m in DATA_FLOW_CHECKS):
                 raise
             shutil.rmtree(out, ignore_errors=True)
     return out
+
+
+DATA_FLOW_CHECKS = ("version mismatch", "duplicate outputs")
