@@ -26,6 +26,8 @@ from dataclasses import replace
 from pathlib import Path
 from statistics import NormalDist
 
+import polars as pl
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
@@ -72,8 +74,6 @@ def judge(run: dict, bar: float) -> tuple[bool, bool]:
 def oracle_power(run: dict, factor: float) -> float:
     """Chance that a test knowing the kernel noise finds the rank: every span pooled, its mean log
     ratio against its peers' in standard errors, over the Bonferroni bar for 1% per run."""
-    import polars as pl
-
     spans = run["speed"].group_by("rank").agg(pl.col("spans").sum().alias("n"))["n"].median()
     n = run["world"]
     se = run["noise"] * math.sqrt(1 + 1 / max(n - 1, 1)) / math.sqrt(max(spans, 1))

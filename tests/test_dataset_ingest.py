@@ -179,6 +179,7 @@ def test_ray_started_by_the_engine_runs_tasks_at_the_commands_priority(tmp_path,
     finally:
         on_ray.stop_ray()
     local = to_dataset.ingest([traces], tmp_path / "ds_local")
+    assert [f.status for f in local.files] == ["ok"] * 3
     from tracekit.dataset import connect
 
     count = "SELECT count(*), sum(ts_ns) FROM events"

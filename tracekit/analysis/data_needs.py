@@ -30,7 +30,7 @@ class Missing:
 def missing_data(tables: RunTables) -> list[Missing]:
     """The records localization needs that this run lacks (empty: nothing is missing)."""
     out: list[Missing] = []
-    backend = (tables.runs["backend"][0] or "") if "backend" in tables.runs.columns else ""
+    backend = tables.backend
     if not tables.has_layout:
         out.append(Missing("layout", "the run's dp/pp/cp/tp sizes are unknown (no manifest layout, and "
                            "the traces' distributedInfo.pg_config does not explain them)",

@@ -21,8 +21,7 @@ def _one_cpu_host(tables: RunTables, ranks: tuple[int, ...]) -> str | None:
     """The host that every end of the link runs on, when the job's transport is the CPU's (gloo):
     there a slower "link" is its processes' share of the cores (torch-native jobs on a loaded 2-core
     machine: 4 of 14 clean runs had a 1.4-6.4x slow gloo group between two processes of one host)."""
-    backend = (tables.runs["backend"][0] or "") if "backend" in tables.runs.columns and tables.runs.height else ""
-    if backend.lower() not in CPU_TRANSPORTS:
+    if tables.backend not in CPU_TRANSPORTS:
         return None
     hosts = set(tables.coords().filter(pl.col("rank").is_in(list(ranks)))["host"].to_list())
     return hosts.pop() if len(hosts) == 1 else None

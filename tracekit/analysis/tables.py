@@ -156,6 +156,13 @@ class RunTables:
         return Layout(**{k: int(v) for k, v in sizes.items()})
 
     @property
+    def backend(self) -> str:
+        """The job's communication backend as recorded ('nccl', 'gloo', ...), lower case; '' if unknown."""
+        if "backend" not in self.runs.columns or not self.runs.height:
+            return ""
+        return (self.runs["backend"][0] or "").lower()
+
+    @property
     def manifest(self) -> dict:
         raw = self.runs["manifest"][0]
         return json.loads(raw) if isinstance(raw, str) and raw else {}
