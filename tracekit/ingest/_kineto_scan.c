@@ -58,6 +58,21 @@ typedef struct {
     double value;   /* REAL: the current event's value */
 } Field;
 
+/* A key seen before (its bytes without escapes, then its closing quote), with what it means and
+ * the key that followed it in the last object where it appeared: events of one kind repeat their
+ * keys in one order, so the next key is usually the one predicted, and is then matched with one
+ * comparison instead of a scan of the string and a lookup (see members). */
+#define KNODES 512                /* keys remembered per scanner; past that, keys are looked up */
+#define KMAX 40                   /* longest key remembered, in bytes */
+typedef struct {
+    unsigned char text[KMAX + 8]; /* the key, its '"', zeros: compared a word at a time */
+    int len;                      /* bytes of the key and its quote */
+    int parent;                   /* the object field it belongs to (-1: the event) */
+    short field;                  /* the wanted field it names, -1 if none */
+    short next[2];                /* the nodes of the keys that followed it the last two times
+                                   * (different keys, the latest first), -1 if none */
+} KeyNode;
+
 typedef struct {
     PyObject_HEAD
     int nfields;
@@ -79,6 +94,10 @@ typedef struct {
     PyThreadState *gil;     /* saved thread state while scanning without the GIL */
     Buf scratch;
     char err[MAX_ERR];
+    KeyNode knodes[KNODES];
+    int nknodes;
+    short kfirst[MAX_FIELDS + 1][2];  /* per parent (+1): the nodes of the first key, as KeyNode.next */
+    short khash[2 * KNODES];          /* nodes by hash of (parent, key); -1 empty */
 } Scanner;
 
 /* ---- buffers ---- */
@@ -99,7 +118,20 @@ static inline int reserve(Scanner *s, Buf *b, size_t extra) {
 
 static inline int append(Scanner *s, Buf *b, const void *src, size_t n) {
     if (reserve(s, b, n)) return BAD;
-    memcpy(b->p + b->n, src, n);
+    char *o = b->p + b->n;
+    const char *i = src;
+    /* most values are a few bytes: copied inline, in two overlapping words, not by a call */
+    if (n >= 8 && n <= 16) {
+        memcpy(o, i, 8);
+        memcpy(o + n - 8, i + n - 8, 8);
+    } else if (n >= 4 && n < 8) {
+        memcpy(o, i, 4);
+        memcpy(o + n - 4, i + n - 4, 4);
+    } else if (n < 4) {
+        for (size_t j = 0; j < n; j++) o[j] = i[j];
+    } else {
+        memcpy(o, i, n);
+    }
     b->n += n;
     return OK;
 }
@@ -504,6 +536,53 @@ static int compact(Scanner *s, Buf *out, const unsigned char *p, const unsigned 
 
 static int members(Scanner *s, const unsigned char **pp, const unsigned char *end, int parent, int depth);
 
+/* Whether the n bytes at p (n <= KMAX + 1, at least round-up-to-8 of n of them readable) are the
+ * node's text. */
+HOT int same_key(const KeyNode *k, const unsigned char *p) {
+    int n = k->len, j = 0;
+    for (; n - j > 8; j += 8) {
+        uint64_t a, b;
+        memcpy(&a, p + j, 8);
+        memcpy(&b, k->text + j, 8);
+        if (a != b) return 0;
+    }
+    uint64_t a, b;
+    memcpy(&a, p + j, 8);
+    memcpy(&b, k->text + j, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    uint64_t mask = (n - j) == 8 ? ~0ULL : (1ULL << (8 * (n - j))) - 1;
+#else
+    uint64_t mask = (n - j) == 8 ? ~0ULL : ~((~0ULL) >> (8 * (n - j)));
+#endif
+    return ((a ^ b) & mask) == 0;
+}
+
+/* The node of the key [k, k + n) (no escapes in its text) under `parent`, made if new; -1 when it
+ * is too long or the table is full. */
+static int key_node(Scanner *s, int parent, const unsigned char *k, size_t n, Field *f) {
+    if (n + 1 > KMAX) return -1;
+    unsigned h = (unsigned)(parent + 1) * 2654435761u;
+    for (size_t i = 0; i < n; i++) h = (h ^ k[i]) * 16777619u;
+    for (unsigned slot = h & (2 * KNODES - 1);; slot = (slot + 1) & (2 * KNODES - 1)) {
+        int i = s->khash[slot];
+        if (i < 0) {
+            if (s->nknodes >= KNODES) return -1;
+            KeyNode *node = &s->knodes[i = s->nknodes++];
+            memset(node->text, 0, sizeof node->text);
+            memcpy(node->text, k, n);
+            node->text[n] = '"';
+            node->len = (int)n + 1;
+            node->parent = parent;
+            node->field = f ? (short)(f - s->fields) : -1;
+            node->next[0] = node->next[1] = -1;
+            s->khash[slot] = (short)i;
+            return i;
+        }
+        KeyNode *node = &s->knodes[i];
+        if (node->parent == parent && node->len == (int)n + 1 && !memcmp(node->text, k, n)) return i;
+    }
+}
+
 /* The value of a wanted field `f`, at *pp. */
 static int field_value(Scanner *s, Field *f, const unsigned char **pp, const unsigned char *end, int depth) {
     const unsigned char *p = *pp, *start;  /* at the value: the caller skipped whitespace */
@@ -572,13 +651,38 @@ static int members(Scanner *s, const unsigned char **pp, const unsigned char *en
         *pp = p + 1;
         return OK;
     }
+    int prev = -1;  /* the node of the key before, -2 when it has none */
     for (;;) {
         const unsigned char *k;
         size_t kn;
         int r;
+        Field *f;
         if (*p != '"') return bad(s, p, "expected a key");
-        if ((r = key(s, &p, end, &k, &kn))) return r;
-        Field *f = lookup(s, parent, k, kn);
+        short *next = prev == -1 ? s->kfirst[parent + 1] : prev >= 0 ? s->knodes[prev].next : NULL;
+        int guess = -1;
+        /* a predicted key: the same bytes as a key that was valid before, so valid now */
+        if (next && end - p > KMAX + 8) {
+            if (next[0] >= 0 && same_key(&s->knodes[next[0]], p + 1)) guess = next[0];
+            else if (next[1] >= 0 && same_key(&s->knodes[next[1]], p + 1)) {
+                guess = next[1];
+                next[1] = next[0];
+                next[0] = (short)guess;
+            }
+        }
+        if (guess >= 0) {
+            f = s->knodes[guess].field >= 0 ? &s->fields[s->knodes[guess].field] : NULL;
+            p += 1 + s->knodes[guess].len;
+            prev = guess;
+        } else {
+            if ((r = key(s, &p, end, &k, &kn))) return r;
+            f = lookup(s, parent, k, kn);
+            int node = s->escaped ? -1 : key_node(s, parent, k, kn, f);
+            if (node >= 0 && next && next[0] != node) {
+                next[1] = next[0];
+                next[0] = (short)node;
+            }
+            prev = node >= 0 ? node : -2;
+        }
         p = ws(p, end);
         if (p >= end) return MORE;
         if (*p != ':') return bad(s, p, "expected ':'");
@@ -729,6 +833,9 @@ static int Scanner_init(Scanner *s, PyObject *args, PyObject *kw) {
     }
     s->filter = -1;
     memset(s->head, 0xff, sizeof s->head);  /* -1: empty */
+    memset(s->kfirst, 0xff, sizeof s->kfirst);
+    memset(s->khash, 0xff, sizeof s->khash);
+    s->nknodes = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         int parent, kind;
         const char *k;
@@ -836,12 +943,13 @@ static PyObject *dense(Field *f, int64_t rows) {
         if (!b) return NULL;
         int32_t *off = (int32_t *)PyBytes_AS_STRING(b), o = 0;
         const int32_t *e = (const int32_t *)f->ends.p;
-        size_t j = 0;
-        for (int64_t i = 0; i < rows; i++) {
-            off[i] = o;
-            if (j < k && r[j] == i) o = e[j++];
+        int64_t i = 0;
+        for (size_t j = 0; j < k; j++) {  /* rows are increasing: each value's row, and the rows
+                                           * without one before it, start where the last ended */
+            for (int64_t last = r[j]; i <= last; i++) off[i] = o;
+            o = e[j];
         }
-        off[rows] = o;
+        for (; i <= rows; i++) off[i] = o;
         return b;
     }
     PyObject *b = PyBytes_FromStringAndSize(NULL, 8 * rows);
