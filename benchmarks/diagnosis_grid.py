@@ -67,12 +67,16 @@ class Case:
     skew_ms: float
     drift_ppm: float
     truth: dict
+    # (micro-batches, virtual stages per rank, layers per virtual stage, ranks per host); () the
+    # published grid's (2 x pp, 1, 4, 8)
+    schedule: tuple[int, ...] = ()
 
     @property
     def label(self) -> str:
         tp, cp, pp, dp = self.layout
+        sched = " mb{} v{} L{} h{}".format(*self.schedule) if self.schedule else ""
         return (f"{self.kind:12s} tp{tp} cp{cp} pp{pp} dp{dp} {self.names:5s} noise {self.noise:.2f} "
-                f"skew {self.skew_ms:.0f}ms seed {self.seed} {' '.join(self.faults)}")
+                f"skew {self.skew_ms:.0f}ms seed {self.seed}{sched} {' '.join(self.faults)}")
 
 
 def _rank(lay, rng, **fixed) -> int:
@@ -83,9 +87,12 @@ def _rank(lay, rng, **fixed) -> int:
     return lay.rank_of(**c)
 
 
-def make_cases(kinds, seeds: int, quick: bool, draw: int = 0) -> list[Case]:
+def make_cases(kinds, seeds: int, quick: bool, draw: int = 0, schedules: bool = False) -> list[Case]:
     """The grid's cases; ``draw`` > 0 gives another grid of the same design (other ranks, factors,
-    noise, clocks and simulator seeds): a hold-out check of what was tuned on draw 0."""
+    noise, clocks and simulator seeds): a hold-out check of what was tuned on draw 0. ``schedules``:
+    each case also draws its pipeline schedule and hosts (micro-batches pp, 2 pp or 4 pp; 1 or 2
+    virtual stages per rank; 2 or 4 layers per virtual stage; 4 or 8 ranks per host), which the
+    published grid keeps fixed."""
     from tracekit.topology import Layout
 
     cases = []
@@ -153,9 +160,13 @@ def make_cases(kinds, seeds: int, quick: bool, draw: int = 0) -> list[Case]:
                 names = rng.choice(["mesh", "plain", "none"])
                 if names == "plain" and s % 3 == 2:  # the simulator's plain flavour 2 names nothing ('undefined')
                     s += 1
-                cases.append(Case(kind, (tp, cp, pp, dp), s, faults, names,
-                                  rng.choice([0.02, 0.05, 0.1, 0.15]), rng.choice([0.0, 0.002, 0.01]),
-                                  rng.choice([0.0, 50.0, 500.0, 2000.0]), rng.choice([0.0, 20.0]), truth))
+                case = Case(kind, (tp, cp, pp, dp), s, faults, names,
+                            rng.choice([0.02, 0.05, 0.1, 0.15]), rng.choice([0.0, 0.002, 0.01]),
+                            rng.choice([0.0, 50.0, 500.0, 2000.0]), rng.choice([0.0, 20.0]), truth)
+                if schedules:
+                    case.schedule = (rng.choice([1, 2, 4]) * pp, rng.choice([1, 2]) if pp > 1 else 1,
+                                     rng.choice([2, 4]), rng.choice([4, 8]))
+                cases.append(case)
     return cases
 
 
@@ -200,9 +211,10 @@ def run_case(case: Case, work: Path, cache: Path | None, hta_python: Path | None
     if not fresh:
         shutil.rmtree(keep, ignore_errors=True)
         out = keep / "run"
+        mb, vstages, layers, per_host = case.schedule or (0, 1, 4, 8)
         cfg = SimConfig(tp=tp, cp=cp, pp=pp, dp=dp, steps=8, seed=case.seed, faults=case.faults, names=case.names,
                         noise=case.noise, spikes=case.spikes, skew_ms=case.skew_ms, drift_ppm=case.drift_ppm,
-                        layers=4)
+                        layers=layers, microbatches=mb, vstages=vstages, ranks_per_host=per_host)
         simulate(cfg, out)
         pending = keep / "truth.pending"  # judge from the traces alone, not the manifest
         (out / "manifest.json").rename(pending)
@@ -293,6 +305,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--draw", type=int, default=0,
                     help="another draw of the same grid (0: the published one): a hold-out check")
+    ap.add_argument("--schedules", action="store_true",
+                    help="each case draws its micro-batches, virtual stages, layers and ranks per host too")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--show-wrong", action="store_true")
     ap.add_argument("--json", type=Path, help="write every case's result here")
@@ -303,7 +317,7 @@ def main() -> None:
                          "gloo, plain profiler) on these dp x pp x tp layouts (none given: all), reported apart")
     ap.add_argument("--cache", type=Path, help="keep each case's store here; a re-run re-judges the analysis only")
     args = ap.parse_args()
-    cases = make_cases(args.kinds, args.seeds, args.quick, args.draw)
+    cases = make_cases(args.kinds, args.seeds, args.quick, args.draw, args.schedules)
     hta_python = None
     if args.hta:
         from ingest_vs_hta import ensure_hta
