@@ -211,6 +211,11 @@ def _data_or_device(tables: RunTables, loc: Localization, findings: list[Finding
     # member of a clean run from step to step as well (measured on the fault grid's clean runs)
     if loc.verdict != "moving" or len({f.ranks for f in moving}) < 2 or any(f.kind == "straggler" for f in others):
         return findings
+    # each moving rank's own kernels already say more attention work: the ranks are the answer
+    # (_merge_data_imbalance names them), not 'every replica in turn' (a CP rank heavier in every
+    # replica made the replicas' waits move: 2 of 12 CP imbalances of a grid draw with 2-layer stages)
+    if all(f.cause == "data_imbalance" for f in moving):
+        return findings
     # where kernels are named, the kind of extra compute decides: more data lands in the attention
     # kernels (their cost follows the documents), a slow device slows every kernel alike
     splits = [attention_split(tables, f.ranks[0], list(f.steps)) for f in moving]
