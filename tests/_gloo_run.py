@@ -127,6 +127,12 @@ def make_run(out: Path) -> Path:
             if attempt == attempts or not any(m in str(e) for m in DATA_FLOW_CHECKS):
                 raise
             shutil.rmtree(out, ignore_errors=True)
+        except mp.ProcessExitedException as e:
+            # a rank killed by a signal inside torch's profiler (SIGSEGV at profiler_stop: 1 run of
+            # the full suite in 3 under load, 2026-11-27); the ranks run torch and gloo only
+            if attempt == attempts or e.signal_name != "SIGSEGV":
+                raise
+            shutil.rmtree(out, ignore_errors=True)
     return out
 
 
