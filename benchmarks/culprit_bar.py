@@ -50,40 +50,11 @@ BARS = (2.0, 2.25, 2.5, 3.0)
 TAUS = (0.0, 0.003, 0.005, 0.01)  # sd of the per-rank offsets in "chips that differ" (log ratio)
 
 
-def cached_run(i: int, rng: random.Random, base_seed: int, work: Path, cache: Path | None) -> dict:
-    """one_run, or the same run read back from ``cache`` (the rng still drawn: later runs stay the same)."""
-    state = rng.getstate()
-    if cache and (cache / f"{i}.json").exists() and (cache / f"{i}.parquet").exists():
-        _draws(rng)
-        return {**json.loads((cache / f"{i}.json").read_text()), "speed": pl.read_parquet(cache / f"{i}.parquet")}
-    rng.setstate(state)
-    run = one_run(i, rng, base_seed, work)
-    if cache:
-        cache.mkdir(parents=True, exist_ok=True)
-        run["speed"].write_parquet(cache / f"{i}.parquet")
-        (cache / f"{i}.json").write_text(json.dumps({k: v for k, v in run.items() if k != "speed"}))
-    return run
-
-
-def _draws(rng: random.Random) -> None:
-    """The draws one_run makes, in its order, without simulating."""
+def draw_run(i: int, rng: random.Random, base_seed: int) -> tuple[dict, "SimConfig"]:
+    """Run ``i``'s truth (kind, noise, slow rank, world) and its simulator configuration: every draw
+    of the run, in one place, so that a run read from the cache leaves the rng as a simulated one."""
     from diagnosis_grid import LAYOUTS
-
-    tp, cp, pp, dp = rng.choice(LAYOUTS)
-    rng.choice(["clean", "clean", "slow3", "slow5"])
-    rng.choice([0.02, 0.05, 0.1, 0.15])
-    rng.randrange(tp * cp * pp * dp)
-    rng.choice(["mesh", "plain"]), rng.choice([0.0, 0.002, 0.01]), rng.choice([0.0, 50.0, 2000.0])
-    rng.choice([0.0, 20.0])
-
-
-def one_run(i: int, rng: random.Random, base_seed: int, work: Path) -> dict:
-    import tracekit
-    from diagnosis_grid import LAYOUTS
-    from tracekit.analysis.compute_speed import compute_speed
-    from tracekit.ingest import ingest
     from tracekit.simulate.config import SimConfig
-    from tracekit.simulate.run import simulate
 
     tp, cp, pp, dp = rng.choice(LAYOUTS)
     world = tp * cp * pp * dp
@@ -94,13 +65,31 @@ def one_run(i: int, rng: random.Random, base_seed: int, work: Path) -> dict:
     cfg = SimConfig(tp=tp, cp=cp, pp=pp, dp=dp, steps=8, seed=base_seed + i, faults=faults,
                     names=rng.choice(["mesh", "plain"]), noise=noise, spikes=rng.choice([0.0, 0.002, 0.01]),
                     skew_ms=rng.choice([0.0, 50.0, 2000.0]), drift_ppm=rng.choice([0.0, 20.0]), layers=4)
+    return {"kind": kind, "noise": noise, "slow": None if kind == "clean" else slow, "world": world}, cfg
+
+
+def one_run(i: int, rng: random.Random, base_seed: int, work: Path, cache: Path | None = None) -> dict:
+    """Run ``i``: its truth and the compute-speed table of the real ingest of its simulation (read
+    back from ``cache`` where it was kept)."""
+    truth, cfg = draw_run(i, rng, base_seed)
+    if cache and (cache / f"{i}.json").exists() and (cache / f"{i}.parquet").exists():
+        return {**json.loads((cache / f"{i}.json").read_text()), "speed": pl.read_parquet(cache / f"{i}.parquet")}
+    import tracekit
+    from tracekit.analysis.compute_speed import compute_speed
+    from tracekit.ingest import ingest
+    from tracekit.simulate.run import simulate
+
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     simulate(cfg, work / "run")
     ingest([work / "run"], work / "s.duckdb", workers=1)
     with tracekit.open(work / "s.duckdb") as s:
         speed = compute_speed(s.run_tables())
-    return {"kind": kind, "noise": noise, "slow": None if kind == "clean" else slow, "speed": speed, "world": world}
+    if cache:
+        cache.mkdir(parents=True, exist_ok=True)
+        speed.write_parquet(cache / f"{i}.parquet")
+        (cache / f"{i}.json").write_text(json.dumps(truth))
+    return {**truth, "speed": speed}
 
 
 def judge(run: dict, bar: float) -> tuple[bool, bool]:
@@ -176,7 +165,7 @@ def main() -> int:
     runs, t0 = [], time.time()
     try:
         for i in range(args.runs):
-            runs.append(cached_run(i, rng, 100_000 + args.seed * 10_000, work / "case", args.cache))
+            runs.append(one_run(i, rng, 100_000 + args.seed * 10_000, work / "case", args.cache))
             if (i + 1) % 20 == 0:
                 print(f"[{i + 1}/{args.runs}] {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     finally:
