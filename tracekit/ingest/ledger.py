@@ -65,6 +65,11 @@ class Ledger:
         """Content hashes the run held when the ingest began (files with them need not be read)."""
         return self._stored.get(run_id, frozenset())
 
+    def holds(self, run_id: str, digest: str) -> bool:
+        """Whether a file with this content is in the run (in the store, or committed by this ingest)."""
+        with self._lock:
+            return (run_id, digest) in self._content
+
     def previous(self, run_id: str, digest: str | None) -> tuple[str | None, int | None]:
         """(format, rank) of the file that holds this content in the run, if any."""
         with self._lock:

@@ -12,7 +12,8 @@ parses in a parser process of its own instead (procs.py), since the parse's Pyth
 for the GIL; the writers still commit here. A transaction holds
 whole files, so each file is in the store entirely or not at all; if a batch's write fails, its
 files are redone one per transaction so that only the bad one fails. A bad file is logged with its
-reason and the others still go in. The checks that span files (same content already in the run,
+reason and the others still go in. A file that repeats an earlier file's content is settled
+after the workers, so the first in input order is the one ingested. The checks that span files (same content already in the run,
 a rank that another file already holds, groups already recorded) are decided in one ledger under a
 lock, since concurrent transactions do not see each other (ledger.py). This thread collects the
 outcomes, reports progress, and after the files recomputes each touched run's ``runs``, ``ranks``
@@ -239,6 +240,31 @@ def _commit_batch(cur: duckdb.DuckDBPyConnection, items: list[tuple[rundir.Job, 
     return [commit.apply_alone(cur, job, out, ledger) for job, out in items]
 
 
+def _repeats(jobs: list[rundir.Job]) -> dict[int, str]:
+    """id(job) -> content hash, for each job whose file has the content of an earlier job's in the
+    same run. Only files that share a size with another are read for it (by parse.content_hash)."""
+    by_size: dict[tuple[str, int], list[rundir.Job]] = {}
+    for job in jobs:
+        try:
+            by_size.setdefault((job.run_id, job.path.stat().st_size), []).append(job)
+        except OSError:
+            continue  # a file that is gone says so when it is parsed
+    repeats: dict[int, str] = {}
+    for (run_id, _), same in by_size.items():
+        if len(same) < 2:
+            continue
+        seen: set[str] = set()
+        for job in same:  # in input order
+            try:
+                digest = parse_mod.content_hash(job.path)
+            except OSError:
+                continue
+            if digest in seen:
+                repeats[id(job)] = digest
+            seen.add(digest)
+    return repeats
+
+
 def _committed(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], ledger: Ledger, n: int,
                reader: parse_mod.OptableReader | None,
                parsers: procs.Parsers | None = None) -> Iterator[tuple[rundir.Job, commit.Applied]]:
@@ -253,7 +279,11 @@ def _committed(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], ledger: L
     alone with the GIL; with a writer beside it, one of them runs there instead. Memory per
     worker stays bounded by two batches. An error that is not about a file (a bug, an interrupt)
     stops every worker and reaches the caller."""
-    todo, todo_lock = iter(jobs), threading.Lock()
+    # A file that repeats an earlier one's content is left out of the workers' queue and settled
+    # after them, so that the first in input order is the one ingested and the other skipped
+    # (unread) whichever worker finishes first, as in the dataset engine.
+    repeats = _repeats(jobs)
+    todo, todo_lock = iter([j for j in jobs if id(j) not in repeats]), threading.Lock()
     results: queue.SimpleQueue = queue.SimpleQueue()
     stop = threading.Event()
 
@@ -326,3 +356,17 @@ def _committed(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], ledger: L
         stop.set()
         for t in threads:
             t.join()
+    if repeats:
+        cur = con.cursor()
+        try:
+            for job in (j for j in jobs if id(j) in repeats):
+                digest = repeats[id(job)]
+                if ledger.holds(job.run_id, digest):
+                    out = parse_mod.Outcome(job.path, "skipped", None, digest,
+                                            error="already ingested (same content)")
+                else:  # the earlier copy did not go in: this one is read as any other file
+                    out = parse_mod.run(job.path, job.explicit, ledger.stored(job.run_id), cur, reader)
+                [applied] = _commit_batch(cur, [(job, out)], ledger)
+                yield job, applied
+        finally:
+            cur.close()
