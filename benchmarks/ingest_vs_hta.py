@@ -222,7 +222,8 @@ def raw_size(path: Path) -> int:
 
 
 def run_case(ranks: int, events: int, workers: int, hta: bool, hta_python: str | None = None,
-             gen_jobs: int = 1, floor: bool = False, kind: str = "gen", steps: int = 40) -> dict:
+             gen_jobs: int = 1, floor: bool = False, kind: str = "gen", steps: int = 40,
+             stores: tuple[str, ...] = ("duckdb",)) -> dict:
     traces = generate(WORK / f"traces-{ranks}x{events}", ranks, events, gen_jobs) if kind == "gen" \
         else build(kind, ranks, steps, gen_jobs)
     mb = sum(raw_size(p) for p in traces) / 1e6
@@ -231,9 +232,11 @@ def run_case(ranks: int, events: int, workers: int, hta: bool, hta_python: str |
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         cmd = [sys.executable, "-c", "from tracekit.cli import main; main()", "ingest", str(traces[0].parent),
                "--store", str(Path(tmp) / "bench.duckdb"), "--workers", str(workers), "--json"]
-        warm(traces)
-        load = os.getloadavg()[0]
-        res["tracekit"] = (*measure(cmd, env)[:3], load)
+        for store in stores:  # the DuckDB file, or the Parquet dataset (`--out`) that every command reads too
+            run = cmd if store == "duckdb" else cmd[:5] + ["--out", str(Path(tmp) / "bench-ds")] + cmd[7:]
+            warm(traces)
+            load = os.getloadavg()[0]
+            res[TOOL[store]] = (*measure(run, env)[:3], load)
         if floor:
             tiny = Path(tmp) / "tiny"  # one trace of one event: interpreter, imports, store, log
             tiny.mkdir()
@@ -258,6 +261,9 @@ def run_case(ranks: int, events: int, workers: int, hta: bool, hta_python: str |
     return res
 
 
+TOOL = {"duckdb": "tracekit", "dataset": "tk-ds"}  # the table's tool column, per store
+
+
 def byte_compile() -> None:
     """Write tracekit's .pyc files, as an install would (see the module docstring)."""
     import compileall
@@ -280,8 +286,12 @@ def main() -> None:
                     help="gen: gen_traces.py's set (--events per rank); sim-*: tracekit simulate --detail's "
                          "traces (--steps), as written (gz) or rewritten (benchmarks/trace_sets.py)")
     ap.add_argument("--steps", type=int, default=40, help="steps of the sim-* sets")
+    ap.add_argument("--store", choices=("duckdb", "dataset", "both"), default="duckdb",
+                    help="what tracekit ingests into: a DuckDB file (--store), a Parquet dataset (--out, the "
+                         "tk-ds rows), or both in each repeat")
     ap.add_argument("--gen-jobs", type=int, default=os.cpu_count() or 1, help="processes generating the traces")
     a = ap.parse_args()
+    stores = ("duckdb", "dataset") if a.store == "both" else (a.store,)
     WORK.mkdir(exist_ok=True)
     byte_compile()
     print(f"set {a.kind}; cpus={os.cpu_count()} workers={a.workers}; load = 1-min load average when the tool started; "
@@ -291,25 +301,28 @@ def main() -> None:
     for r in a.ranks:
         runs = []
         for _ in range(a.repeats):
-            res = run_case(r, a.events, a.workers, not a.skip_hta, a.hta_python, a.gen_jobs, a.floor, a.kind, a.steps)
+            res = run_case(r, a.events, a.workers, not a.skip_hta, a.hta_python, a.gen_jobs, a.floor, a.kind,
+                           a.steps, stores)
             runs.append(res)
-            for tool in ("tracekit", "hta", "fixed", "bytes", "scan only"):
+            for tool in ("tracekit", "tk-ds", "hta", "fixed", "bytes", "scan only"):
                 if tool in res:
                     wall, peak, cpu, load = res[tool]
                     mb = res["raw_mb"] if tool != "fixed" else float("nan")  # reads no trace
                     print(f"{r:>5} {res['raw_mb']:>7.0f} {tool:>8} {load:>5.1f} {wall:>7.2f} "
                           f"{mb / wall:>7.1f} {cpu:>7.2f} {mb / cpu:>8.1f} {peak:>8.0f} "
                           f"{peak / res['raw_mb']:>8.2f}")
-        if "hta" in runs[0]:
-            med = {t: [statistics.median(x[t][i] for x in runs) for i in range(3)] for t in ("tracekit", "hta")}
-            (tw, tp, tc), (hw, hp, hc) = med["tracekit"], med["hta"]
-            walls = [x["hta"][0] / x["tracekit"][0] for x in runs]
-            print(f"{r:>5} ratio{' of medians' if a.repeats > 1 else ''}: tracekit throughput = {hw / tw:.1f}x HTA "
+        for tk in (TOOL[s] for s in stores):
+            if "hta" not in runs[0]:
+                break
+            med = {t: [statistics.median(x[t][i] for x in runs) for i in range(3)] for t in (tk, "hta")}
+            (tw, tp, tc), (hw, hp, hc) = med[tk], med["hta"]
+            walls = [x["hta"][0] / x[tk][0] for x in runs]
+            print(f"{r:>5} ratio{' of medians' if a.repeats > 1 else ''}: {tk} throughput = {hw / tw:.1f}x HTA "
                   f"(wall{f', runs {min(walls):.1f}-{max(walls):.1f}x' if a.repeats > 1 else ''}), "
                   f"{hc / tc:.1f}x HTA (CPU); peak memory = {tp / hp:.2f}x HTA (load now {os.getloadavg()[0]:.1f})")
-            if a.floor:
+            if a.floor and "fixed" in runs[0]:
                 budget = hw / 20
-                parts = {t: statistics.median(x[t][0] for x in runs) for t in ("fixed", "bytes", "scan only", "tracekit")}
+                parts = {t: statistics.median(x[t][0] for x in runs) for t in ("fixed", "bytes", "scan only", tk)}
                 print(f"{r:>5} 20x budget {budget:.2f} s: " + ", ".join(
                     f"{t} {v:.2f} s = {v / budget:.0%}" for t, v in parts.items()))
 
