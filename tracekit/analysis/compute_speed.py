@@ -111,11 +111,24 @@ def compute_speed(tables: RunTables) -> pl.DataFrame:
     spans = spans.filter((pl.col("n") > 1) & (pl.col("own_ns") > 0) & (pl.col("ref") > 0))
     lr = (pl.col("own_ns") / pl.col("ref")).log()
     middle = _middle_mean(lr)
-    return spans.group_by("step", "rank").agg(
+    speed = spans.group_by("step", "rank").agg(
         pl.col("pp").first(), middle.alias("log_ratio"),
         (pl.col("own_ns").sum() / pl.col("ref").sum()).log().alias("log_total"),
-        (pl.col("own_ns").sum() - pl.col("ref").sum()).alias("excess_ns"), pl.col("ref").sum().alias("ref_ns"),
-        pl.len().alias("spans")
+        pl.col("own_ns").sum().alias("own_ns"), pl.col("ref").sum().alias("ref_ns"), pl.len().alias("spans"))
+    # Leaving out the largest peer lowers the reference in a stage without a culprit (there the
+    # largest is noise) and not in the culprit's stage (there it is the culprit): every rank of the
+    # other stages then read 1-3% slow (at 10-15% kernel noise), and beside a strong culprit the
+    # fastest-looking of them was named too (2 of 24 slow ranks of a schedule-drawn grid). Each
+    # stage's references are rescaled so that its typical rank's ratio is 1, where the largest was
+    # left out (stages of 4 ranks or more); the median over the stage's ranks, so a culprit in it
+    # moves nothing.
+    per_rank = speed.group_by("pp", "rank").agg(pl.col("log_ratio").mean())
+    offset = per_rank.group_by("pp").agg(
+        pl.when(pl.len() >= 4).then(pl.col("log_ratio").median()).otherwise(0.0).alias("offset"))
+    speed = speed.join(offset, on="pp").with_columns(pl.col("ref_ns") * pl.col("offset").exp())
+    return speed.select(
+        "step", "rank", "pp", pl.col("log_ratio") - pl.col("offset"), pl.col("log_total") - pl.col("offset"),
+        (pl.col("own_ns") - pl.col("ref_ns")).alias("excess_ns"), "ref_ns", "spans"
     ).sort("step", "rank").cast(_SCHEMA)
 
 
