@@ -81,6 +81,40 @@ def test_same_content_twice_in_one_ingest_is_skipped(tmp_path: Path, monkeypatch
         assert s.sql("SELECT count(*) FROM events WHERE rank = 1").item() == 2 * 7
 
 
+@pytest.mark.parametrize("slow_first", [False, True])
+def test_of_two_files_for_one_rank_the_first_is_ingested(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         slow_first: bool) -> None:
+    """Two traces of rank 1 with other content: the first in input order goes in and the later one
+    fails, as in the dataset engine, even when the later one committed first (its rows then go out
+    again); the store holds the first one's steps and nothing of the other."""
+    run = tmp_path / "run"
+    write_trace(run / "a" / "rank0.json.gz", nccl_trace(0, world=2, steps=2))
+    first = write_trace(run / "a" / "rank1.json.gz", nccl_trace(1, world=2, steps=2))
+    later = write_trace(run / "b" / "rank1.json.gz", nccl_trace(1, world=2, steps=3))
+    if slow_first:
+        real = pipeline.parse_mod.run
+
+        def parse(path, *a, **k):  # type: ignore[no-untyped-def]
+            if path == first:
+                time.sleep(0.5)
+            return real(path, *a, **k)
+
+        monkeypatch.setattr(pipeline.parse_mod, "run", parse)
+    seen: list[tuple[int, int]] = []
+    rep = ingest([run], tmp_path / "s.duckdb", run_id="run", workers=3, processes=False,
+                 progress=lambda done, total, path, status: seen.append((done, total)))
+    status = {f.path: f.status for f in rep.files}
+    assert status == {run / "a" / "rank0.json.gz": "ok", first: "ok", later: "failed"}
+    (bad,) = rep.failed
+    assert bad.error == f"{later}: duplicate rank 1 in run 'run': kineto data for it was already ingested from {first}"
+    assert seen == [(1, 3), (2, 3), (3, 3)]
+    with tracekit.open(tmp_path / "s.duckdb") as s:
+        assert s.sql("SELECT rank, count(*) FROM steps GROUP BY rank ORDER BY rank").rows() == [(0, 2), (1, 2)]
+        assert s.sql("SELECT path, status, error FROM ingest_log WHERE rank = 1 ORDER BY path").rows() == \
+            [(str(first), "ok", None), (str(later), "failed", bad.error)]
+        assert s.sql("SELECT path FROM file_meta WHERE rank = 1").rows() == [(str(first),)]
+
+
 def test_failed_batch_write_is_redone_file_by_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """All three files share a transaction; the store write of rank 1 fails, so the batch is rolled
     back and redone one file per transaction: ranks 0 and 2 go in, rank 1 is logged as failed."""

@@ -21,7 +21,7 @@ from tracekit import schema
 from tracekit.ingest import parse as parse_mod
 from tracekit.ingest import columns, limits, rundir, topo
 from tracekit.ingest.common import IngestError, Parsed, RankDependent, crash_point
-from tracekit.ingest.ledger import Claim, Ledger, SameContent
+from tracekit.ingest.ledger import Claim, Ledger, RankTaken, SameContent
 
 # What a re-ingest of a changed file replaces, per format: table -> extra row filter.
 OWNED: dict[str, dict[str, str]] = {
@@ -59,6 +59,7 @@ class Applied:
     result: FileResult | None  # None: the file was passed over (not a trace)
     parsed: Parsed | None = None
     claim: Claim | None = None  # what it holds in the ledger, to take back if its transaction fails
+    rank_holder: str | None = None  # failed because this file holds its rank
 
 
 LOG_ROW = "(?, ?, ?, ?, ?, ?, ?, ?, ?, now())"
@@ -112,6 +113,10 @@ def apply(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcom
         claim = ledger.claim(job.run_id, job.path, parsed.format, rank, out.content_hash, parsed.groups)
     except SameContent as e:
         return _skipped(con, job, out, e.format, e.rank, str(e))
+    except RankTaken as e:
+        done = failed(con, job, out, str(e), rank)
+        done.rank_holder = e.holder
+        return done
     except IngestError as e:
         return failed(con, job, out, str(e), rank)
     replace = claim.replace
@@ -143,6 +148,15 @@ def apply(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcom
         raise
     return Applied(FileResult(job.path, job.run_id, parsed.format, rank, "ok", None, parsed.rows, out.seconds),
                    parsed, claim)
+
+
+def evict(con: duckdb.DuckDBPyConnection, run_id: str, fmt: str, rank: int, path: Path, why: str) -> None:
+    """Take an ingested file's rows out again and log it as failed (in the caller's transaction)."""
+    for t, extra in OWNED[fmt].items():
+        con.execute(f"DELETE FROM {t} WHERE run_id = ? AND rank = ? {extra}", [run_id, rank])
+    con.execute("DELETE FROM file_meta WHERE run_id = ? AND path = ?", [run_id, str(path)])
+    con.execute("UPDATE ingest_log SET status = 'failed', error = ?, rows = 0 "
+                "WHERE run_id = ? AND path = ? AND status = 'ok'", [why, run_id, str(path)])
 
 
 def apply_alone(con: duckdb.DuckDBPyConnection, job: rundir.Job, out: parse_mod.Outcome, ledger: Ledger) -> Applied:

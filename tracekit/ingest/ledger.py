@@ -22,6 +22,14 @@ from tracekit.ingest.common import IngestError, group_key
 _ABSENT = object()
 
 
+class RankTaken(IngestError):
+    """Another file holds this file's rank (of its format) in the run."""
+
+    def __init__(self, message: str, holder: str) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
 class SameContent(Exception):
     """The run already holds (or is being given) a file with this content."""
 
@@ -91,8 +99,8 @@ class Ledger:
                 holders = self._holders.get(key, frozenset())
                 others = sorted(holders - {p})
                 if others:
-                    raise IngestError(f"{path}: duplicate rank {rank} in run {run_id!r}: "
-                                      f"{fmt} data for it was already ingested from {others[0]}")
+                    raise RankTaken(f"{path}: duplicate rank {rank} in run {run_id!r}: "
+                                    f"{fmt} data for it was already ingested from {others[0]}", others[0])
                 claim.replace = p in holders
                 if claim.replace:  # its earlier content leaves the store with its rows
                     for k, (_, _, held_path) in list(self._content.items()):
@@ -107,6 +115,31 @@ class Ledger:
                     self._set(claim, self._groups, key, True)
                     claim.new_groups.append(g)
             return claim
+
+    def rank_of(self, run_id: str, fmt: str, path: str) -> int | None:
+        """The rank of ``fmt`` that this file holds in the run."""
+        with self._lock:
+            return next((k[2] for k, paths in self._holders.items()
+                         if k[0] == run_id and k[1] == fmt and path in paths), None)
+
+    def evict(self, run_id: str, fmt: str, rank: int, path: str) -> list[tuple[dict, object, object]]:
+        """Forget a file's hold on its rank and content (its rows are being deleted); what was
+        forgotten, for ``unevict``."""
+        with self._lock:
+            undo: list[tuple[dict, object, object]] = []
+            key = (run_id, fmt, rank)
+            undo.append((self._holders, key, self._holders.get(key, frozenset())))
+            self._holders[key] = self._holders.get(key, frozenset()) - {path}
+            for k, v in list(self._content.items()):
+                if k[0] == run_id and v[2] == path:
+                    undo.append((self._content, k, v))
+                    del self._content[k]
+            return undo
+
+    def unevict(self, undo: list[tuple[dict, object, object]]) -> None:
+        with self._lock:
+            for table, key, old in undo:
+                table[key] = old
 
     def release(self, claim: Claim | None) -> None:
         """Take a claim back (its transaction rolled back)."""

@@ -120,19 +120,24 @@ def ingest(paths: list[str | Path], store_path: str | Path, run_id: str | None =
             # closing: should the progress callback raise, the workers stop before the connection
             # their cursors belong to closes
             with contextlib.closing(_committed(con, jobs, ledger, n_workers, optable_reader, parsers)) as committed:
-                for done, (job, applied) in enumerate(committed, 1):
+                at: dict[Path, int] = {}  # path -> its place in report.files (a settled conflict comes again)
+                for job, applied in committed:
                     rb = runs.setdefault(job.run_id, topo.RunBatch(job.run_id, job.manifest))
                     res = applied.result
+                    again = res is not None and res.path in at
                     if res is None:
                         report.ignored.append(job.path)
+                    elif again:
+                        report.files[at[res.path]] = res
                     else:
+                        at[res.path] = len(report.files)
                         report.files.append(res)
                         if res.status == "skipped":
                             rb.touched = True  # the run's tables are recomputed; its content is in the store
                         elif res.status == "ok" and applied.parsed is not None:
                             rb.note(applied.parsed, res.rank)
-                    if progress is not None:
-                        progress(done, len(jobs), job.path, res.status if res else "ignored")
+                    if progress is not None and not again:
+                        progress(len(at) + len(report.ignored), len(jobs), job.path, res.status if res else "ignored")
             for rid, rb in runs.items():
                 if rb.touched:
                     report.missing.update(topo.finalize(con, rb))
@@ -240,6 +245,52 @@ def _commit_batch(cur: duckdb.DuckDBPyConnection, items: list[tuple[rundir.Job, 
     return [commit.apply_alone(cur, job, out, ledger) for job, out in items]
 
 
+def _settle_rank_conflicts(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job],
+                           conflicts: list[tuple[rundir.Job, str]], status: dict[str, str], ledger: Ledger,
+                           reader: parse_mod.OptableReader | None) -> Iterator[tuple[rundir.Job, commit.Applied]]:
+    """Of two files of this ingest for one rank, the first in input order is the one ingested, as in
+    the dataset engine, whichever worker committed first: where the later one took the rank, its
+    rows go out again (it is logged as failed) and the earlier one goes in, in one transaction.
+    Yields the new outcome of both."""
+    order = {str(j.path): i for i, j in reversed(list(enumerate(jobs)))}
+    for job, holder in sorted(conflicts, key=lambda c: order.get(str(c[0].path), len(order))):
+        mine = order.get(str(job.path), len(order))
+        if status.get(holder) != "ok" or order.get(holder, -1) <= mine:
+            continue  # held from before this ingest, or by an earlier file: the failure stands
+        cur = con.cursor()
+        try:
+            out = parse_mod.run(job.path, job.explicit, ledger.stored(job.run_id), cur, reader)
+            if out.parsed is None or out.parsed.multi_rank:
+                continue
+            fmt = out.parsed.format
+            rank = ledger.rank_of(job.run_id, fmt, holder)
+            if rank is None:
+                continue
+            why = (f"{holder}: duplicate rank {rank} in run {job.run_id!r}: {fmt} data for it was already "
+                   f"ingested from {job.path}")
+            cur.execute("BEGIN TRANSACTION")
+            evicted = ledger.evict(job.run_id, fmt, rank, holder)
+            try:
+                commit.evict(cur, job.run_id, fmt, rank, Path(holder), why)
+                cur.execute("DELETE FROM ingest_log WHERE run_id = ? AND path = ? AND status = 'failed'",
+                            [job.run_id, str(job.path)])
+                applied = commit.apply(cur, job, out, ledger)
+                if applied.result is None or applied.result.status != "ok":
+                    raise commit.StoreWriteError("not ingested on its own either", rank)
+                cur.execute("COMMIT")
+            except (commit.StoreWriteError, duckdb.Error):
+                commit.rollback(cur)  # both stay as they were
+                ledger.unevict(evicted)
+                continue
+            status[holder], status[str(job.path)] = "failed", "ok"
+            gone = dataclasses.replace(applied.result, path=Path(holder), status="failed", error=why, rows=0,
+                                       seconds=0.0)
+            yield job, applied
+            yield next(j for j in jobs if str(j.path) == holder), commit.Applied(gone)
+        finally:
+            cur.close()
+
+
 def _repeats(jobs: list[rundir.Job]) -> dict[int, str]:
     """id(job) -> content hash, for each job whose file has the content of an earlier job's in the
     same run. Only files that share a size with another are read for it (by parse.content_hash)."""
@@ -343,6 +394,8 @@ def _committed(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], ledger: L
     for t in threads:
         t.start()
     running = n
+    status: dict[str, str] = {}  # path -> status of its commit
+    conflicts: list[tuple[rundir.Job, str]] = []  # (a file that failed on its rank, the file holding it)
     try:
         while running:
             item = results.get()
@@ -351,11 +404,17 @@ def _committed(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job], ledger: L
             elif isinstance(item, BaseException):
                 raise item
             else:
+                job, applied = item
+                if applied.result is not None:
+                    status[str(job.path)] = applied.result.status
+                if applied.rank_holder is not None:
+                    conflicts.append((job, applied.rank_holder))
                 yield item
     finally:  # the consumer stopped early, or a worker failed: start no new file, commit nothing more
         stop.set()
         for t in threads:
             t.join()
+    yield from _settle_rank_conflicts(con, jobs, conflicts, status, ledger, reader)
     if repeats:
         cur = con.cursor()
         try:
