@@ -215,3 +215,14 @@ def test_a_slow_rank_does_not_make_its_stage_peers_look_fast():
     assert abs(level[0] - level[1]) < 0.01, level
     culprit = float(med.filter(pl.col("rank") == 5)["log_ratio"][0])
     assert culprit - level[1] == pytest.approx(math.log(1.5), abs=0.05)
+
+
+@pytest.mark.parametrize("steps, ranks", [(8, 4), (8, 8), (8, 16), (20, 16)])
+def test_the_cell_bars_scatter_reads_the_noise_it_was_given(steps, ranks):
+    """step_scatter (a MAD of median-polish residuals) reads 0.63-0.87 of the noise on such small
+    tables; divided by scatter_bias it reads the noise itself (here 3%, on tables of another seed)."""
+    from tracekit.analysis.compute_speed import scatter_bias, step_scatter
+
+    rng = np.random.default_rng(12345)
+    read = np.mean([step_scatter(rng.normal(0.0, 0.03, (steps, ranks))) for _ in range(300)])
+    assert read / scatter_bias(steps, ranks) == pytest.approx(0.03, rel=0.03)

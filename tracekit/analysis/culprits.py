@@ -28,7 +28,7 @@ from statistics import NormalDist
 import numpy as np
 import polars as pl
 
-from tracekit.analysis.compute_speed import step_scatter
+from tracekit.analysis.compute_speed import scatter_bias, step_scatter
 from tracekit.analysis.standout import biweight_spread
 from tracekit.analysis.tunables import Tunables
 
@@ -121,7 +121,9 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int
     sigma = max(step_scatter(mat), tun.compute_noise_floor)
     n_all = max(n, compared or 0)
     cells = max(T * n_all, 2)
-    cell_bar = max(NormalDist().inv_cdf(1 - tun.episode_alpha / cells) * sigma, math.log(tun.episode_min_ratio))
+    # a single cell's bar is a tail quantile: of the noise itself, not of step_scatter's low reading
+    cell_sigma = sigma / scatter_bias(T, n)
+    cell_bar = max(NormalDist().inv_cdf(1 - tun.episode_alpha / cells) * cell_sigma, math.log(tun.episode_min_ratio))
     bar = tun.culprit_margin_min + tun.compute_margin_per_log * math.log(max(1.0, n_all / 2))
     effects = np.array([_effect(e[:, j][np.isfinite(e[:, j])]) for j in range(n)])
     findings: list[RankFinding] = []
