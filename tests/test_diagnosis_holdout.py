@@ -66,3 +66,11 @@ def test_a_transient_rank_is_not_made_moving_by_two_noisy_cells(tmp_path):
                   names="none", skew_ms=2000.0, noise=0.15, spikes=0.002, microbatches=1, ranks_per_host=4)
     assert [(f.kind, list(f.ranks)) for f in d.findings] == [("transient", [7])], d.headline
     assert list(d.findings[0].steps) == [2, 3]
+def test_a_slow_p2p_link_is_found_where_the_recorders_ring_holds_fewer_ops_than_the_profiler(tmp_path):
+    """Draw 4 (schedules drawn): 8 micro-batches on 2 virtual stages, 5 ms on link 4 -> 6. Middle
+    stages' profiled p2p ops name no peer (NCCL's records name the group); the flight recorder's,
+    which do, were paired with them only when its ring held at least as many: with 2,000 entries
+    it held 984 of 1,024 receives, no peer was known, and the answer was 'no straggler'."""
+    d = _diagnose(tmp_path, faults=("link:a=4,b=6,delay_ms=5",), tp=2, cp=1, pp=4, dp=2, seed=400228, names="mesh",
+                  skew_ms=2000.0, noise=0.05, spikes=0.002, microbatches=8, vstages=2, ranks_per_host=4)
+    assert [(f.kind, sorted(f.ranks)) for f in d.findings] == [("slow_link", [4, 6])], d.headline

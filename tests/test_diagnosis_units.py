@@ -226,3 +226,18 @@ def test_the_cell_bars_scatter_reads_the_noise_it_was_given(steps, ranks):
     rng = np.random.default_rng(12345)
     read = np.mean([step_scatter(rng.normal(0.0, 0.03, (steps, ranks))) for _ in range(300)])
     assert read / scatter_bias(steps, ranks) == pytest.approx(0.03, rel=0.03)
+@pytest.mark.parametrize("held", [40, 24])  # the recorder's ring kept the last `held` of 48 ops, or all
+def test_profiled_p2p_ops_take_their_peers_from_the_recorder_entries_they_lie_along(held):
+    """A middle stage alternates its peers; the recorder stamps each op 0.2-0.4 ms before the
+    profiler's kernel. Ops the ring no longer holds keep no peer rather than a wrong one."""
+    from tracekit.analysis.tables import _align
+
+    rng = np.random.default_rng(7)
+    prof = np.cumsum(rng.uniform(5e6, 9e6, 48)).astype(np.int64)
+    peers = np.array([3, 5] * 24)
+    fr_t = prof - rng.uniform(2e5, 4e5, 48).astype(np.int64)
+    got = _align(prof, fr_t[-held:], peers[-held:])
+    assert got == [None] * (48 - held) + peers[-held:].tolist()
+    # and a recorder that holds more than was profiled (it ran on after the profiler stopped)
+    more = np.concatenate([fr_t, fr_t[-1] + np.cumsum(rng.uniform(5e6, 9e6, 10)).astype(np.int64)])
+    assert _align(prof, more, np.concatenate([peers, [3] * 10])) == peers.tolist()

@@ -214,11 +214,15 @@ def with_p2p_peers(p2p: pl.DataFrame, groups: pl.DataFrame, steps: pl.DataFrame)
             if key in fr:
                 ops = ops.sort("start_ns")
                 peers = _align(ops["start_ns"].to_numpy(), fr[key]["start_ns"].to_numpy(), fr[key]["peer"].to_numpy())
-                if peers is not None:
-                    found += list(zip(ops["_i"].to_list(), peers.tolist()))
+                found += [(i, int(p)) for i, p in zip(ops["_i"].to_list(), peers) if p is not None]
     if found:
         hit = pl.DataFrame(found, schema={"_i": pl.UInt32, "fr_peer": p2p["peer"].dtype}, orient="row")
-        p2p = p2p.join(hit, on="_i", how="left").with_columns(pl.coalesce("peer", "fr_peer").alias("peer")).drop("fr_peer")
+        # a step the ring holds only part of keeps no peers: transfers pair a link's sends and
+        # receives by their order within the step, which a step entered midway would shift
+        whole = pl.col("fr_peer").is_not_null().all().over("rank", "direction", "step")
+        p2p = p2p.join(hit, on="_i", how="left").with_columns(
+            pl.when(pl.col("peer").is_null() & ~is_fr & pl.col("step").is_not_null() & whole)
+            .then(pl.col("fr_peer")).otherwise(pl.col("peer")).alias("peer")).drop("fr_peer")
     members = {n: list(r) for n, r in groups.select("pg_name", "ranks").drop_nulls().iter_rows()}
     ends = {}
     for name, ranks in members.items():
@@ -234,23 +238,44 @@ def with_p2p_peers(p2p: pl.DataFrame, groups: pl.DataFrame, steps: pl.DataFrame)
     return p2p.sort("_i").drop("_i")
 
 
-def _align(prof_t, fr_t, fr_peer):
-    """Peers for ``prof_t`` (sorted op times) from the recorder's (``fr_t``, ``fr_peer``): the
-    offset into the recorder's list at which the lag between the two is most constant (robust
-    spread of the differences, plus a little of the lag itself, which is small and positive)."""
+ALIGN_MARGIN = 0.9  # the chosen offset's cost must be at most this share of any other offset's
+
+
+def _align(prof_t, fr_t, fr_peer) -> list:
+    """Peers for ``prof_t`` (sorted op times) from the recorder's (``fr_t``, ``fr_peer``), None
+    where the recorder has no entry or the pairing is in doubt: the shorter list is laid along the
+    longer at the offset where the lag between the two is most constant (robust spread of the
+    differences, plus a little of the lag itself, which is small and positive).
+
+    The recorder's ring keeps a fixed number of entries (2,000 by default, collectives included),
+    so on a long profiled window it holds fewer ops than the profiler (984 of 1,024 receives at 32
+    micro-batches x 2 virtual stages): its entries are the job's latest, so they lie along the
+    profiled ops' tail. Its times are the watchdog's polls, tens of ms late, and where ops follow
+    each other faster than that jitter a shift by one op costs nearly the same: a peer from a
+    shifted pairing alternates wrongly on a middle stage and made false slow links (confidence
+    0.99), so an offset is taken only when it is clearly the cheapest (ALIGN_MARGIN), and a short
+    ring only at the tail."""
     import numpy as np
 
     n, m = len(prof_t), len(fr_t)
-    if n == 0 or m < n:
-        return None
-    best, best_cost = None, None
-    for o in range(m - n + 1):
-        d = prof_t.astype(np.float64) - fr_t[o:o + n].astype(np.float64)
+    if n == 0 or m == 0:
+        return [None] * n
+    short, long_ = (prof_t, fr_t) if n <= m else (fr_t, prof_t)
+    k = len(short)
+    costs = []
+    for o in range(len(long_) - k + 1):
+        d = short.astype(np.float64) - long_[o:o + k].astype(np.float64)
         med = float(np.median(d))
-        cost = float(np.median(np.abs(d - med))) + 0.1 * abs(med)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = o, cost
-    return fr_peer[best:best + n]
+        costs.append(float(np.median(np.abs(d - med))) + 0.1 * abs(med))
+    order = np.argsort(costs)
+    best = int(order[0])
+    if len(order) > 1 and costs[best] > ALIGN_MARGIN * costs[int(order[1])]:
+        return [None] * n
+    if n <= m:
+        return [int(p) for p in fr_peer[best:best + n]]
+    if best != n - m:
+        return [None] * n
+    return [None] * best + [int(p) for p in fr_peer]
 
 
 # Communication seen from the main thread of a CPU trace, beyond what ingest calls communication:
