@@ -115,7 +115,8 @@ def compute_speed(tables: RunTables) -> pl.DataFrame:
     speed = spans.group_by("step", "rank").agg(
         pl.col("pp").first(), middle.alias("log_ratio"),
         (pl.col("own_ns").sum() / pl.col("ref").sum()).log().alias("log_total"),
-        pl.col("own_ns").sum().alias("own_ns"), pl.col("ref").sum().alias("ref_ns"), pl.len().alias("spans"))
+        pl.col("own_ns").sum().alias("own_ns"), pl.col("ref").sum().alias("ref_ns"), pl.len().alias("spans")
+    ).sort("step", "rank")  # the means below sum in this order: the same bits from any store
     # Leaving out the largest peer lowers the reference in a stage without a culprit (there the
     # largest is noise) and not in the culprit's stage (there it is the culprit): every rank of the
     # other stages then read 1-3% slow (at 10-15% kernel noise), and beside a strong culprit the
