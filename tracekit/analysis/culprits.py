@@ -10,7 +10,9 @@ step effects removed, so neither a culprit nor a busy step inflates it). Then, p
   ``culprit_margin_min`` noise units (a bar rising with the ranks compared) and at least
   ``compute_effect_min_ratio``, with more than half of it in ``persist_min`` of the steps. Each rank is judged on its own, so two culprits are two findings;
 - episode cells: (step, rank) cells whose excess clears a Bonferroni bar over all cells (the
-  largest of T x n noisy cells is large by chance) and ``episode_min_ratio``. Cells of ranks that
+  largest of T x n noisy cells is large by chance) and ``episode_min_ratio``; the bar is a tail
+  quantile, so its unit is the noise itself (sigma / ``scatter_bias``: sigma reads it low on
+  small tables). Cells of ranks that
   are not persistent make a *moving* straggler when they fill ``moving_min_share`` of the steps over
   two or more ranks with none holding ``persist_min`` of them, else a *transient* one per rank with
   two or more cells.
