@@ -293,26 +293,41 @@ def _settle_rank_conflicts(con: duckdb.DuckDBPyConnection, jobs: list[rundir.Job
 
 def _repeats(jobs: list[rundir.Job]) -> dict[int, str]:
     """id(job) -> content hash, for each job whose file has the content of an earlier job's in the
-    same run. Only files that share a size with another are read for it (by parse.content_hash)."""
+    same run. Only files that share their size and their first 64 KiB with another are read whole
+    for it (by parse.content_hash): equal sizes are common (flight-recorder dumps of one job), equal
+    beginnings of other content are not, and this runs before the workers start."""
+    def head(path: Path) -> str | None:  # a digest, so that 16k heads held at once stay small
+        try:
+            with open(path, "rb") as f:
+                h = parse_mod.new_hasher()
+                h.update(f.read(64 << 10))
+                return h.hexdigest()
+        except OSError:
+            return None  # a file that is gone or unreadable says so when it is parsed
+
     by_size: dict[tuple[str, int], list[rundir.Job]] = {}
     for job in jobs:
         try:
             by_size.setdefault((job.run_id, job.path.stat().st_size), []).append(job)
         except OSError:
-            continue  # a file that is gone says so when it is parsed
-    repeats: dict[int, str] = {}
-    for (run_id, _), same in by_size.items():
-        if len(same) < 2:
             continue
-        seen: set[str] = set()
-        for job in same:  # in input order
-            try:
-                digest = parse_mod.content_hash(job.path)
-            except OSError:
-                continue
-            if digest in seen:
-                repeats[id(job)] = digest
-            seen.add(digest)
+    repeats: dict[int, str] = {}
+    for same_size in (s for s in by_size.values() if len(s) >= 2):
+        by_head: dict[str, list[rundir.Job]] = {}
+        for job in same_size:  # in input order
+            h = head(job.path)
+            if h is not None:
+                by_head.setdefault(h, []).append(job)
+        for same in (s for s in by_head.values() if len(s) >= 2):
+            seen: set[str] = set()
+            for job in same:
+                try:
+                    digest = parse_mod.content_hash(job.path)
+                except OSError:
+                    continue
+                if digest in seen:
+                    repeats[id(job)] = digest
+                seen.add(digest)
     return repeats
 
 
