@@ -111,7 +111,7 @@ def _rank_finding(tables: RunTables, f: RankFinding, loc: Localization, tun: Tun
     one = replace(loc, verdict="transient" if f.kind != "persistent" else "straggler", culprit_rank=f.rank,
                   culprit_ranks=(f.rank,), coords=tables.layout.coords(f.rank).as_dict(),
                   episode_steps=f.steps if f.kind != "persistent" else ())
-    cause = explain(tables, one, tun, work)
+    cause = explain(tables, one, tun, work, f.ratio)
     split = attention_split(tables, f.rank)  # every step: the work a rank gets differs in all of them
     if split is not None and cause.kind != "data_imbalance":
         attn, other = split
