@@ -94,3 +94,26 @@ def test_the_ratio_a_straggler_is_said_to_compute_is_its_kernels_not_its_desched
         said = float(re.search(r"computes (\d+\.\d+)x", f.summary).group(1))
         assert abs(said / faults[f.ranks[0]] - 1) <= 0.07, f.summary
         assert f.evidence["compute_ratio"] == f.evidence["span_ratio"]
+
+
+@pytest.mark.parametrize("cfg, faults", [
+    # draw 0: two 1.5x ranks of 8 (one stage): each was measured against references that held the
+    # other (only the largest other rank is left out), so the healthy ranks read 8% fast and both
+    # culprits 1.59x, their costs 18% high
+    ({"tp": 2, "cp": 1, "pp": 1, "dp": 4, "seed": 3, "names": "plain", "skew_ms": 2000.0, "noise": 0.1,
+      "spikes": 0.0, "microbatches": 2}, {6: 1.5, 3: 1.5}),
+    # draw 5: two 1.5x ranks of a stage of 4: its median rank sat between them and the healthy two,
+    # and the stage's rescale made them 1.37x and 1.36x (costs 27% low)
+    ({"tp": 1, "cp": 2, "pp": 2, "dp": 2, "seed": 500039, "names": "mesh", "skew_ms": 0.0, "drift_ppm": 20.0,
+      "noise": 0.02, "spikes": 0.0, "microbatches": 4}, {5: 1.5, 0: 1.5}),
+    # draw 2: one 2x rank of a stage of 4 read 2.10x
+    ({"tp": 2, "cp": 2, "pp": 4, "dp": 1, "seed": 201297, "names": "plain", "skew_ms": 2000.0, "drift_ppm": 20.0,
+      "noise": 0.1, "spikes": 0.0, "microbatches": 8}, {11: 2.0}),
+])
+def test_each_culprit_is_measured_without_the_others_in_its_reference(tmp_path, cfg, faults):
+    d = _diagnose(tmp_path, faults=tuple(f"slow:rank={r},factor={x}" for r, x in faults.items()), **cfg)
+    assert sorted(f.ranks[0] for f in d.findings) == sorted(faults), d.headline
+    for f in d.findings:
+        assert f.kind == "straggler" and abs(f.evidence["span_ratio"] / faults[f.ranks[0]] - 1) <= 0.03, f.summary
+        if f.evidence["cost_from"] == "extra compute":  # the extra compute at that ratio
+            assert f.cost_ns == pytest.approx(f.evidence["extra_compute_ns"])

@@ -86,16 +86,21 @@ def own_compute_spans(tables: RunTables) -> pl.DataFrame:
 
 
 @per_tables
-def compute_speed(tables: RunTables) -> pl.DataFrame:
+def compute_speed(tables: RunTables, culprits: frozenset[int] = frozenset()) -> pl.DataFrame:
     """(step, rank, log_ratio, log_total, excess_ns, spans): per step, the 20%-trimmed mean over the rank's compute
     spans of log(own compute / mean of the same span on the other ranks of its pipeline stage), which a
     slow device moves and a few preempted spans do not; and log(its total own compute / those
     references summed), which more work (long documents in some micro-batches) moves as well; and
-    that excess in ns (own total minus the references summed), and the references summed (ref_ns)."""
+    that excess in ns (own total minus the references summed), and the references summed (ref_ns).
+
+    ``culprits``: ranks known to be slow (a first look's persistent culprits), left out of every
+    other rank's reference, where the stage keeps another rank to compare with."""
     spans = own_compute_spans(tables)
     if not spans.height:
         return pl.DataFrame(schema=_SCHEMA)
     spans = spans.join(tables.coords().select("rank", "pp"), on="rank")
+    if culprits:
+        return _speed_without(spans, culprits)
     peers = ["pp", "step", "key"]
     # the reference is the mean of the *other* ranks' same span: with two ranks per stage, a median
     # that includes the rank itself would halve its own slowdown and mirror it onto its peer. With
@@ -132,6 +137,35 @@ def compute_speed(tables: RunTables) -> pl.DataFrame:
         "step", "rank", "pp", pl.col("log_ratio") - pl.col("offset"), pl.col("log_total") - pl.col("offset"),
         (pl.col("own_ns") - pl.col("ref_ns")).alias("excess_ns"), "ref_ns", "spans"
     ).sort("step", "rank").cast(_SCHEMA)
+
+
+def _speed_without(spans: pl.DataFrame, culprits: frozenset[int]) -> pl.DataFrame:
+    """``compute_speed`` with the known culprits out of the references: each span against the mean
+    of the same span on the stage's other ranks that are not culprits (all its other ranks where
+    none is left). Leaving out only the largest other rank, as a first look must, leaves a second
+    culprit in its stage's references: beside two 1.5x ranks of 8, the healthy ranks read 8% fast
+    and the culprits 1.62x; where two of a stage's four were slow, the stage median rescale made
+    them 1.36x. With them out no rescale is needed: every reference is a plain mean of healthy ranks."""
+    peers = ["pp", "step", "key"]
+    own = pl.col("own_ns")
+    out = pl.col("rank").is_in(list(culprits))
+    healthy_sum = pl.when(out).then(0.0).otherwise(own).sum().over(peers)
+    healthy_n = (~out).sum().over(peers)
+    mine = pl.when(out).then(0.0).otherwise(own)
+    others_n = healthy_n - (~out).cast(pl.UInt32)
+    n = pl.len().over(peers)
+    spans = spans.with_columns(
+        pl.when(others_n >= 1).then((healthy_sum - mine) / others_n)
+        .otherwise((own.sum().over(peers) - own) / (n - 1)).alias("ref"), n.alias("n"))
+    spans = spans.filter((pl.col("n") > 1) & (pl.col("own_ns") > 0) & (pl.col("ref") > 0))
+    lr = (pl.col("own_ns") / pl.col("ref")).log()
+    speed = spans.group_by("step", "rank").agg(
+        pl.col("pp").first(), _middle_mean(lr).alias("log_ratio"),
+        (pl.col("own_ns").sum() / pl.col("ref").sum()).log().alias("log_total"),
+        pl.col("own_ns").sum().alias("own_ns"), pl.col("ref").sum().alias("ref_ns"), pl.len().alias("spans"))
+    return speed.select(
+        "step", "rank", "pp", "log_ratio", "log_total", (pl.col("own_ns") - pl.col("ref_ns")).alias("excess_ns"),
+        "ref_ns", "spans").sort("step", "rank").cast(_SCHEMA)
 
 
 def _middle_mean(lr: pl.Expr) -> pl.Expr:

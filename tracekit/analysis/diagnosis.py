@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import polars as pl
 
 from tracekit.analysis.compute_speed import attention_split, compute_speed
-from tracekit.analysis.culprits import ComputeCulprits, RankFinding, find_culprits
+from tracekit.analysis.culprits import ComputeCulprits, RankFinding, find_culprits, measured_again
 from tracekit.analysis.data_needs import missing_data
 from tracekit.analysis.findings import NEXT_STEP, Finding, where
 from tracekit.analysis.hangs import HangReport
@@ -171,7 +171,11 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
         quiet = replace(loc, verdict="hang", culprit_rank=None, culprit_ranks=culprits, coords={}, confidence=0.0)
         cause = Cause("hang", culprits, why_hung, {})
         return Diagnosis(quiet, cause, [], damaged=damaged, scope=scope)
-    compute = find_culprits(compute_speed(tables), tun, scope.world_size if scope else None)
+    compared = scope.world_size if scope else None
+    compute = find_culprits(compute_speed(tables), tun, compared)
+    slow = frozenset(f.rank for f in compute.findings if f.kind == "persistent")
+    if slow:  # their ratios and costs measured with them out of every other rank's reference
+        compute = measured_again(compute, compute_speed(tables, slow))
     metrics = rank_step_metrics(tables)
     findings: list[Finding] = [_rank_finding(tables, f, loc, tun, work, step_ns) for f in compute.findings]
     findings += _stage_findings(tables, metrics, tun, step_ns)
