@@ -117,3 +117,19 @@ def test_each_culprit_is_measured_without_the_others_in_its_reference(tmp_path, 
         assert f.kind == "straggler" and abs(f.evidence["span_ratio"] / faults[f.ranks[0]] - 1) <= 0.03, f.summary
         if f.evidence["cost_from"] == "extra compute":  # the extra compute at that ratio
             assert f.cost_ns == pytest.approx(f.evidence["extra_compute_ns"])
+
+
+def test_no_straggler_is_in_doubt_where_the_p2p_links_could_not_be_measured(tmp_path):
+    """Draw 7 (schedules drawn): 16 micro-batches on 2 virtual stages, 10 ms on link 4 -> 8. The
+    recorder's ring held about 2 of 8 steps, and rank 8's entries could not be laid along its
+    profiled ops beyond doubt: 21% of the p2p ops entered a transfer, the link went unseen, and the
+    answer was 'no straggler' at confidence 0.95."""
+    d = _diagnose(tmp_path, faults=("link:a=4,b=8,delay_ms=10",), tp=2, cp=2, pp=4, dp=1, seed=700302, names="plain",
+                  skew_ms=500.0, noise=0.1, spikes=0.002, microbatches=16, vstages=2, ranks_per_host=8)
+    found = [(f.kind, sorted(f.ranks)) for f in d.findings]
+    if found:  # measured after all: then it must be the link
+        assert found == [("slow_link", [4, 8])], d.headline
+        return
+    assert d.localization.verdict == "no_straggler" and d.localization.confidence <= 0.5, d.headline
+    assert "p2p links were measured in" in d.cause.summary and "TORCH_FR_BUFFER_SIZE" in d.cause.summary
+    assert d.cause.evidence["p2p_measured"] < 0.5 * d.cause.evidence["p2p_ops"]

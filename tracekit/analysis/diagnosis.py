@@ -25,9 +25,9 @@ from tracekit.analysis.compute_speed import attention_split, compute_speed
 from tracekit.analysis.culprits import ComputeCulprits, RankFinding, find_culprits, measured_again
 from tracekit.analysis.data_needs import missing_data
 from tracekit.analysis.findings import NEXT_STEP, Finding, where
-from tracekit.analysis.hangs import HangReport
+from tracekit.analysis.hangs import HangReport, rank_list
 from tracekit.analysis.link_findings import link_findings, links_beside_stragglers, minor_links
-from tracekit.analysis.links import link_transfers
+from tracekit.analysis.links import link_transfers, p2p_coverage
 from tracekit.analysis.localize import Localization, localize
 from tracekit.analysis.scope import Scope
 from tracekit.analysis.rootcause import Cause, explain, rank_step_metrics, stage_ratios
@@ -199,7 +199,7 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
     # a rank without data is never blamed (its peers' waits on it say nothing of its speed)
     findings = [f for f in findings if not set(f.ranks) & set(damaged) or f.kind == "slow_link"
                 and not set(f.ranks) <= set(damaged)]
-    cause = _primary_cause(findings, loc, tables, compute, minor_links(tables, links, step_ns, tun))
+    cause = _primary_cause(findings, loc, tables, compute, minor_links(tables, links, step_ns, tun), tun)
     return Diagnosis(_primary(loc, findings, tables, compute), cause, findings, compute, damaged, scope)
 
 
@@ -302,6 +302,10 @@ def _primary(loc: Localization, findings: list[Finding], tables: RunTables,
         sure = compute.none_confidence() if compute is not None and verdict == "no_straggler" else None
         if sure is None and compute is not None and not compute.has_data and verdict == "no_straggler":
             sure = min(loc.confidence, 0.5)  # the waits alone: a slow rank shows there only as its stage
+        if verdict == "no_straggler":
+            # a slow pipeline link shows only in the transfers that could be measured: on a grid draw
+            # a 10 ms link went unseen at 0.95 where its ranks' recorder ring held 2 of 8 steps
+            sure = (loc.confidence if sure is None else sure) * p2p_coverage(tables).share
         return replace(loc, verdict=verdict, culprit_rank=None, culprit_ranks=(), coords={},
                        confidence=loc.confidence if sure is None else sure)
     ranked = [f for f in findings if f.kind in ("straggler", "transient", "moving")]
@@ -328,7 +332,7 @@ def _primary(loc: Localization, findings: list[Finding], tables: RunTables,
 
 
 def _primary_cause(findings: list[Finding], loc: Localization, tables: RunTables,
-                   compute: ComputeCulprits | None = None, minor: str = "") -> Cause:
+                   compute: ComputeCulprits | None = None, minor: str = "", tun: Tunables = Tunables()) -> Cause:
     if not findings:
         if loc.verdict == "no_data":
             return Cause("insufficient_data", (), _no_data_reason(tables), {})
@@ -338,7 +342,16 @@ def _primary_cause(findings: list[Finding], loc: Localization, tables: RunTables
                      "spans were recorded): a slow rank shows only in the waits, as its stage")
         evidence = {"detectable_ratio": compute.detectable_ratio,
                     "steps_for_sensitivity": compute.steps_for_sensitivity} if limit else {}
-        text = "; ".join(x for x in ("no rank, stage or link stands out beyond noise", limit, minor) if x)
+        cover = p2p_coverage(tables)
+        unseen = ""
+        if cover.share < tun.p2p_coverage_note:
+            who = f"ranks {rank_list(cover.ranks)}" if len(cover.ranks) <= 16 else rank_list(cover.ranks)
+            unseen = (f"p2p links were measured in {cover.measured} of {cover.ops} p2p ops ({cover.share:.0%}): ops of "
+                      f"{who} name no peer that pairs them, so a slow pipeline link there would not "
+                      "show (dump the flight recorder with TORCH_FR_BUFFER_SIZE above the profiled steps' "
+                      "collectives and p2p ops, or record the peer in the profiler's record_param_comms)")
+            evidence = {**evidence, "p2p_ops": cover.ops, "p2p_measured": cover.measured}
+        text = "; ".join(x for x in ("no rank, stage or link stands out beyond noise", limit, unseen, minor) if x)
         return Cause("none", (), text, evidence)
     lead = max(findings, key=lambda f: (f.kind == "straggler", f.cost_ns))
     return Cause(lead.cause, lead.ranks, lead.summary,

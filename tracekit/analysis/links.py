@@ -23,6 +23,7 @@ tenfold), so a link is slow only when all of these hold:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from statistics import NormalDist
 
 import numpy as np
@@ -37,13 +38,23 @@ SCHEMA = {"link": pl.Utf8, "name": pl.Utf8, "ranks": pl.List(pl.Int32), "kind": 
           "excess_per_step_ns": pl.Float64, "slow": pl.Boolean}
 
 
+@dataclass(frozen=True)
+class P2PCoverage:
+    """How much of a run's p2p traffic the link level could measure: an op enters a transfer only
+    when its peer is known and the other side's op is there to pair with it."""
+    ops: int  # p2p ops within steps
+    measured: int  # of them, paired into transfers
+    ranks: tuple[int, ...]  # ranks with ops that entered no transfer
+
+    @property
+    def share(self) -> float:
+        return self.measured / self.ops if self.ops else 1.0
+
+
 @per_tables
-def _transfer_instances(tables: RunTables) -> pl.DataFrame:
-    """(link, name, ranks, kind, step, t): one row per transfer sample, each measured on one rank's
-    clock (host clocks are skewed; FORMATS.md): a collective instance's transfer is its shortest
-    member duration (the last arrival waits for no one); a p2p message's, the shorter of its send
-    and its receive."""
-    parts = []
+def _p2p_pairs(tables: RunTables) -> pl.DataFrame:
+    """(src, dst, step, k, send, recv): each p2p message whose send and receive are both known, paired
+    by their order on the link within the step, with the two sides' durations."""
     known = tables.p2p.filter(pl.col("peer").is_not_null() & pl.col("step").is_not_null()).with_columns(
         pl.when(pl.col("direction") == "send").then(pl.col("rank")).otherwise(pl.col("peer")).alias("src"),
         pl.when(pl.col("direction") == "send").then(pl.col("peer")).otherwise(pl.col("rank")).alias("dst"),
@@ -51,7 +62,31 @@ def _transfer_instances(tables: RunTables) -> pl.DataFrame:
     known = known.with_columns(pl.int_range(pl.len()).over("src", "dst", "step", "direction").alias("k"))
     send, recv = (known.filter(pl.col("direction") == x).select("src", "dst", "step", "k", pl.col("d").alias(x))
                   for x in ("send", "recv"))
-    pairs = send.join(recv, on=["src", "dst", "step", "k"])
+    return send.join(recv, on=["src", "dst", "step", "k"])
+
+
+def p2p_coverage(tables: RunTables) -> P2PCoverage:
+    """The share of p2p ops that entered a transfer, and the ranks some of whose ops did not."""
+    ops = tables.p2p.filter(pl.col("step").is_not_null())
+    if not ops.height:
+        return P2PCoverage(0, 0, ())
+    pairs = _p2p_pairs(tables)
+    paired = pl.concat([pairs.group_by(pl.col("src").alias("rank")).len(),
+                        pairs.group_by(pl.col("dst").alias("rank")).len()]).group_by("rank").agg(pl.col("len").sum())
+    per = ops.group_by(pl.col("rank").cast(pl.Int64)).len().join(
+        paired.with_columns(pl.col("rank").cast(pl.Int64)).rename({"len": "paired"}), on="rank", how="left")
+    short = per.filter(pl.col("paired").fill_null(0) < pl.col("len"))["rank"].sort().to_list()
+    return P2PCoverage(ops.height, min(2 * pairs.height, ops.height), tuple(int(r) for r in short))
+
+
+@per_tables
+def _transfer_instances(tables: RunTables) -> pl.DataFrame:
+    """(link, name, ranks, kind, step, t): one row per transfer sample, each measured on one rank's
+    clock (host clocks are skewed; FORMATS.md): a collective instance's transfer is its shortest
+    member duration (the last arrival waits for no one); a p2p message's, the shorter of its send
+    and its receive."""
+    parts = []
+    pairs = _p2p_pairs(tables)
     if pairs.height:
         # a link is compared with the links between the same two stages of the other pipelines: the
         # stages' positions in the schedule (ends, or middle stages whose sends and receives overlap)

@@ -55,6 +55,9 @@ class Tunables:
     link_z_min: float = 3.0
     # ... and the link's excess transfer time costs at least this share of a step.
     link_effect_min_frac: float = 0.01
+    # a "no straggler" answer names the ranks whose p2p ops the link level could not measure when
+    # fewer than this share of p2p ops entered a transfer (its confidence scales with the share)
+    p2p_coverage_note: float = 0.95
     # Spread (coefficient of variation) of a rank's per-micro-batch compute within a step, above
     # its peers' spread by this much: the extra compute is uneven work (data), not a slow device.
     data_cv_min: float = 0.10
