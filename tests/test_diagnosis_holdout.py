@@ -133,3 +133,14 @@ def test_no_straggler_is_in_doubt_where_the_p2p_links_could_not_be_measured(tmp_
     assert d.localization.verdict == "no_straggler" and d.localization.confidence <= 0.5, d.headline
     assert "p2p links were measured in" in d.cause.summary and "TORCH_FR_BUFFER_SIZE" in d.cause.summary
     assert d.cause.evidence["p2p_measured"] < 0.5 * d.cause.evidence["p2p_ops"]
+
+
+def test_a_link_below_the_cost_floor_leaves_no_straggler_in_doubt(tmp_path):
+    """Draw 4: 5 ms on each collective of DP group [4, 12] (16 micro-batches, 8 stages): the link
+    stands out (z 6.9 against a bar of 4.0) but costs 0.7% of a step, under the 1% floor. The answer
+    said 'no rank, stage or link stands out beyond noise' at confidence 0.98, beside the very link."""
+    d = _diagnose(tmp_path, faults=("link:a=12,b=4,delay_ms=5",), tp=1, cp=1, pp=8, dp=2, seed=400338, names="mesh",
+                  skew_ms=500.0, drift_ppm=20.0, noise=0.02, spikes=0.002, microbatches=16, ranks_per_host=8)
+    assert not d.findings and d.localization.verdict == "no_straggler", d.headline
+    assert d.localization.confidence <= 0.5
+    assert "no link costs 1% of a step or more" in d.cause.summary and "DP group [4, 12]" in d.cause.summary
