@@ -144,3 +144,12 @@ def test_a_link_below_the_cost_floor_leaves_no_straggler_in_doubt(tmp_path):
     assert not d.findings and d.localization.verdict == "no_straggler", d.headline
     assert d.localization.confidence <= 0.5
     assert "no link costs 1% of a step or more" in d.cause.summary and "DP group [4, 12]" in d.cause.summary
+
+
+def test_descheduled_kernels_do_not_make_a_culprits_stage_heavy(tmp_path):
+    """Draw 2: 8 stages x 2 replicas, rank 15 (the last stage) 1.3x. A stage's compute is its least
+    loaded rank's, here rank 7, which had a kernel descheduled 5-30x in 6 of 8 steps: beside the
+    culprit, 'pipeline stage 7 computes 1.16x the median stage in every replica' (0.62)."""
+    d = _diagnose(tmp_path, faults=("slow:rank=15,factor=1.3",), tp=1, cp=1, pp=8, dp=2, seed=201333, names="mesh",
+                  skew_ms=0.0, noise=0.05, spikes=0.002, microbatches=16, ranks_per_host=8)
+    assert [(f.kind, list(f.ranks)) for f in d.findings] == [("straggler", [15])], d.headline

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import polars as pl
 
-from tracekit.analysis.compute_speed import attention_split, compute_speed
+from tracekit.analysis.compute_speed import attention_split, compute_speed, steady_compute
 from tracekit.analysis.culprits import ComputeCulprits, RankFinding, find_culprits, measured_again
 from tracekit.analysis.data_needs import missing_data
 from tracekit.analysis.findings import NEXT_STEP, Finding, where
@@ -178,7 +178,8 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
         compute = measured_again(compute, compute_speed(tables, slow))
     metrics = rank_step_metrics(tables)
     findings: list[Finding] = [_rank_finding(tables, f, loc, tun, work, step_ns) for f in compute.findings]
-    findings += _stage_findings(tables, metrics, tun, step_ns)
+    steady = steady_compute(tables)  # descheduled spans are not a stage's work
+    findings += _stage_findings(tables, steady if steady.height else metrics, tun, step_ns)
     links = link_transfers(tables, step_ns, tun)
     findings += link_findings(tables, links, step_ns, metrics)
     findings = _data_or_device(tables, loc, findings, tun, work, metrics, step_ns)
