@@ -162,3 +162,20 @@ def test_trainer_hang_fault_names_the_stalled_rank(tmp_path: Path) -> None:
     assert blob["hung"] and blob["culprits"] == [2]
     first = blob["stuck"][0]
     assert (first["pg_desc"], first["op"], first["joined"], first["missing"]) == ("pp", "all_reduce", [0], [2])
+
+
+def test_a_receive_stamped_before_the_send_recorded_ahead_of_it_still_waits() -> None:
+    """A batched send and receive of an interleaved pipeline: the recorder put the completed send
+    first (record 10) and the receive, still started, after it (record 11), but stamped the receive
+    15 us earlier. Ordered by time, the send was rank 0's newest entry, so rank 0 (blocked on the hung
+    stage) waited in nothing and was named a culprit beside rank 3 (simulator draw 9)."""
+    rows = [(r, "dp", s, "completed", "nccl:all_reduce") for r in range(4) for s in range(1, 4)]
+    rows += [(2, "dp", 4, "started", "nccl:all_reduce"), (1, "dp", 4, "started", "nccl:all_reduce")]
+    rows += [(0, "pp", None, "completed", "nccl:send 0->1"), (0, "pp", None, "started", "nccl:recv 0<-3")]
+    fr = _entries(rows)
+    t0 = 1_764_000_000_000_000_000
+    created = [t0 + 1_000 * i for i in range(fr.height)]
+    created[-1] = created[-2] - 15_000  # the receive, recorded last, stamped before the send
+    fr = fr.with_columns(pl.Series("time_created_ns", created, dtype=pl.Int64))
+    rep = diagnose_hang(fr, _groups({"dp": [0, 1, 2, 3], "pp": [0, 2]}), world_size=4)
+    assert rep.culprits == (3,) and 0 in rep.blocked, rep.headline

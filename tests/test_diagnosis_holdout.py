@@ -153,3 +153,13 @@ def test_descheduled_kernels_do_not_make_a_culprits_stage_heavy(tmp_path):
     d = _diagnose(tmp_path, faults=("slow:rank=15,factor=1.3",), tp=1, cp=1, pp=8, dp=2, seed=201333, names="mesh",
                   skew_ms=0.0, noise=0.05, spikes=0.002, microbatches=16, ranks_per_host=8)
     assert [(f.kind, list(f.ranks)) for f in d.findings] == [("straggler", [15])], d.headline
+
+
+def test_a_hang_in_an_interleaved_pipeline_names_the_stuck_rank_alone(tmp_path):
+    """Draw 9 (schedules drawn): 2 virtual stages, rank 4 stops at step 5. Ranks 0 and 1 wait in a
+    receive their recorder put after a completed send but stamped 15 us before it: ordered by time
+    they waited in nothing, and the hang named [0, 1, 4]."""
+    d = _diagnose(tmp_path, faults=("hang:rank=4,step=5",), tp=2, cp=1, pp=4, dp=2, seed=900231, names="none",
+                  skew_ms=0.0, noise=0.1, spikes=0.002, microbatches=8, vstages=2, ranks_per_host=4)
+    assert d.cause.kind == "hang" and d.cause.ranks == (4,), d.headline
+    assert not d.findings

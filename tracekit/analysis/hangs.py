@@ -143,11 +143,13 @@ def _waiting(fr: pl.DataFrame) -> dict[int, str]:
     the recorder keeps completion states; torch's gloo recorder leaves every entry 'scheduled')."""
     if not fr.filter(pl.col("state") == "completed").height:
         return {}
-    have = [c for c in ("time_created_ns", "record_id") if c in fr.columns]
+    # newest by the recorder's own order (record_id), its creation time only where that is missing:
+    # a batched send and receive can be stamped out of order (a receive 15 us before the send
+    # recorded ahead of it), and a rank waiting in that receive then looked idle, a culprit
+    have = [c for c in ("record_id", "time_created_ns") if c in fr.columns]
     if not have:
         return {}
-    order = pl.coalesce(*have)
-    newest = fr.sort(order).group_by("rank").last()
+    newest = fr.sort(have, nulls_last=False, maintain_order=True).group_by("rank", maintain_order=True).last()
     open_ = newest.filter(pl.col("state") != "completed")
     return {int(r): f"{_op(n)} in group {g}" for r, n, g in open_.select("rank", "profiling_name", "pg_name").iter_rows()}
 
