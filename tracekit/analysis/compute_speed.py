@@ -118,21 +118,31 @@ def compute_speed(tables: RunTables, culprits: frozenset[int] = frozenset()) -> 
     if not spans.height:
         return pl.DataFrame(schema=_SCHEMA)
     spans = spans.join(tables.coords().select("rank", "pp"), on="rank")
-    if culprits:
-        return _speed_without(spans, culprits)
     peers = ["pp", "step", "key"]
-    # the reference is the mean of the *other* ranks' same span: with two ranks per stage, a median
-    # that includes the rank itself would halve its own slowdown and mirror it onto its peer. With
-    # three others or more, the largest of them is left out: a slow rank would otherwise lift every
-    # peer's reference and make its whole stage look fast (and, beside it, every other stage slow)
     n = pl.len().over(peers)
     own = pl.col("own_ns")
-    top = own.max().over(peers)
-    second = own.sort(descending=True).get(1).over(peers)
-    top_other = pl.when(own >= top).then(second).otherwise(top)  # the largest of the others
     rest = own.sum().over(peers) - own
-    spans = spans.with_columns(pl.when(n >= 4).then((rest - top_other) / (n - 2)).otherwise(rest / (n - 1))
-                               .alias("ref"), n.alias("n"))
+    if culprits:
+        # each span against the mean of the same span on the stage's other ranks that are not
+        # culprits (all its other ranks where none is left): leaving out only the largest other
+        # rank, as a first look must, leaves a second culprit in its stage's references (beside two
+        # 1.5x ranks of 8 the culprits read 1.58-1.62x; two of a stage's four, 1.36x); with them
+        # out, every reference is a plain mean of healthy ranks and needs no rescale below
+        healthy = ~pl.col("rank").is_in(list(culprits))
+        others = healthy.sum().over(peers) - healthy.cast(pl.UInt32)
+        mine = pl.when(healthy).then(own).otherwise(0.0)
+        ref = pl.when(others >= 1).then((mine.sum().over(peers) - mine) / others).otherwise(rest / (n - 1))
+    else:
+        # the reference is the mean of the *other* ranks' same span: with two ranks per stage, a
+        # median that includes the rank itself would halve its own slowdown and mirror it onto its
+        # peer. With three others or more, the largest of them is left out: a slow rank would
+        # otherwise lift every peer's reference and make its whole stage look fast (and, beside
+        # it, every other stage slow)
+        top = own.max().over(peers)
+        second = own.sort(descending=True).get(1).over(peers)
+        top_other = pl.when(own >= top).then(second).otherwise(top)  # the largest of the others
+        ref = pl.when(n >= 4).then((rest - top_other) / (n - 2)).otherwise(rest / (n - 1))
+    spans = spans.with_columns(ref.alias("ref"), n.alias("n"))
     spans = spans.filter((pl.col("n") > 1) & (pl.col("own_ns") > 0) & (pl.col("ref") > 0))
     lr = (pl.col("own_ns") / pl.col("ref")).log()
     middle = _middle_mean(lr)
@@ -149,42 +159,13 @@ def compute_speed(tables: RunTables, culprits: frozenset[int] = frozenset()) -> 
     # left out (stages of 4 ranks or more); the median over the stage's ranks, so a culprit in it
     # moves nothing.
     per_rank = speed.group_by("pp", "rank").agg(pl.col("log_ratio").mean())
-    offset = per_rank.group_by("pp").agg(
-        pl.when(pl.len() >= 4).then(pl.col("log_ratio").median()).otherwise(0.0).alias("offset"))
+    typical = pl.lit(0.0) if culprits else pl.when(pl.len() >= 4).then(pl.col("log_ratio").median()).otherwise(0.0)
+    offset = per_rank.group_by("pp").agg(typical.alias("offset"))
     speed = speed.join(offset, on="pp").with_columns(pl.col("ref_ns") * pl.col("offset").exp())
     return speed.select(
         "step", "rank", "pp", pl.col("log_ratio") - pl.col("offset"), pl.col("log_total") - pl.col("offset"),
         (pl.col("own_ns") - pl.col("ref_ns")).alias("excess_ns"), "ref_ns", "spans"
     ).sort("step", "rank").cast(_SCHEMA)
-
-
-def _speed_without(spans: pl.DataFrame, culprits: frozenset[int]) -> pl.DataFrame:
-    """``compute_speed`` with the known culprits out of the references: each span against the mean
-    of the same span on the stage's other ranks that are not culprits (all its other ranks where
-    none is left). Leaving out only the largest other rank, as a first look must, leaves a second
-    culprit in its stage's references: beside two 1.5x ranks of 8, the healthy ranks read 8% fast
-    and the culprits 1.62x; where two of a stage's four were slow, the stage median rescale made
-    them 1.36x. With them out no rescale is needed: every reference is a plain mean of healthy ranks."""
-    peers = ["pp", "step", "key"]
-    own = pl.col("own_ns")
-    out = pl.col("rank").is_in(list(culprits))
-    healthy_sum = pl.when(out).then(0.0).otherwise(own).sum().over(peers)
-    healthy_n = (~out).sum().over(peers)
-    mine = pl.when(out).then(0.0).otherwise(own)
-    others_n = healthy_n - (~out).cast(pl.UInt32)
-    n = pl.len().over(peers)
-    spans = spans.with_columns(
-        pl.when(others_n >= 1).then((healthy_sum - mine) / others_n)
-        .otherwise((own.sum().over(peers) - own) / (n - 1)).alias("ref"), n.alias("n"))
-    spans = spans.filter((pl.col("n") > 1) & (pl.col("own_ns") > 0) & (pl.col("ref") > 0))
-    lr = (pl.col("own_ns") / pl.col("ref")).log()
-    speed = spans.group_by("step", "rank").agg(
-        pl.col("pp").first(), _middle_mean(lr).alias("log_ratio"),
-        (pl.col("own_ns").sum() / pl.col("ref").sum()).log().alias("log_total"),
-        pl.col("own_ns").sum().alias("own_ns"), pl.col("ref").sum().alias("ref_ns"), pl.len().alias("spans"))
-    return speed.select(
-        "step", "rank", "pp", "log_ratio", "log_total", (pl.col("own_ns") - pl.col("ref_ns")).alias("excess_ns"),
-        "ref_ns", "spans").sort("step", "rank").cast(_SCHEMA)
 
 
 def _middle_mean(lr: pl.Expr) -> pl.Expr:

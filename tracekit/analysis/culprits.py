@@ -208,7 +208,7 @@ def measured_again(found: ComputeCulprits, speed: pl.DataFrame) -> ComputeCulpri
     from ``compute_speed(tables, culprits)``, where every culprit is out of the others'
     references. Which ranks are culprits, and how sure, stays as found: the first look's
     references are what the bars were chosen on; a second culprit left in them biases the
-    measure (two 1.5x ranks of 8 read 1.62x; two of a stage's four, 1.36x), not the finding."""
+    measure (two 1.5x ranks of 8 read 1.58-1.62x; two of a stage's four, 1.36x), not the finding."""
     if not speed.height or not found.of_kind("persistent"):
         return found
     ranks, steps, mat = _table(speed)

@@ -65,6 +65,7 @@ def _p2p_pairs(tables: RunTables) -> pl.DataFrame:
     return send.join(recv, on=["src", "dst", "step", "k"])
 
 
+@per_tables
 def p2p_coverage(tables: RunTables) -> P2PCoverage:
     """The share of p2p ops that entered a transfer, and the ranks some of whose ops did not."""
     ops = tables.p2p.filter(pl.col("step").is_not_null())
