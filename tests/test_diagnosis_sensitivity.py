@@ -136,3 +136,14 @@ def test_the_biweight_spread_is_robust_and_steady():
     x[0] = 50.0
     assert biweight_spread(x) < 1.5 * biweight_spread(samples[0][1:])
     assert biweight_spread(np.array([1.0])) == 0.0 and biweight_spread(np.full(5, 2.0)) == 0.0
+
+
+@pytest.mark.parametrize("detectable, most", [(1.10, 1.0), (1.19, 1.0), (1.21, 0.5), (2.1, 0.5)])
+def test_no_straggler_is_not_sure_where_a_much_slower_rank_could_have_hidden(detectable, most):
+    """A run whose ranks' speeds spread so that only a rank 21% or more slower would stand out
+    cannot say "no straggler" at 0.98 (half a stage with more attention work: 0.97-0.98, next to a
+    slow device or the imbalance itself, before that spread was taken apart)."""
+    from tracekit.analysis.culprits import ComputeCulprits
+
+    c = ComputeCulprits(has_data=True, detectable_ratio=detectable, top_margin=0.0, bar=4.0)
+    assert c.none_confidence() == pytest.approx(min(1 - 2.718281828 ** -4.0, most), abs=1e-6)

@@ -105,7 +105,7 @@ def steady_compute(tables: RunTables) -> pl.DataFrame:
 
 
 @per_tables
-def compute_speed(tables: RunTables, culprits: frozenset[int] = frozenset()) -> pl.DataFrame:
+def compute_speed(tables: RunTables, culprits: frozenset[int] = frozenset(), device_only: bool = False) -> pl.DataFrame:
     """(step, rank, log_ratio, log_total, excess_ns, spans): per step, the 20%-trimmed mean over the rank's compute
     spans of log(own compute / mean of the same span on the other ranks of its pipeline stage), which a
     slow device moves and a few preempted spans do not; and log(its total own compute / those
@@ -113,8 +113,14 @@ def compute_speed(tables: RunTables, culprits: frozenset[int] = frozenset()) -> 
     that excess in ns (own total minus the references summed), and the references summed (ref_ns).
 
     ``culprits``: ranks known to be slow (a first look's persistent culprits), left out of every
-    other rank's reference, where the stage keeps another rank to compare with."""
+    other rank's reference, where the stage keeps another rank to compare with.
+
+    ``device_only``: the attention kernels left out (``data_heavy``: where ranks get unequal
+    attention work, those kernels measure the data, and with CP = 2 half a stage is heavy, so the
+    ranks' speeds split in two and no device stands out against that spread)."""
     spans = own_compute_spans(tables)
+    if device_only:
+        spans = spans.filter(~_attention(pl.col("key")))
     if not spans.height:
         return pl.DataFrame(schema=_SCHEMA)
     spans = spans.join(tables.coords().select("rank", "pp"), on="rank")
@@ -262,6 +268,11 @@ def compute_outlier(speed: pl.DataFrame, tunables: Tunables = Tunables()) -> Com
 ATTENTION = ("flash", "attn", "attention", "sdpa", "softmax", "fmha")
 
 
+def _attention(key: pl.Expr) -> pl.Expr:
+    """Whether a span's key (kernel name) is an attention kernel, whose cost follows the data."""
+    return key.str.to_lowercase().str.contains("|".join(ATTENTION))
+
+
 def attention_split(tables: RunTables, rank: int, steps: list[int] | None = None) -> tuple[float, float] | None:
     """(attention kernels' ratio, other kernels' ratio): the rank's own compute over its stage
     peers' mean, per class the 20%-trimmed mean over the matched spans of log(own / peers' mean),
@@ -278,7 +289,7 @@ def attention_split(tables: RunTables, rank: int, steps: list[int] | None = None
     n = pl.len().over(peers)
     spans = spans.with_columns(((pl.col("own_ns").sum().over(peers) - pl.col("own_ns")) / (n - 1)).alias("ref"))
     own = spans.filter((pl.col("rank") == rank) & (n > 1) & (pl.col("own_ns") > 0) & (pl.col("ref") > 0)).with_columns(
-        pl.col("key").str.to_lowercase().str.contains("|".join(ATTENTION)).alias("attn"),
+        _attention(pl.col("key")).alias("attn"),
         (pl.col("own_ns") / pl.col("ref")).log().alias("lr"))
     per = own.group_by("attn").agg(_middle_mean(pl.col("lr")).exp())
     got = {a: r for a, r in per.iter_rows() if r is not None}

@@ -36,6 +36,10 @@ from tracekit.analysis.tunables import Tunables
 
 SENSITIVITY_RATIO = 1.03  # the slowdown a "no straggler" answer says how many steps would take
 SENSITIVITY_POWER = 0.9  # "would have stood out": in this share of runs
+# a run that could not have seen a rank this much slower cannot be sure there is none: where the
+# other ranks' speeds spread for a reason of their own (half a stage with more attention work), a
+# "no straggler" said 0.97-0.98 beside a slow device or the imbalance itself (fault grid, mixes)
+BLIND_RATIO = 1.2
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,8 @@ class ComputeCulprits:
         bar, in noise units (1 - exp(-distance)); None without the measurement."""
         if self.detectable_ratio is None:
             return None
-        return float(1.0 - math.exp(-max(0.0, self.bar - self.top_margin)))
+        sure = float(1.0 - math.exp(-max(0.0, self.bar - self.top_margin)))
+        return min(sure, 0.5) if self.detectable_ratio > BLIND_RATIO else sure
 
     def sensitivity_text(self) -> str:
         """E.g. 'a rank 4.6% slower than its peers would have stood out (compute scatter 1.9%

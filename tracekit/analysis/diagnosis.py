@@ -22,7 +22,8 @@ from dataclasses import dataclass, field, replace
 import polars as pl
 
 from tracekit.analysis.compute_speed import attention_split, compute_speed, steady_compute
-from tracekit.analysis.culprits import ComputeCulprits, RankFinding, find_culprits, measured_again
+from tracekit.analysis.culprits import ComputeCulprits, RankFinding, _confidence, find_culprits, measured_again
+from tracekit.analysis.data_heavy import DataHeavy, data_heavy, more_attention_work
 from tracekit.analysis.data_needs import missing_data
 from tracekit.analysis.findings import NEXT_STEP, Finding, where
 from tracekit.analysis.hangs import HangReport, rank_list
@@ -115,7 +116,7 @@ def _rank_finding(tables: RunTables, f: RankFinding, loc: Localization, tun: Tun
     split = attention_split(tables, f.rank)  # every step: the work a rank gets differs in all of them
     if split is not None and cause.kind != "data_imbalance":
         attn, other = split
-        if attn >= tun.attention_imbalance_ratio and (other - 1) <= tun.work_explains_share * (attn - 1) * 0.5:
+        if more_attention_work(attn, other, tun):
             cause = Cause("data_imbalance", (f.rank,), f"rank {f.rank}'s extra compute is in its attention kernels "
                           f"({attn:.2f}x its peers; other kernels {other:.2f}x): more attention work "
                           "(document-mask imbalance), not a slower device", {"attention_ratio": attn,
@@ -172,12 +173,15 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
         cause = Cause("hang", culprits, why_hung, {})
         return Diagnosis(quiet, cause, [], damaged=damaged, scope=scope)
     compared = scope.world_size if scope else None
-    compute = find_culprits(compute_speed(tables), tun, compared)
+    # where ranks get unequal attention work, device speed is measured on the other kernels
+    heavy = data_heavy(tables, tun)
+    compute = find_culprits(compute_speed(tables, device_only=bool(heavy)), tun, compared)
     slow = frozenset(f.rank for f in compute.findings if f.kind == "persistent")
     if slow:  # their ratios and costs measured with them out of every other rank's reference
-        compute = measured_again(compute, compute_speed(tables, slow))
+        compute = measured_again(compute, compute_speed(tables, slow, device_only=bool(heavy)))
     metrics = rank_step_metrics(tables)
     findings: list[Finding] = [_rank_finding(tables, f, loc, tun, work, step_ns) for f in compute.findings]
+    findings += _heavy_findings(tables, heavy, step_ns)
     steady = steady_compute(tables)  # descheduled spans are not a stage's work
     findings += _stage_findings(tables, steady if steady.height else metrics, tun, step_ns)
     links = link_transfers(tables, step_ns, tun)
@@ -268,20 +272,43 @@ def _waits_finding(tables: RunTables, loc: Localization, cause: Cause, step_ns: 
                    NEXT_STEP.get(cause.kind, NEXT_STEP["unexplained"]).format(who=place), dict(cause.evidence))
 
 
+def _heavy_findings(tables: RunTables, heavy: tuple[DataHeavy, ...], step_ns: float) -> list[Finding]:
+    """The data-heavy ranks (``data_heavy``) as one data-imbalance finding, its cost what balancing
+    them would save (the what-if replay), else their largest extra attention compute."""
+    if not heavy:
+        return []
+    ranks = tuple(h.rank for h in heavy)
+    steps = tuple(sorted({s for h in heavy for s in h.steps}))
+    cost = max(h.extra_ns for h in heavy)
+    try:
+        saved, _ = saving(tables, list(ranks))
+        cost = max(saved, 0.0) or cost
+    except WhatIfError:
+        pass
+    conf = max(_confidence(h.margin, h.bar, len(h.steps) / max(len(steps), 1)) for h in heavy)
+    return [_data_finding(tables, ranks, steps, cost, cost / step_ns, conf,
+                          {"attention_excess": max(h.excess for h in heavy), "ranks_heavy": len(ranks)})]
+
+
+def _data_finding(tables: RunTables, ranks: tuple[int, ...], steps: tuple[int, ...], cost: float, share: float,
+                  confidence: float, evidence: dict) -> Finding:
+    return Finding("data_imbalance", ranks, where(tables, ranks), steps, cost, share, confidence, "data_imbalance",
+                   f"{where(tables, ranks)} compute more because they get more attention work (up to "
+                   f"{cost / 1e6:.1f} ms per step): data imbalance, not slower devices",
+                   NEXT_STEP["data_imbalance"], evidence)
+
+
 def _merge_data_imbalance(findings: list[Finding], tables: RunTables) -> list[Finding]:
     """Rank findings whose cause is data imbalance are one finding: the data, not the ranks."""
-    moving = [f for f in findings if f.kind in ("straggler", "transient", "moving") and f.cause == "data_imbalance"]
+    moving = [f for f in findings if f.cause == "data_imbalance" and f.ranks
+              and f.kind in ("straggler", "transient", "moving", "data_imbalance")]
     if len(moving) < 2:
         return findings
     rest = [f for f in findings if f not in moving]
     ranks = tuple(sorted({r for f in moving for r in f.ranks}))
     steps = tuple(sorted({s for f in moving for s in f.steps}))
-    cost = max(f.cost_ns for f in moving)
-    return [Finding("data_imbalance", ranks, where(tables, ranks), steps, cost, max(f.cost_share for f in moving),
-                    max(f.confidence for f in moving), "data_imbalance",
-                    f"{where(tables, ranks)} compute more because they get more attention work (up to "
-                    f"{cost / 1e6:.1f} ms per step): data imbalance, not slower devices",
-                    NEXT_STEP["data_imbalance"], {"ranks_merged": len(moving)})] + rest
+    return [_data_finding(tables, ranks, steps, max(f.cost_ns for f in moving), max(f.cost_share for f in moving),
+                          max(f.confidence for f in moving), {"ranks_merged": len(moving)})] + rest
 
 
 def _no_data_reason(tables: RunTables) -> str:

@@ -271,8 +271,8 @@ def _explain_rank(tables, loc, metrics, links, tun: Tunables, step_ns: float, wo
         if cv == cv and cv - (cv_peers if cv_peers == cv_peers else 0.0) >= tun.data_cv_min:
             return Cause("data_imbalance", (r,), f"rank {r} computes {compute_ratio:.2f}x its peers, unevenly "
                          f"across micro-batches (cv {cv:.2f}): more work, not a slower device", ev)
-        return Cause("slow_compute", (r,), f"rank {r} computes {compute_ratio:.2f}x its {len(same)} peers at the "
-                     "same position, uniformly: a slow worker", ev)
+        return Cause("slow_compute", (r,), f"rank {r} computes {compute_ratio:.2f}x its {len(same)} "
+                     f"{'peer' if len(same) == 1 else 'peers'} at the same position, uniformly: a slow worker", ev)
     if gap_excess >= tun.cpu_gap_frac:
         return Cause("cpu_bound", (r,), f"rank {r} idles {gap_excess:.1%} of the step between ops more than its "
                      "peers (CPU launch gaps)", ev)

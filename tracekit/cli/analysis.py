@@ -12,6 +12,7 @@ cause); 2 bad input (no such path, not a store, unreadable traces, unknown run).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -136,6 +137,9 @@ def demo_command(out: Path | None, no_train: bool, as_json: bool) -> None:
         run_dir = BUNDLED_SAMPLE
     else:
         run_dir = out / "demo-run"
+        # torch's C++ warnings (the profiler's "memory block of unknown size" from every rank) are
+        # noise on a newcomer's first screen; a user's own setting wins
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         with err.status(f"training 4 ranks (tp 2, dp 2), rank {demo_run.DEMO_FAULT.rank} "
                         f"{demo_run.DEMO_FAULT.factor}x slower ..."):
             demo_run.run_scenarios([demo_run.Scenario(demo_run.DEMO_CONFIG, str(run_dir), (demo_run.DEMO_FAULT,))])
