@@ -12,7 +12,9 @@ Mixes (a slow device is 1.1-1.5x in every step):
 - slow+transient: a slow device and another rank 2x slow in 2 of 8 steps;
 - slow+stage: a slow device and a pipeline stage (not its own) with 1.4x the work;
 - slow+cp_imbalance: a slow device and a CP position (not its own) with the long documents;
+- slow_on_cp_imbalance: the long documents on the slow device's own CP position;
 - moving+link, transient+link: a moving or transient straggler and a slow collective link apart from it;
+- two_links: two slow collective links in two groups (20 ms each), no slow device;
 - slow+hang: a slow device and another rank that hangs: no performance verdict, the stuck rank alone.
 Right: every injected fault has its finding (a straggler per slow device with nothing else named a
 straggler; the link with both ends and its group; the transient with its steps; the stage; a data
@@ -38,7 +40,7 @@ sys.path.insert(0, str(HERE))
 from diagnosis_grid import LAYOUTS, Case, print_calibration, run_case, wilson_low  # noqa: E402
 
 MIXES = ("slow+link", "two+link", "slow+link_near", "slow+transient", "slow+stage", "slow+cp_imbalance",
-         "moving+link", "transient+link", "slow+hang")
+         "slow_on_cp_imbalance", "moving+link", "transient+link", "two_links", "slow+hang")
 
 
 def _links(lay, busy: set[int]) -> list[tuple[int, int, list[int]]]:
@@ -107,12 +109,20 @@ def make_case(mix: str, layout: tuple[int, int, int, int], seed: int, rng: rando
             return None
         faults.append(f"stage:pp={stage},factor=1.4")
         truth["stage"] = stage
-    elif mix == "slow+cp_imbalance":
-        c = rng.randrange(cp) if cp > 1 else None
-        if c is None or lay.coords(a).cp == c:
+    elif mix in ("slow+cp_imbalance", "slow_on_cp_imbalance"):
+        c = (rng.randrange(cp) if mix == "slow+cp_imbalance" else lay.coords(a).cp) if cp > 1 else None
+        if c is None or (mix == "slow+cp_imbalance" and lay.coords(a).cp == c):
             return None
         faults.append(f"cp_imbalance:ranks={c},weight=0.8")
         truth["data"] = [r for r in range(world) if lay.coords(r).cp == c]
+    elif mix == "two_links":
+        groups = sorted({tuple(lay.group(r, d)) for d in ("tp", "cp", "dp") if getattr(lay, d) > 1 for r in range(world)})
+        pairs = [(g, h) for g in groups for h in groups if g < h and not set(g) & set(h)]
+        if not pairs:
+            return None
+        g, h = rng.choice(pairs)
+        faults = [f"link:a={x},b={y},delay_ms=20" for x, y in (rng.sample(g, 2), rng.sample(h, 2))]
+        truth = {"stragglers": [], "links": [sorted(g), sorted(h)]}
     elif mix == "slow+hang":
         h = rng.choice([r for r in range(world) if r != a])
         faults.append(f"hang:rank={h},step={rng.randrange(2, 6)}")
@@ -125,13 +135,17 @@ def make_case(mix: str, layout: tuple[int, int, int, int], seed: int, rng: rando
 
 
 def make_cases(mixes, seeds: int, draw: int) -> list[Case]:
-    rng = random.Random(20261127 + 7919 * draw)
+    """Each case draws from its own generator (draw, seed, layout, mix): a mix added later, or one
+    left out, changes no other case."""
     cases = []
     for seed in range(seeds):
         for li, layout in enumerate(LAYOUTS):
             for mi, mix in enumerate(MIXES):
+                if mix not in mixes:
+                    continue
+                rng = random.Random(f"{draw}/{seed}/{layout}/{mix}")
                 case = make_case(mix, layout, 7_000_000 + 100_000 * draw + 1000 * seed + 37 * li + mi, rng)
-                if case is not None and mix in mixes:
+                if case is not None:
                     cases.append(case)
     return cases
 
@@ -149,7 +163,7 @@ def judge(case: Case, res: dict) -> tuple[bool, list[str], list[tuple[float, boo
         if f["kind"] == "straggler":
             good.append(rs <= set(t.get("stragglers", t.get("moving", []))))
         elif f["kind"] == "slow_link":
-            good.append(sorted(rs) == t.get("link"))
+            good.append(sorted(rs) == t.get("link") or sorted(rs) in t.get("links", []))
         elif f["kind"] == "transient":
             good.append(("transient" in t and sorted(rs) == t["transient"] and list(f["steps"]) == t["steps"])
                         or ("moving" in t and rs <= set(t["moving"])))
@@ -165,6 +179,9 @@ def judge(case: Case, res: dict) -> tuple[bool, list[str], list[tuple[float, boo
     named = {f["ranks"][0] for f in fs if f["kind"] == "straggler"}
     if "stragglers" in t and named != set(t["stragglers"]):
         why.append(f"stragglers {sorted(named)} for {t['stragglers']}")
+    for link in t.get("links", []):
+        if not any(ok and f["kind"] == "slow_link" and sorted(f["ranks"]) == link for f, ok in zip(fs, good)):
+            why.append(f"link {link} missed")
     for need, kinds in (("link", ("slow_link",)), ("transient", ("transient",)), ("stage", ("stage_imbalance",)),
                         ("data", ("data_imbalance",))):
         if need in t and not any(ok and f["kind"] in kinds for f, ok in zip(fs, good)):

@@ -65,6 +65,26 @@ def test_a_slow_device_beside_a_cp_imbalance_is_named_with_it(tmp_path, cfg, cul
     assert abs(slow.evidence["compute_ratio"] - factor) < 0.04  # measured on its other kernels
 
 
+@pytest.mark.parametrize("cfg, culprit, factor, heavy", [
+    # the slow device holds the long documents itself: its micro-batches' spread said data, and it
+    # went into the data-imbalance finding; nothing said its device was slow
+    ({"tp": 2, "cp": 4, "pp": 1, "dp": 1, "seed": 5001411, "names": "mesh", "skew_ms": 50.0, "noise": 0.05,
+      "spikes": 0.0}, 2, 1.5, {2, 3}),
+    ({"tp": 2, "cp": 2, "pp": 2, "dp": 2, "seed": 5000078, "names": "mesh", "skew_ms": 0.0, "noise": 0.05,
+      "spikes": 0.002}, 7, 1.1, {2, 3, 6, 7, 10, 11, 14, 15}),
+])
+def test_a_slow_device_with_the_long_documents_is_still_a_slow_worker(tmp_path, cfg, culprit, factor, heavy):
+    cp_rank = culprit // cfg["tp"] % cfg["cp"]  # ranks are [tp, cp, pp, dp], innermost first
+    d = _diagnose(tmp_path, faults=(f"slow:rank={culprit},factor={factor}",
+                                    f"cp_imbalance:ranks={cp_rank},weight=0.8"), **cfg)
+    kinds = sorted((f.kind, f.cause) for f in d.findings)
+    assert kinds == [("data_imbalance", "data_imbalance"), ("straggler", "slow_compute")], d.headline
+    slow = next(f for f in d.findings if f.kind == "straggler")
+    data = next(f for f in d.findings if f.kind == "data_imbalance")
+    assert slow.ranks == (culprit,) and heavy - {culprit} <= set(data.ranks) <= heavy, d.headline
+    assert "a slow worker" in slow.summary and abs(slow.evidence["compute_ratio"] - factor) < 0.04
+
+
 @pytest.mark.parametrize("cfg, culprit, factor", [
     # draw 3 (schedules drawn): 8 replicas of 2 stages; rank 0 of the other stage was named too
     # (confidence 0.54): leaving out the largest peer had made every rank of that stage read ~2% slow

@@ -107,7 +107,7 @@ def _hung(hang: HangReport | None, tables: RunTables, damaged: dict[int, str], s
 
 
 def _rank_finding(tables: RunTables, f: RankFinding, loc: Localization, tun: Tunables, work,
-                  step_ns: float) -> Finding:
+                  step_ns: float, device_only: bool = False) -> Finding:
     kind = {"persistent": "straggler", "transient": "transient", "moving": "moving"}[f.kind]
     one = replace(loc, verdict="transient" if f.kind != "persistent" else "straggler", culprit_rank=f.rank,
                   culprit_ranks=(f.rank,), coords=tables.layout.coords(f.rank).as_dict(),
@@ -121,6 +121,12 @@ def _rank_finding(tables: RunTables, f: RankFinding, loc: Localization, tun: Tun
                           f"({attn:.2f}x its peers; other kernels {other:.2f}x): more attention work "
                           "(document-mask imbalance), not a slower device", {"attention_ratio": attn,
                                                                               "other_ratio": other})
+    if device_only and cause.kind == "data_imbalance":
+        # found on the kernels whose cost does not follow the data: a slow device, whatever its
+        # attention work (on a heavy CP position, its micro-batches' spread and attention say data)
+        cause = Cause("slow_compute", (f.rank,), f"rank {f.rank} computes {f.ratio:.2f}x its peers in the kernels "
+                      "whose cost does not follow the data (attention left out): a slow worker",
+                      {"compute_ratio": f.ratio, "data_cause_also": cause.summary})
     if cause.kind in ("none", "unexplained", "insufficient_data", "stage_imbalance", "slow_link"):
         cause = Cause("slow_compute", (f.rank,), f"rank {f.rank} computes {f.ratio:.2f}x its peers",
                       {"compute_ratio": f.ratio})
@@ -180,7 +186,7 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
     if slow:  # their ratios and costs measured with them out of every other rank's reference
         compute = measured_again(compute, compute_speed(tables, slow, device_only=bool(heavy)))
     metrics = rank_step_metrics(tables)
-    findings: list[Finding] = [_rank_finding(tables, f, loc, tun, work, step_ns) for f in compute.findings]
+    findings: list[Finding] = [_rank_finding(tables, f, loc, tun, work, step_ns, bool(heavy)) for f in compute.findings]
     findings += _heavy_findings(tables, heavy, step_ns)
     steady = steady_compute(tables)  # descheduled spans are not a stage's work
     findings += _stage_findings(tables, steady if steady.height else metrics, tun, step_ns)
