@@ -292,6 +292,17 @@ def print_calibration(pairs: list[tuple[float, bool]], noun: str) -> None:
             print(f"| [{lo:.2f}, {min(hi, 1):.2f}) | {len(b)} | {sum(b)} | {sum(b) / len(b):.1%} |")
 
 
+def print_accuracy(noun: str, order, per: dict[str, list[bool]], total: bool = False) -> None:
+    """Right per ``noun`` (kind, mix) in ``order``, with a 95% Wilson lower bound; ``total``: a row for all."""
+    print(f"| {noun} | cases | right | share | 95% lower bound |")
+    print("|---|---|---|---|---|")
+    rows = [(k, per[k]) for k in order if per.get(k)]
+    if total:
+        rows.append(("all", [x for _, v in rows for x in v]))
+    for k, v in rows:
+        print(f"| {k} | {len(v)} | {sum(v)} | {sum(v) / len(v):.1%} | {wilson_low(sum(v), len(v)):.1%} |")
+
+
 def wilson_low(k: int, n: int, z: float = 1.96) -> float:
     if n == 0:
         return float("nan")
@@ -354,12 +365,7 @@ def main() -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"\n{len(cases)} cases in {wall:.0f} s ({wall / max(len(cases), 1):.2f} s each: simulate, ingest, diagnose); "
           f"peak RSS {peak:.0f} MB\n")
-    print("| kind | cases | right | share | 95% lower bound |")
-    print("|---|---|---|---|---|")
-    for kind in KINDS:
-        v = per_kind.get(kind)
-        if v:
-            print(f"| {kind} | {len(v)} | {sum(v)} | {sum(v) / len(v):.1%} | {wilson_low(sum(v), len(v)):.1%} |")
+    print_accuracy("kind", KINDS, per_kind)
     clean = per_kind.get("clean", [])
     if clean:
         print(f"\nfalse alarms on clean runs: {len(clean) - sum(clean)} of {len(clean)} "

@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from diagnosis_grid import LAYOUTS, Case, print_calibration, run_case, wilson_low  # noqa: E402
+from diagnosis_grid import LAYOUTS, Case, print_accuracy, print_calibration, run_case  # noqa: E402
 
 MIXES = ("slow+link", "two+link", "slow+link_near", "slow+transient", "slow+stage", "slow+cp_imbalance",
          "slow_on_cp_imbalance", "moving+link", "transient+link", "two_links", "slow+hang")
@@ -219,14 +219,8 @@ def main() -> None:
     wall = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"\n{len(cases)} cases in {wall:.0f} s; peak RSS {peak:.0f} MB\n")
-    print("| mix | cases | right | share | 95% lower bound |")
-    print("|---|---|---|---|---|")
-    for mix in MIXES:
-        v = per_mix.get(mix)
-        if v:
-            print(f"| {mix} | {len(v)} | {sum(v)} | {sum(v) / len(v):.1%} | {wilson_low(sum(v), len(v)):.1%} |")
-    allv = [x for v in per_mix.values() for x in v]
-    print(f"| all | {len(allv)} | {sum(allv)} | {sum(allv) / max(len(allv), 1):.1%} | {wilson_low(sum(allv), len(allv)):.1%} |\n")
+    print_accuracy("mix", MIXES, per_mix, total=True)
+    print()
     print_calibration(calib, "findings")
 
 
