@@ -203,3 +203,23 @@ def test_a_hang_in_an_interleaved_pipeline_names_the_stuck_rank_alone(tmp_path):
                   skew_ms=0.0, noise=0.1, spikes=0.002, microbatches=8, vstages=2, ranks_per_host=4)
     assert d.cause.kind == "hang" and d.cause.ranks == (4,), d.headline
     assert not d.findings
+
+
+def test_data_heavy_ranks_clear_a_bar_over_every_rank_compared(tmp_path):
+    """The bar for the largest of the ranks' noisy attention excesses is Bonferroni over the ranks
+    (1% of runs without an imbalance name one), and over the whole job where the tables hold a
+    scope of it; the heavy ranks are the loaded CP position, each with its steps and its extra ns."""
+    from statistics import NormalDist
+
+    from tracekit.analysis.data_heavy import data_heavy
+
+    run = simulate(SimConfig(tp=1, cp=2, pp=1, dp=2, steps=8, layers=2, seed=17, noise=0.05,
+                             faults=("cp_imbalance:ranks=1,weight=0.8",)), tmp_path / "run")
+    ingest([run], tmp_path / "s.duckdb", workers=1)
+    with tracekit.open(tmp_path / "s.duckdb") as s:
+        tables = s.run_tables()
+        alone, scoped = data_heavy(tables), data_heavy(tables, compared=16384)
+    assert [h.rank for h in alone] == [1, 3]  # cp 1 of both replicas ([tp, cp, pp, dp], innermost first)
+    assert all(h.bar == pytest.approx(NormalDist().inv_cdf(1 - 0.01 / 4)) for h in alone)
+    assert all(h.bar == pytest.approx(NormalDist().inv_cdf(1 - 0.01 / 16384)) for h in scoped)
+    assert all(h.excess > 1.1 and len(h.steps) >= 5 and h.extra_ns > 0 for h in alone)

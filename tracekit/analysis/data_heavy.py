@@ -40,9 +40,11 @@ class DataHeavy:
 
 
 @per_tables
-def data_heavy(tables: RunTables, tun: Tunables = Tunables()) -> tuple[DataHeavy, ...]:
+def data_heavy(tables: RunTables, tun: Tunables = Tunables(), compared: int | None = None) -> tuple[DataHeavy, ...]:
     """Every rank whose attention kernels take persistently more than its other kernels say they
-    should, against its stage peers; () where the spans carry no kernel names of both classes."""
+    should, against its stage peers; () where the spans carry no kernel names of both classes.
+    ``compared``: how many ranks the tables' were picked from (a scoped diagnosis of a large job),
+    so that the bar for the largest of many noisy excesses counts all of them."""
     spans = own_compute_spans(tables)
     if not spans.height:
         return ()
@@ -67,7 +69,7 @@ def data_heavy(tables: RunTables, tun: Tunables = Tunables()) -> tuple[DataHeavy
     means = {r: _trimmed(g["x"].to_numpy()) for r, g in by_rank.items()}
     resid = np.concatenate([g["x"].to_numpy() - means[r] for r, g in by_rank.items()])
     sigma = max(spread(resid), tun.compute_noise_floor)
-    z = NormalDist().inv_cdf(1 - ALPHA / len(by_rank))
+    z = NormalDist().inv_cdf(1 - ALPHA / max(len(by_rank), compared or 0))
     out = []
     for r, g in sorted(by_rank.items()):
         x = g["x"].to_numpy()

@@ -180,7 +180,7 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
         return Diagnosis(quiet, cause, [], damaged=damaged, scope=scope)
     compared = scope.world_size if scope else None
     # where ranks get unequal attention work, device speed is measured on the other kernels
-    heavy = data_heavy(tables, tun)
+    heavy = data_heavy(tables, tun, compared)
     compute = find_culprits(compute_speed(tables, device_only=bool(heavy)), tun, compared)
     slow = frozenset(f.rank for f in compute.findings if f.kind == "persistent")
     if slow:  # their ratios and costs measured with them out of every other rank's reference
