@@ -40,6 +40,7 @@ SENSITIVITY_POWER = 0.9  # "would have stood out": in this share of runs
 # other ranks' speeds spread for a reason of their own (half a stage with more attention work), a
 # "no straggler" said 0.97-0.98 beside a slow device or the imbalance itself (fault grid, mixes)
 BLIND_RATIO = 1.2
+GUARD_MIN_RANKS = 3  # other ranks' own effects needed to measure how much healthy ranks differ
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class RankFinding:
     cost_ns: float  # its extra compute per such step
     margin: float  # effect over the noise bar's unit
     confidence: float
+    doubt: str = ""  # why the confidence was capped, for the finding's text; "" when it was not
 
     def to_dict(self) -> dict:
         return {**asdict(self), "steps": list(self.steps)}
@@ -164,8 +166,13 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int
             if margin >= bar and effect >= math.log(tun.compute_effect_min_ratio) and slower >= tun.persist_min:
                 persistent.add(j)
                 cost = (math.exp(effect) - 1) * float(np.median([ref_ns.get((int(t), r), 0.0) for t in steps]))
+                conf, doubt = _confidence(margin, bar, slower), ""
+                if others.size < GUARD_MIN_RANKS and effect < math.log(tun.few_ranks_min_ratio):
+                    conf = min(conf, 0.5)
+                    doubt = (f"only {others.size + 1} ranks do this work, too few to tell a difference this "
+                             "small from the ranks' own (chips, placement, a shared host)")
                 findings.append(RankFinding("persistent", r, tuple(int(t) for t in steps), math.exp(effect), cost,
-                                            margin, _confidence(margin, bar, slower)))
+                                            margin, conf, doubt))
     hot = [(i, j) for i in range(T) for j in range(n)
            if j not in persistent and np.isfinite(e[i, j]) and e[i, j] >= cell_bar]
     by_step: dict[int, list[int]] = {}

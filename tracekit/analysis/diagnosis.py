@@ -132,7 +132,7 @@ def _rank_finding(tables: RunTables, f: RankFinding, loc: Localization, tun: Tun
                       {"compute_ratio": f.ratio})
     what = {"straggler": "is a straggler", "transient": "is a transient straggler",
             "moving": "is slow in some steps (the slowness moves)"}[kind]
-    summary = f"{where(tables, (f.rank,))} {what}: {cause.summary}"
+    summary = f"{where(tables, (f.rank,))} {what}: {cause.summary}" + (f"; in doubt: {f.doubt}" if f.doubt else "")
     cost, share, how = max(f.cost_ns, 0.0), max(f.cost_ns, 0.0) / step_ns, "extra compute"
     try:  # what the step would be with this rank at its peers' speed (the what-if replay), where it replays
         saved, saved_share = saving(tables, [f.rank], list(f.steps) if kind != "straggler" else None)

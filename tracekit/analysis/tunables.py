@@ -104,6 +104,11 @@ class Tunables:
     # (2-15% noise, 8 steps; 3.0 gave 68%). benchmarks/diagnosis_grid.py checks it.
     culprit_margin_min: float = 2.25
     compute_effect_min_ratio: float = 1.02
+    # Where fewer than culprits.GUARD_MIN_RANKS other ranks do the same work, their own spread (the
+    # guard against ranks that differ for reasons that are not a fault) cannot be measured: a
+    # persistent slowdown below this ratio is then put in doubt (confidence at most 0.5). A clean
+    # 2-rank torch-native job on a shared 2-core host had one process 3% slower in every step (0.99).
+    few_ranks_min_ratio: float = 1.10
     compute_min_steps: int = 4
     compute_noise_floor: float = 0.003
     # Episodes (culprits.py): a single (step, rank) cell stands out when its log compute excess
