@@ -103,10 +103,10 @@ def judge(run: dict, bar: float) -> tuple[bool, bool]:
 
 
 def without_guard(speed: pl.DataFrame) -> set[int]:
-    """The persistent test with the between-rank guard taken out: the same effect (culprits._effect) and
+    """The persistent test with the between-rank guard taken out: the same effect (culprits.persistent_effect) and
     standard error over the kept steps, the same 2% and persistence floors, at the oracle's bar."""
     from tracekit.analysis.compute_speed import step_scatter
-    from tracekit.analysis.culprits import _effect
+    from tracekit.analysis.culprits import persistent_effect
     from tracekit.analysis.tunables import Tunables
 
     tun = Tunables()
@@ -121,7 +121,7 @@ def without_guard(speed: pl.DataFrame) -> set[int]:
         col = e[:, j][np.isfinite(e[:, j])]
         if col.size < tun.compute_min_steps:
             continue
-        effect = _effect(col)
+        effect = persistent_effect(col)
         kept = col.size - 2 if col.size >= 6 else col.size
         if (effect / (sigma / math.sqrt(kept)) >= bar and effect >= math.log(tun.compute_effect_min_ratio)
                 and (col > effect / 2).mean() >= tun.persist_min):

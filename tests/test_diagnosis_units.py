@@ -12,7 +12,7 @@ import polars as pl
 import pytest
 from synthetic_job import Faults, make_job
 
-from tracekit.analysis.culprits import _confidence
+from tracekit.analysis.culprits import margin_confidence
 from tracekit.analysis.diagnosis import _stage_findings
 from tracekit.analysis.link_findings import link_findings
 from tracekit.analysis.links import _transfer_instances, link_transfers
@@ -31,10 +31,10 @@ def tables() -> RunTables:
 
 def test_confidence_is_a_coin_flip_at_the_bar_and_firm_only_well_past_it():
     # share / (1 + exp(-4 (margin - bar) / bar)), capped at 0.99
-    assert _confidence(5.0, 5.0, 1.0) == pytest.approx(0.5)
-    assert _confidence(6.25, 5.0, 1.0) == pytest.approx(1 / (1 + math.exp(-1.0)))  # 0.731
-    assert _confidence(6.25, 5.0, 0.5) == pytest.approx(0.5 / (1 + math.exp(-1.0)))
-    assert _confidence(50.0, 5.0, 1.0) == 0.99
+    assert margin_confidence(5.0, 5.0, 1.0) == pytest.approx(0.5)
+    assert margin_confidence(6.25, 5.0, 1.0) == pytest.approx(1 / (1 + math.exp(-1.0)))  # 0.731
+    assert margin_confidence(6.25, 5.0, 0.5) == pytest.approx(0.5 / (1 + math.exp(-1.0)))
+    assert margin_confidence(50.0, 5.0, 1.0) == 0.99
 
 
 def test_a_link_just_over_its_bar_is_not_a_confident_finding(tables):

@@ -120,7 +120,7 @@ def compute_speed(tables: RunTables, culprits: frozenset[int] = frozenset(), dev
     ranks' speeds split in two and no device stands out against that spread)."""
     spans = own_compute_spans(tables)
     if device_only:
-        spans = spans.filter(~_attention(pl.col("key")))
+        spans = spans.filter(~is_attention(pl.col("key")))
     if not spans.height:
         return pl.DataFrame(schema=_SCHEMA)
     spans = spans.join(tables.coords().select("rank", "pp"), on="rank")
@@ -151,7 +151,7 @@ def compute_speed(tables: RunTables, culprits: frozenset[int] = frozenset(), dev
     spans = spans.with_columns(ref.alias("ref"), n.alias("n"))
     spans = spans.filter((pl.col("n") > 1) & (pl.col("own_ns") > 0) & (pl.col("ref") > 0))
     lr = (pl.col("own_ns") / pl.col("ref")).log()
-    middle = _middle_mean(lr)
+    middle = middle_mean(lr)
     speed = spans.group_by("step", "rank").agg(
         pl.col("pp").first(), middle.alias("log_ratio"),
         (pl.col("own_ns").sum() / pl.col("ref").sum()).log().alias("log_total"),
@@ -174,7 +174,7 @@ def compute_speed(tables: RunTables, culprits: frozenset[int] = frozenset(), dev
     ).sort("step", "rank").cast(_SCHEMA)
 
 
-def _middle_mean(lr: pl.Expr) -> pl.Expr:
+def middle_mean(lr: pl.Expr) -> pl.Expr:
     """The mean of the middle 60% of span log ratios: as robust to a few preempted spans as a median,
     with a smaller spread (more of the spans count), which a 3% slowdown needs."""
     return lr.filter((lr >= lr.quantile(0.2)) & (lr <= lr.quantile(0.8))).mean()
@@ -268,9 +268,23 @@ def compute_outlier(speed: pl.DataFrame, tunables: Tunables = Tunables()) -> Com
 ATTENTION = ("flash", "attn", "attention", "sdpa", "softmax", "fmha")
 
 
-def _attention(key: pl.Expr) -> pl.Expr:
+def is_attention(key: pl.Expr) -> pl.Expr:
     """Whether a span's key (kernel name) is an attention kernel, whose cost follows the data."""
     return key.str.to_lowercase().str.contains("|".join(ATTENTION))
+
+
+@per_tables
+def classed_spans(tables: RunTables) -> pl.DataFrame:
+    """(rank, step, key, own_ns, ref, attn, lr): each compute span against the mean of the same span
+    on its stage's other ranks (lr: log of the ratio), and whether it is an attention kernel (whose
+    cost follows the data): what ``attention_split`` and ``data_heavy`` read."""
+    spans = own_compute_spans(tables).join(tables.coords().select("rank", "pp"), on="rank")
+    peers = ["pp", "step", "key"]
+    n = pl.len().over(peers)
+    spans = spans.with_columns(((pl.col("own_ns").sum().over(peers) - pl.col("own_ns")) / (n - 1)).alias("ref"),
+                               is_attention(pl.col("key")).alias("attn"))
+    spans = spans.filter((n > 1) & (pl.col("own_ns") > 0) & (pl.col("ref") > 0))
+    return spans.with_columns((pl.col("own_ns") / pl.col("ref")).log().alias("lr"))
 
 
 def attention_split(tables: RunTables, rank: int, steps: list[int] | None = None) -> tuple[float, float] | None:
@@ -281,16 +295,9 @@ def attention_split(tables: RunTables, rank: int, steps: list[int] | None = None
     in a sum over a few steps lifted the other class by 9-38% and made a CP rank with more documents a
     "slow worker" (2 of 12 CP-imbalance cases of a hold-out grid draw). None when the spans carry no
     kernel names of both classes."""
-    spans = own_compute_spans(tables)
+    own = classed_spans(tables).filter(pl.col("rank") == rank)
     if steps is not None:
-        spans = spans.filter(pl.col("step").is_in(steps))
-    spans = spans.join(tables.coords().select("rank", "pp"), on="rank")
-    peers = ["pp", "step", "key"]
-    n = pl.len().over(peers)
-    spans = spans.with_columns(((pl.col("own_ns").sum().over(peers) - pl.col("own_ns")) / (n - 1)).alias("ref"))
-    own = spans.filter((pl.col("rank") == rank) & (n > 1) & (pl.col("own_ns") > 0) & (pl.col("ref") > 0)).with_columns(
-        _attention(pl.col("key")).alias("attn"),
-        (pl.col("own_ns") / pl.col("ref")).log().alias("lr"))
-    per = own.group_by("attn").agg(_middle_mean(pl.col("lr")).exp())
+        own = own.filter(pl.col("step").is_in(steps))
+    per = own.group_by("attn").agg(middle_mean(pl.col("lr")).exp())
     got = {a: r for a, r in per.iter_rows() if r is not None}
     return (got[True], got[False]) if True in got and False in got else None

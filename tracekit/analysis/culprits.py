@@ -102,7 +102,7 @@ class ComputeCulprits:
                 "top_margin": self.top_margin, "bar": self.bar}
 
 
-def _confidence(margin: float, bar: float, steps_share: float) -> float:
+def margin_confidence(margin: float, bar: float, steps_share: float) -> float:
     """A margin at the bar is a coin flip made firmer by persistence; calibrated on the fault grid
     (benchmarks/diagnosis_grid.py): it only approaches 1 well past the bar."""
     z = (margin - bar) / max(bar, 1e-9) * 4.0
@@ -129,7 +129,7 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int
     cell_sigma = sigma / scatter_bias(T, n)
     cell_bar = max(NormalDist().inv_cdf(1 - tun.episode_alpha / cells) * cell_sigma, math.log(tun.episode_min_ratio))
     bar = tun.culprit_margin_min + tun.compute_margin_per_log * math.log(max(1.0, n_all / 2))
-    effects = np.array([_effect(e[:, j][np.isfinite(e[:, j])]) for j in range(n)])
+    effects = np.array([persistent_effect(e[:, j][np.isfinite(e[:, j])]) for j in range(n)])
     findings: list[RankFinding] = []
     persistent: set[int] = set()
     units: list[tuple[float, int]] = []  # each rank's noise unit, and its steps kept
@@ -166,7 +166,7 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int
             if margin >= bar and effect >= math.log(tun.compute_effect_min_ratio) and slower >= tun.persist_min:
                 persistent.add(j)
                 cost = (math.exp(effect) - 1) * float(np.median([ref_ns.get((int(t), r), 0.0) for t in steps]))
-                conf, doubt = _confidence(margin, bar, slower), ""
+                conf, doubt = margin_confidence(margin, bar, slower), ""
                 if others.size < GUARD_MIN_RANKS and effect < math.log(tun.few_ranks_min_ratio):
                     conf = min(conf, 0.5)
                     doubt = (f"only {others.size + 1} ranks do this work, too few to tell a difference this "
@@ -192,7 +192,7 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int
                                         float(math.exp(np.median(e[:, j]))),
                                         float(np.median([(math.exp(e[i, j]) - 1) * ref_ns.get((int(steps[i]), ranks[j]), 0.0)
                                                          for i in cells])),
-                                        float(np.min(vals)) / sigma, _confidence(float(np.min(vals)) / sigma,
+                                        float(np.min(vals)) / sigma, margin_confidence(float(np.min(vals)) / sigma,
                                                                                  cell_bar / sigma, len(cells) / T)))
             continue
         if not moving and len(cells) < 2:
@@ -207,7 +207,7 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int
         z_bar = cell_bar / sigma
         findings.append(RankFinding("moving" if moving else "transient", ranks[j], tuple(int(steps[i]) for i in cells),
                                     float(math.exp(np.median(vals))), cost, margin,
-                                    _confidence(margin, z_bar, 1.0)))
+                                    margin_confidence(margin, z_bar, 1.0)))
     findings.sort(key=lambda f: (f.kind != "persistent", -f.cost_ns))
     detectable, steps_needed = _sensitivity(units, bar, tun)
     top = max((m for m in margins if math.isfinite(m)), default=0.0)
@@ -232,7 +232,7 @@ def measured_again(found: ComputeCulprits, speed: pl.DataFrame) -> ComputeCulpri
     for f in found.findings:
         if f.kind == "persistent" and f.rank in ranks:
             col = e[:, ranks.index(f.rank)]
-            effect = _effect(col[np.isfinite(col)])
+            effect = persistent_effect(col[np.isfinite(col)])
             if math.isfinite(effect):
                 cost = (math.exp(effect) - 1) * float(np.median([ref_ns.get((int(t), f.rank), 0.0) for t in steps]))
                 f = replace(f, ratio=math.exp(effect), cost_ns=cost)
@@ -249,7 +249,7 @@ def _table(speed: pl.DataFrame) -> tuple[list[int], list[int], np.ndarray]:
     return ranks, [t for t, k in zip(wide["step"].to_list(), keep) if k], mat[keep]
 
 
-def _effect(col: np.ndarray) -> float:
+def persistent_effect(col: np.ndarray) -> float:
     """A rank's persistent effect: the mean over steps without the two extreme ones (nearly a mean's
     precision, where a median's standard error is 1.25x larger, which a 3% slowdown cannot afford;
     a step or two of preemption moves nothing); the median below six steps."""

@@ -21,10 +21,13 @@ from statistics import NormalDist
 import numpy as np
 import polars as pl
 
-from tracekit.analysis.compute_speed import _attention, _middle_mean, own_compute_spans
+from tracekit.analysis.compute_speed import classed_spans, middle_mean
+from tracekit.analysis.culprits import margin_confidence, persistent_effect
+from tracekit.analysis.findings import NEXT_STEP, Finding, where
 from tracekit.analysis.standout import spread
 from tracekit.analysis.tables import RunTables, per_tables
 from tracekit.analysis.tunables import Tunables
+from tracekit.analysis.whatif import WhatIfError, saving
 
 ALPHA = 0.01  # the chance that a run without imbalance names a rank, over all its ranks
 
@@ -37,6 +40,7 @@ class DataHeavy:
     extra_ns: float  # its attention compute beyond what its other kernels' speed gives, per step (median)
     margin: float  # log excess over its noise unit
     bar: float  # the margin it had to clear
+    steps_total: int  # the steps it was compared over
 
 
 @per_tables
@@ -45,18 +49,8 @@ def data_heavy(tables: RunTables, tun: Tunables = Tunables(), compared: int | No
     should, against its stage peers; () where the spans carry no kernel names of both classes.
     ``compared``: how many ranks the tables' were picked from (a scoped diagnosis of a large job),
     so that the bar for the largest of many noisy excesses counts all of them."""
-    spans = own_compute_spans(tables)
-    if not spans.height:
-        return ()
-    spans = spans.join(tables.coords().select("rank", "pp"), on="rank")
-    peers = ["pp", "step", "key"]
-    n = pl.len().over(peers)
-    spans = spans.with_columns(((pl.col("own_ns").sum().over(peers) - pl.col("own_ns")) / (n - 1)).alias("ref"),
-                               _attention(pl.col("key")).alias("attn"))
-    spans = spans.filter((n > 1) & (pl.col("own_ns") > 0) & (pl.col("ref") > 0))
-    lr = (pl.col("own_ns") / pl.col("ref")).log()
-    per = spans.group_by("step", "rank", "attn").agg(_middle_mean(lr).alias("lr"), pl.col("own_ns").sum().alias("own"),
-                                                      pl.col("ref").sum().alias("ref"))
+    per = classed_spans(tables).group_by("step", "rank", "attn").agg(
+        middle_mean(pl.col("lr")).alias("lr"), pl.col("own_ns").sum().alias("own"), pl.col("ref").sum().alias("ref"))
     a = per.filter(pl.col("attn")).select("step", "rank", pl.col("lr").alias("la"), "own", "ref")
     o = per.filter(~pl.col("attn")).select("step", "rank", pl.col("lr").alias("lo"))
     cells = a.join(o, on=["step", "rank"]).drop_nulls(["la", "lo"]).sort("rank", "step")
@@ -66,7 +60,7 @@ def data_heavy(tables: RunTables, tun: Tunables = Tunables(), compared: int | No
     # the attention time its other kernels' speed would give, against what it took
     cells = cells.with_columns((pl.col("own") - pl.col("ref") * pl.col("lo").exp()).alias("extra"))
     by_rank = {r: g for (r,), g in cells.group_by("rank")}
-    means = {r: _trimmed(g["x"].to_numpy()) for r, g in by_rank.items()}
+    means = {r: persistent_effect(g["x"].to_numpy()) for r, g in by_rank.items()}
     resid = np.concatenate([g["x"].to_numpy() - means[r] for r, g in by_rank.items()])
     sigma = max(spread(resid), tun.compute_noise_floor)
     z = NormalDist().inv_cdf(1 - ALPHA / max(len(by_rank), compared or 0))
@@ -78,10 +72,10 @@ def data_heavy(tables: RunTables, tun: Tunables = Tunables(), compared: int | No
             continue
         effect, unit = means[r], sigma / math.sqrt(kept)
         steps = tuple(int(t) for t, v in zip(g["step"], x) if v > effect / 2)
-        attention, other = math.exp(_trimmed(g["la"].to_numpy())), math.exp(_trimmed(g["lo"].to_numpy()))
+        attention, other = math.exp(persistent_effect(g["la"].to_numpy())), math.exp(persistent_effect(g["lo"].to_numpy()))
         if more_attention_work(attention, other, tun) and effect / unit >= z and len(steps) >= tun.persist_min * x.size:
             extra = float(np.median(g.filter(pl.col("step").is_in(list(steps)))["extra"].to_numpy()))
-            out.append(DataHeavy(int(r), math.exp(effect), steps, max(extra, 0.0), effect / unit, z))
+            out.append(DataHeavy(int(r), math.exp(effect), steps, max(extra, 0.0), effect / unit, z, int(x.size)))
     return tuple(out)
 
 
@@ -93,6 +87,41 @@ def more_attention_work(attention_ratio: float, other_ratio: float, tun: Tunable
             and other_ratio - 1 <= 0.5 * tun.work_explains_share * (attention_ratio - 1))
 
 
-def _trimmed(x: np.ndarray) -> float:
-    """The mean without the two extreme steps (culprits.py's persistent effect)."""
-    return float(np.mean(np.sort(x)[1:-1])) if x.size >= 6 else float(np.median(x))
+def heavy_findings(tables: RunTables, heavy: tuple[DataHeavy, ...], step_ns: float) -> list[Finding]:
+    """The data-heavy ranks as one data-imbalance finding, its cost what balancing them would save
+    (the what-if replay), else their largest extra attention compute."""
+    if not heavy:
+        return []
+    ranks = tuple(h.rank for h in heavy)
+    steps = tuple(sorted({s for h in heavy for s in h.steps}))
+    cost = max(h.extra_ns for h in heavy)
+    try:
+        saved, _ = saving(tables, list(ranks))
+        cost = max(saved, 0.0) or cost
+    except WhatIfError:
+        pass
+    conf = max(margin_confidence(h.margin, h.bar, len(h.steps) / h.steps_total) for h in heavy)
+    return [data_finding(tables, ranks, steps, cost, cost / step_ns, conf,
+                         {"attention_excess": max(h.excess for h in heavy), "ranks_heavy": len(ranks)})]
+
+
+def merge_data_imbalance(findings: list[Finding], tables: RunTables) -> list[Finding]:
+    """Rank findings whose cause is data imbalance are one finding: the data, not the ranks."""
+    moving = [f for f in findings if f.cause == "data_imbalance" and f.ranks
+              and f.kind in ("straggler", "transient", "moving", "data_imbalance")]
+    if len(moving) < 2:
+        return findings
+    rest = [f for f in findings if f not in moving]
+    ranks = tuple(sorted({r for f in moving for r in f.ranks}))
+    steps = tuple(sorted({s for f in moving for s in f.steps}))
+    return [data_finding(tables, ranks, steps, max(f.cost_ns for f in moving), max(f.cost_share for f in moving),
+                         max(f.confidence for f in moving), {"ranks_merged": len(moving)})] + rest
+
+
+def data_finding(tables: RunTables, ranks: tuple[int, ...], steps: tuple[int, ...], cost: float, share: float,
+                 confidence: float, evidence: dict) -> Finding:
+    """One data-imbalance finding over ``ranks``: what every such finding says."""
+    return Finding("data_imbalance", ranks, where(tables, ranks), steps, cost, share, confidence, "data_imbalance",
+                   f"{where(tables, ranks)} compute more because they get more attention work (up to "
+                   f"{cost / 1e6:.1f} ms per step): data imbalance, not slower devices",
+                   NEXT_STEP["data_imbalance"], evidence)

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 import polars as pl
 
 from tracekit.analysis.compute_speed import attention_split, compute_speed, steady_compute
-from tracekit.analysis.culprits import ComputeCulprits, RankFinding, _confidence, find_culprits, measured_again
-from tracekit.analysis.data_heavy import DataHeavy, data_heavy, more_attention_work
+from tracekit.analysis.culprits import ComputeCulprits, RankFinding, find_culprits, measured_again
+from tracekit.analysis.data_heavy import data_heavy, heavy_findings, merge_data_imbalance, more_attention_work
 from tracekit.analysis.data_needs import missing_data
 from tracekit.analysis.findings import NEXT_STEP, Finding, where
 from tracekit.analysis.hangs import HangReport, rank_list
@@ -187,7 +187,7 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
         compute = measured_again(compute, compute_speed(tables, slow, device_only=bool(heavy)))
     metrics = rank_step_metrics(tables)
     findings: list[Finding] = [_rank_finding(tables, f, loc, tun, work, step_ns, bool(heavy)) for f in compute.findings]
-    findings += _heavy_findings(tables, heavy, step_ns)
+    findings += heavy_findings(tables, heavy, step_ns)
     steady = steady_compute(tables)  # descheduled spans are not a stage's work
     findings += _stage_findings(tables, steady if steady.height else metrics, tun, step_ns)
     links = link_transfers(tables, step_ns, tun)
@@ -206,7 +206,7 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
         cause = explain(tables, loc, tun, work)
         if cause.kind == "cpu_bound":  # late without computing more: launch gaps on its host
             findings.append(_waits_finding(tables, loc, cause, step_ns))
-    findings = links_beside_stragglers(_merge_data_imbalance(findings, tables))
+    findings = links_beside_stragglers(merge_data_imbalance(findings, tables))
     # a rank without data is never blamed (its peers' waits on it say nothing of its speed)
     findings = [f for f in findings if not set(f.ranks) & set(damaged) or f.kind == "slow_link"
                 and not set(f.ranks) <= set(damaged)]
@@ -228,7 +228,7 @@ def _data_or_device(tables: RunTables, loc: Localization, findings: list[Finding
     if loc.verdict != "moving" or len({f.ranks for f in moving}) < 2 or any(f.kind == "straggler" for f in others):
         return findings
     # each moving rank's own kernels already say more attention work: the ranks are the answer
-    # (_merge_data_imbalance names them), not 'every replica in turn' (a CP rank heavier in every
+    # (merge_data_imbalance names them), not 'every replica in turn' (a CP rank heavier in every
     # replica made the replicas' waits move: 2 of 12 CP imbalances of a grid draw with 2-layer stages)
     if all(f.cause == "data_imbalance" for f in moving):
         return findings
@@ -276,45 +276,6 @@ def _waits_finding(tables: RunTables, loc: Localization, cause: Cause, step_ns: 
     return Finding(kind, tuple(ranks), place, tuple(loc.episode_steps), cost, cost / step_ns,
                    min(loc.confidence, 0.5 if alone else 0.9), cause.kind, f"{place}: {cause.summary}",
                    NEXT_STEP.get(cause.kind, NEXT_STEP["unexplained"]).format(who=place), dict(cause.evidence))
-
-
-def _heavy_findings(tables: RunTables, heavy: tuple[DataHeavy, ...], step_ns: float) -> list[Finding]:
-    """The data-heavy ranks (``data_heavy``) as one data-imbalance finding, its cost what balancing
-    them would save (the what-if replay), else their largest extra attention compute."""
-    if not heavy:
-        return []
-    ranks = tuple(h.rank for h in heavy)
-    steps = tuple(sorted({s for h in heavy for s in h.steps}))
-    cost = max(h.extra_ns for h in heavy)
-    try:
-        saved, _ = saving(tables, list(ranks))
-        cost = max(saved, 0.0) or cost
-    except WhatIfError:
-        pass
-    conf = max(_confidence(h.margin, h.bar, len(h.steps) / max(len(steps), 1)) for h in heavy)
-    return [_data_finding(tables, ranks, steps, cost, cost / step_ns, conf,
-                          {"attention_excess": max(h.excess for h in heavy), "ranks_heavy": len(ranks)})]
-
-
-def _data_finding(tables: RunTables, ranks: tuple[int, ...], steps: tuple[int, ...], cost: float, share: float,
-                  confidence: float, evidence: dict) -> Finding:
-    return Finding("data_imbalance", ranks, where(tables, ranks), steps, cost, share, confidence, "data_imbalance",
-                   f"{where(tables, ranks)} compute more because they get more attention work (up to "
-                   f"{cost / 1e6:.1f} ms per step): data imbalance, not slower devices",
-                   NEXT_STEP["data_imbalance"], evidence)
-
-
-def _merge_data_imbalance(findings: list[Finding], tables: RunTables) -> list[Finding]:
-    """Rank findings whose cause is data imbalance are one finding: the data, not the ranks."""
-    moving = [f for f in findings if f.cause == "data_imbalance" and f.ranks
-              and f.kind in ("straggler", "transient", "moving", "data_imbalance")]
-    if len(moving) < 2:
-        return findings
-    rest = [f for f in findings if f not in moving]
-    ranks = tuple(sorted({r for f in moving for r in f.ranks}))
-    steps = tuple(sorted({s for f in moving for s in f.steps}))
-    return [_data_finding(tables, ranks, steps, max(f.cost_ns for f in moving), max(f.cost_share for f in moving),
-                          max(f.confidence for f in moving), {"ranks_merged": len(moving)})] + rest
 
 
 def _no_data_reason(tables: RunTables) -> str:
