@@ -145,8 +145,8 @@ def test_a_parser_that_dies_fails_one_file_and_is_replaced(tmp_path: Path) -> No
 
 def test_a_parser_killed_mid_ingest_fails_its_file_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """One worker; once the first file is in, its parser is killed while the second file's commit
-    is held back, so the kill lands while the parser parses file 2 or waits for file 3: that file
-    fails, every other file goes in."""
+    is held back, so the kill lands on a later file (the parser may be on file 2, 3 or, where the
+    machine is loaded, already 4): that file fails, every other file goes in."""
     files = _job_files(tmp_path, 4)
     killed = threading.Event()
     commits = []
@@ -171,18 +171,19 @@ def test_a_parser_killed_mid_ingest_fails_its_file_alone(tmp_path: Path, monkeyp
 
     def on_progress(done: int, total: int, path: Path, status: str) -> None:
         if done == 1:
-            for _ in range(200):  # the parser of file 2 is forked once the worker takes it
-                kids = _children(zygotes[0])
-                if kids:
-                    break
+            # the parser of file 2 is forked once the worker takes it; on a loaded machine that
+            # took over the 2 s this loop once allowed
+            deadline = time.monotonic() + 60
+            while not (kids := _children(zygotes[0])) and time.monotonic() < deadline:
                 time.sleep(0.01)
+            assert kids, "no parser was forked for the second file within 60 s"
             os.kill(kids[0], signal.SIGKILL)
             killed.set()
 
     rep = ingest([tmp_path / "run"], tmp_path / "s.duckdb", workers=1, processes=True, progress=on_progress)
     failed = rep.failed
     assert len(failed) == 1 and "the parser process died" in (failed[0].error or "")
-    assert failed[0].path in files[1:3] and len(rep.ok) == 3
+    assert failed[0].path in files[1:] and len(rep.ok) == 3
     with tracekit.open(tmp_path / "s.duckdb") as s:
         ranks = s.sql("SELECT DISTINCT rank FROM events ORDER BY rank").rows()
     assert [r[0] for r in ranks] == sorted(files.index(f.path) for f in rep.ok)
