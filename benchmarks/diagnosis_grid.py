@@ -20,7 +20,8 @@ apart. Judged (rank and coordinates both right):
 - link: a slow-link finding names both ends (and, for a collective link, the group's dimension);
 - cp_imbalance: a data-imbalance finding within the loaded CP ranks; stage: the stage is named;
 - hang: no performance verdict, and ``hangs`` names the stuck rank alone;
-- clean: no finding at all (anything else is a false alarm).
+- clean: no finding at all (anything else is a false alarm); in every kind, a finding beside the
+  fault's own (a bystander named slow) makes the answer wrong.
 Printed: accuracy per kind (with a 95% Wilson lower bound), the false-alarm rate on clean runs, a
 calibration table (confidence bucket: findings, share right), time and peak memory. Holistic Trace
 Analysis' ``get_potential_stragglers`` always returns k ranks and has no notion of hangs, links or
@@ -278,7 +279,7 @@ def judge(case: Case, res: dict) -> tuple[bool, list[tuple[float, bool]]]:
         right = verdict == "moving" or (len({r for f, ok in zip(fs, ok_finding) if ok for r in f["ranks"]}) >= 2
                                         and all(ok_finding))
     else:
-        right = any(ok_finding) and all(ok for f, ok in zip(fs, ok_finding) if f["kind"] != "straggler" or ok)
+        right = any(ok_finding) and all(ok_finding)  # a straggler named beside it is a wrong answer too
     return right, [(f["confidence"], ok) for f, ok in zip(fs, ok_finding)]
 
 
