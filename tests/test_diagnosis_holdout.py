@@ -237,3 +237,13 @@ def test_a_small_difference_between_too_few_ranks_is_in_doubt(tmp_path, factor, 
     f = d.findings[0]
     assert (f.confidence > 0.9) if sure else (f.confidence <= 0.5 and "only 2 ranks do this work" in f.summary)
     assert ("in doubt" in f.summary) is not sure
+
+
+def test_a_two_step_episode_is_not_a_persistent_rank_because_its_quiet_steps_read_high(tmp_path):
+    # hold-out draw 14, 5% kernel noise: rank 6 at 1.5x in steps 4-5; its other steps read +1% over
+    # their stage, 4.9 units of the plain step scatter, which reads low (0.6-0.9 of the noise) on a
+    # table this small: it was a persistent 1.08x slow worker at 0.87, costing 5.6% in every step
+    d = _diagnose(tmp_path, tp=1, cp=2, pp=2, dp=2, seed=1400040, names="plain", skew_ms=0.0, noise=0.05,
+                  spikes=0.0, faults=("slow:rank=6,factor=1.5,steps=4+5",))
+    assert [(f.kind, f.ranks, tuple(f.steps)) for f in d.findings] == [("transient", (6,), (4, 5))], d.headline
+    assert 1.4 < d.findings[0].evidence["compute_ratio"] < 1.6
