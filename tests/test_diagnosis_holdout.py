@@ -247,3 +247,15 @@ def test_a_two_step_episode_is_not_a_persistent_rank_because_its_quiet_steps_rea
                   spikes=0.0, faults=("slow:rank=6,factor=1.5,steps=4+5",))
     assert [(f.kind, f.ranks, tuple(f.steps)) for f in d.findings] == [("transient", (6,), (4, 5))], d.headline
     assert 1.4 < d.findings[0].evidence["compute_ratio"] < 1.6
+
+
+def test_a_3pct_rank_is_held_against_the_spread_of_every_other_rank_where_its_stage_is_large(tmp_path):
+    # hold-out draw 11, 15% kernel noise, 2 stages of 8: rank 8 at 1.03x read 3.9% over its steps,
+    # but the guard against healthy ranks that differ took their spread from the other stage's 8
+    # ranks alone (1.0%, where its own stage's 7 spread 0.66%): 4.0 units against a bar of 4.33, "no
+    # straggler". In a stage of 8 the candidate is out of its peers' references, so the spread is
+    # measured over all 15 others (0.8%: 4.8 units)
+    d = _diagnose(tmp_path, tp=2, cp=2, pp=2, dp=2, seed=1100075, names="none", skew_ms=0.0, noise=0.15,
+                  spikes=0.0, faults=("slow:rank=8,factor=1.03",))
+    assert [(f.kind, f.ranks) for f in d.findings] == [("straggler", (8,))], d.headline
+    assert 1.02 < d.findings[0].evidence["compute_ratio"] < 1.05

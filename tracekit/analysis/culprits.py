@@ -41,6 +41,13 @@ SENSITIVITY_POWER = 0.9  # "would have stood out": in this share of runs
 # "no straggler" said 0.97-0.98 beside a slow device or the imbalance itself (fault grid, mixes)
 BLIND_RATIO = 1.2
 GUARD_MIN_RANKS = 3  # other ranks' own effects needed to measure how much healthy ranks differ
+# a stage this large keeps the candidate's stage peers in the guard: each peer's reference is the
+# mean of 6 or more ranks without the largest, so the candidate is out of it and a second culprit
+# moves it by at most a sixth of that culprit's excess (in a stage of 4, by half: two 1.1x ranks of
+# one stage then read each other as noise). With them, a 2-stage run of 16 measures the spread of
+# healthy ranks over 15 ranks instead of 8: on the fault grid's 16 draws, 1.03x ranks found 251 ->
+# 254 of 288 and clean runs with per-rank offsets of sd 1% naming a rank 117 -> 93 of 3,456
+STAGE_PEERS_IN_GUARD_MIN = 8
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,9 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int
         return ComputeCulprits()
     ref_ns = {(int(t), int(r)): float(v) for t, r, v in speed.select("step", "rank", "ref_ns").iter_rows()}
     stage_of = dict(speed.select("rank", "pp").unique("rank").iter_rows())
+    stage_size: dict[object, int] = {}
+    for r in ranks:
+        stage_size[stage_of.get(r)] = stage_size.get(stage_of.get(r), 0) + 1
     e = mat - np.nanmedian(mat, axis=1, keepdims=True)
     sigma = max(step_scatter(mat), tun.compute_noise_floor)
     n_all = max(n, compared or 0)
@@ -141,9 +151,10 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int
                 continue
             # the other ranks' own effects vary a little for reasons that are not a fault (and by
             # chance more than the pooled scatter says: its spans' tails); the candidate's stage
-            # peers are left out: their reference holds the candidate, so a slow rank makes them
-            # look fast (with two ranks per stage, its exact mirror image)
-            away = [k for k in range(n) if k != j and stage_of.get(ranks[k]) != stage_of.get(r)]
+            # peers are left out below STAGE_PEERS_IN_GUARD_MIN: their reference holds the candidate,
+            # so a slow rank makes them look fast (with two ranks per stage, its exact mirror image)
+            peers_too = stage_size[stage_of.get(r)] >= STAGE_PEERS_IN_GUARD_MIN
+            away = [k for k in range(n) if k != j and (peers_too or stage_of.get(ranks[k]) != stage_of.get(r))]
             others = effects[away] if len(away) >= 2 else np.delete(effects, j)
             kept = np.sort(col)[1:-1] if col.size >= 6 else col
             noise = max(sigma / math.sqrt(kept.size), biweight_spread(others), tun.compute_noise_floor)
