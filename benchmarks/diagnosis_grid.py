@@ -304,6 +304,22 @@ def print_accuracy(noun: str, order, per: dict[str, list[bool]], total: bool = F
         print(f"| {k} | {len(v)} | {sum(v)} | {sum(v) / len(v):.1%} | {wilson_low(sum(v), len(v)):.1%} |")
 
 
+NOISE_KINDS = ("slow", "slow3")  # where the kernel noise decides: a small slowdown under a large scatter
+
+
+def print_by_noise(per: dict[tuple[str, float], list[bool]]) -> None:
+    """Right per slow-rank kind and kernel noise: where the misses of a small slowdown sit."""
+    noises = sorted({n for _, n in per})
+    kinds = [k for k in NOISE_KINDS if any(kk == k for kk, _ in per)]
+    if not kinds:
+        return
+    print("\n| kind | " + " | ".join(f"noise {n:.0%}" for n in noises) + " |")
+    print("|---|" + "---|" * len(noises))
+    for k in kinds:
+        cells = [f"{sum(v)}/{len(v)}" if (v := per.get((k, n))) else "-" for n in noises]
+        print(f"| {k} | " + " | ".join(cells) + " |")
+
+
 def wilson_low(k: int, n: int, z: float = 1.96) -> float:
     if n == 0:
         return float("nan")
@@ -337,6 +353,7 @@ def main() -> None:
         hta_python = ensure_hta()
     hta: dict[str, list[bool | None]] = defaultdict(list)
     per_kind: dict[str, list[bool]] = defaultdict(list)
+    per_noise: dict[tuple[str, float], list[bool]] = defaultdict(list)  # slow-rank kinds by kernel noise
     calib: list[tuple[float, bool]] = []
     calib_none: list[tuple[float, bool]] = []  # "no straggler" answers: (confidence, right)
     results = []
@@ -354,6 +371,8 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - a crash is a wrong answer, reported
                 res, right, cal = {"error": f"{type(e).__name__}: {e}"}, False, []
             per_kind[case.kind].append(right)
+            if case.kind in NOISE_KINDS:
+                per_noise[(case.kind, case.noise)].append(right)
             calib += cal
             d = res.get("diagnosis")
             if d and not d["findings"] and d["localization"]["verdict"] == "no_straggler":
@@ -367,6 +386,7 @@ def main() -> None:
     print(f"\n{len(cases)} cases in {wall:.0f} s ({wall / max(len(cases), 1):.2f} s each: simulate, ingest, diagnose); "
           f"peak RSS {peak:.0f} MB\n")
     print_accuracy("kind", KINDS, per_kind)
+    print_by_noise(per_noise)
     clean = per_kind.get("clean", [])
     if clean:
         print(f"\nfalse alarms on clean runs: {len(clean) - sum(clean)} of {len(clean)} "
