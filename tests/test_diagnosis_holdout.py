@@ -259,3 +259,13 @@ def test_a_3pct_rank_is_held_against_the_spread_of_every_other_rank_where_its_st
                   spikes=0.0, faults=("slow:rank=8,factor=1.03",))
     assert [(f.kind, f.ranks) for f in d.findings] == [("straggler", (8,))], d.headline
     assert 1.02 < d.findings[0].evidence["compute_ratio"] < 1.05
+
+
+def test_two_slow_ranks_of_one_stage_of_four_are_not_each_others_noise(tmp_path):
+    # draw 8, 15% kernel noise, 2 stages of 4: ranks 2 and 6 at 1.1x in the same stage. Each healthy
+    # peer's reference holds one of them, so the peers read fast; counted in the guard of the other
+    # culprit, they spread its unit to 5.5% and both ranks went unnamed. Stage peers of a stage of
+    # 4-7 count only where the first look named no other rank of that stage
+    d = _diagnose(tmp_path, tp=1, cp=2, pp=2, dp=2, seed=800039, names="mesh", skew_ms=0.0, noise=0.15,
+                  spikes=0.01, faults=("slow:rank=2,factor=1.1", "slow:rank=6,factor=1.1"))
+    assert sorted((f.kind, f.ranks) for f in d.findings) == [("straggler", (2,)), ("straggler", (6,))], d.headline

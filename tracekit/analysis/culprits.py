@@ -41,13 +41,15 @@ SENSITIVITY_POWER = 0.9  # "would have stood out": in this share of runs
 # "no straggler" said 0.97-0.98 beside a slow device or the imbalance itself (fault grid, mixes)
 BLIND_RATIO = 1.2
 GUARD_MIN_RANKS = 3  # other ranks' own effects needed to measure how much healthy ranks differ
-# a stage this large keeps the candidate's stage peers in the guard: each peer's reference is the
-# mean of 6 or more ranks without the largest, so the candidate is out of it and a second culprit
-# moves it by at most a sixth of that culprit's excess (in a stage of 4, by half: two 1.1x ranks of
-# one stage then read each other as noise). With them, a 2-stage run of 16 measures the spread of
-# healthy ranks over 15 ranks instead of 8: on the fault grid's 16 draws, 1.03x ranks found 251 ->
-# 254 of 288 and clean runs with per-rank offsets of sd 1% naming a rank 117 -> 93 of 3,456
+# The candidate's stage peers count in the guard where their references leave it out: from 4 ranks
+# a stage a reference drops the largest other rank (compute_speed), so one slow rank is out of them.
+# A second culprit of the stage stays in them and moves them by up to half its excess in a stage of
+# 4 (two 1.1x ranks of one stage then read each other as noise), a sixth from 8: so from 8 the peers
+# always count, in stages of 4-7 only where the first look named no other rank of the stage. On the
+# fault grid's 16 draws (offline, 3,072 cases): 1.03x ranks found 251 -> 254 of 288, clean runs with
+# per-rank offsets of sd 1% naming a rank 117 -> 75 of 3,456 (93 with stages of 8+ alone)
 STAGE_PEERS_IN_GUARD_MIN = 8
+STAGE_PEERS_IF_ALONE_MIN = 4
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,19 @@ class ComputeCulprits:
                 "top_margin": self.top_margin, "bar": self.bar}
 
 
+@dataclass(frozen=True)
+class _Persistent:
+    """One rank's persistent test (find_culprits)."""
+
+    noise: float  # its noise unit: standard error or the guard, the larger
+    margin: float  # its effect in that unit
+    effect: float  # its mean log excess over the steps kept
+    slower: float  # share of steps carrying more than half of it
+    kept: int  # steps kept (the two extreme ones left out)
+    others: int  # ranks the guard measured
+    passes: bool
+
+
 def margin_confidence(margin: float, bar: float, steps_share: float) -> float:
     """A margin at the bar is a coin flip made firmer by persistence; calibrated on the fault grid
     (benchmarks/diagnosis_grid.py): it only approaches 1 well past the bar."""
@@ -145,23 +160,20 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int
     units: list[tuple[float, int]] = []  # each rank's noise unit, and its steps kept
     margins: list[float] = []
     if T >= tun.compute_min_steps:
-        for j, r in enumerate(ranks):
+        def test(j: int, peers_too: bool) -> _Persistent | None:
             col = e[:, j][np.isfinite(e[:, j])]
             if not col.size:
-                continue
+                return None
             # the other ranks' own effects vary a little for reasons that are not a fault (and by
             # chance more than the pooled scatter says: its spans' tails); the candidate's stage
-            # peers are left out below STAGE_PEERS_IN_GUARD_MIN: their reference holds the candidate,
-            # so a slow rank makes them look fast (with two ranks per stage, its exact mirror image)
-            peers_too = stage_size[stage_of.get(r)] >= STAGE_PEERS_IN_GUARD_MIN
-            away = [k for k in range(n) if k != j and (peers_too or stage_of.get(ranks[k]) != stage_of.get(r))]
+            # peers only where their references leave it out (STAGE_PEERS_IN_GUARD_MIN): else a
+            # slow rank makes them look fast (with two ranks per stage, its exact mirror image)
+            away = [k for k in range(n) if k != j and (peers_too or stage_of.get(ranks[k]) != stage_of.get(ranks[j]))]
             others = effects[away] if len(away) >= 2 else np.delete(effects, j)
             kept = np.sort(col)[1:-1] if col.size >= 6 else col
             noise = max(sigma / math.sqrt(kept.size), biweight_spread(others), tun.compute_noise_floor)
             effect = float(effects[j])
             margin = effect / noise
-            units.append((noise, kept.size))
-            margins.append(margin)
             # persistent means most steps carry it: more than half the effect in persist_min of them
             # (a straggler that moves leaves a mean excess too, but only in its own steps)
             slower = float((col > effect / 2).mean())
@@ -177,16 +189,33 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int
                 rest_effect = float(np.mean(rest))
                 if rest_effect / max(cell_sigma / math.sqrt(rest.size), noise) >= bar:
                     slower = float((col > 0).mean())
-            if margin >= bar and effect >= math.log(tun.compute_effect_min_ratio) and slower >= tun.persist_min:
+            passes = margin >= bar and effect >= math.log(tun.compute_effect_min_ratio) and slower >= tun.persist_min
+            return _Persistent(noise, margin, effect, slower, kept.size, others.size, passes)
+
+        def stage_mates(j: int) -> list[int]:
+            return [k for k in range(n) if k != j and stage_of.get(ranks[k]) == stage_of.get(ranks[j])]
+
+        large = [stage_size[stage_of.get(r)] >= STAGE_PEERS_IN_GUARD_MIN for r in ranks]
+        middle = [STAGE_PEERS_IF_ALONE_MIN <= stage_size[stage_of.get(r)] < STAGE_PEERS_IN_GUARD_MIN for r in ranks]
+        # the first look (peers only from STAGE_PEERS_IN_GUARD_MIN) says which stages of 4-7 hold a culprit
+        first = {j for j in range(n) if middle[j] and (t := test(j, False)) is not None and t.passes}
+        for j, r in enumerate(ranks):
+            alone = middle[j] and not any(k in first for k in stage_mates(j))
+            t = test(j, large[j] or alone)
+            if t is None:
+                continue
+            units.append((t.noise, t.kept))
+            margins.append(t.margin)
+            if t.passes:
                 persistent.add(j)
-                cost = (math.exp(effect) - 1) * float(np.median([ref_ns.get((int(t), r), 0.0) for t in steps]))
-                conf, doubt = margin_confidence(margin, bar, slower), ""
-                if others.size < GUARD_MIN_RANKS and effect < math.log(tun.few_ranks_min_ratio):
+                cost = (math.exp(t.effect) - 1) * float(np.median([ref_ns.get((int(s), r), 0.0) for s in steps]))
+                conf, doubt = margin_confidence(t.margin, bar, t.slower), ""
+                if t.others < GUARD_MIN_RANKS and t.effect < math.log(tun.few_ranks_min_ratio):
                     conf = min(conf, 0.5)
-                    doubt = (f"only {others.size + 1} ranks do this work, too few to tell a difference this "
+                    doubt = (f"only {t.others + 1} ranks do this work, too few to tell a difference this "
                              "small from the ranks' own (chips, placement, a shared host)")
-                findings.append(RankFinding("persistent", r, tuple(int(t) for t in steps), math.exp(effect), cost,
-                                            margin, conf, doubt))
+                findings.append(RankFinding("persistent", r, tuple(int(s) for s in steps), math.exp(t.effect), cost,
+                                            t.margin, conf, doubt))
     hot = [(i, j) for i in range(T) for j in range(n)
            if j not in persistent and np.isfinite(e[i, j]) and e[i, j] >= cell_bar]
     by_step: dict[int, list[int]] = {}
