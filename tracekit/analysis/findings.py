@@ -17,7 +17,8 @@ NEXT_STEP = {
                      "backend's transfers within one host are CPU work, and run slower when its cores are busy",
     "data_imbalance": "balance the work: per-document CP sharding or variable-length packing (WLB-LLM)",
     "stage_imbalance": "rebalance the pipeline: move layers off stage {who} (Llama 3 sheds a layer on the first "
-                       "and last stage)",
+                       "and last stage); if it holds no more layers than the others, test its nodes instead: "
+                       "slow devices on every rank of a stage look the same in step times",
     "hang": "run `tracekit hangs` on this run, and dump the stack of {who} (py-spy dump) at the stuck collective",
     "unexplained": "profile {who} with more detail (CPU ops, kernels) to see where the time goes",
 }
