@@ -24,6 +24,7 @@ that is how much later it arrives at the next synchronization than its peers.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from statistics import NormalDist
 
@@ -143,9 +144,7 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int
         return ComputeCulprits()
     ref_ns = {(int(t), int(r)): float(v) for t, r, v in speed.select("step", "rank", "ref_ns").iter_rows()}
     stage_of = dict(speed.select("rank", "pp").unique("rank").iter_rows())
-    stage_size: dict[object, int] = {}
-    for r in ranks:
-        stage_size[stage_of.get(r)] = stage_size.get(stage_of.get(r), 0) + 1
+    stage_size = Counter(stage_of.get(r) for r in ranks)
     e = mat - np.nanmedian(mat, axis=1, keepdims=True)
     sigma = max(step_scatter(mat), tun.compute_noise_floor)
     n_all = max(n, compared or 0)
