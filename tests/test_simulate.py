@@ -125,6 +125,26 @@ def test_moving_and_stage_faults() -> None:
     np.testing.assert_allclose(ratio, want)
 
 
+def test_healthy_chips_that_differ_keep_their_own_speed_in_every_kernel_and_step(tmp_path: Path) -> None:
+    clean, _ = run_model(SimConfig(**BASE))
+    chips, _ = run_model(SimConfig(**BASE, chip_spread=0.01))
+    c, h = _compute(clean), _compute(chips)
+    ratios = np.stack([h[k] / c[k] for k in c])  # (compute op, dp, cp, tp) per stage, every op
+    by_stage = {p: np.stack([h[k] / c[k] for k in c if k[0] == p]) for p in range(BASE["pp"])}
+    for p, r in by_stage.items():  # one factor per rank, the same in every op of every step
+        np.testing.assert_allclose(r, np.broadcast_to(r[0], r.shape), rtol=1e-12)
+    factors = np.stack([by_stage[p][0] for p in range(BASE["pp"])], axis=1)  # (dp, pp, cp, tp)
+    assert 0.002 < np.log(factors).std() < 0.03 and ratios.size
+    # the factors the manifest records, rank by rank, are the ones applied
+    simulate(SimConfig(**BASE, chip_spread=0.01), tmp_path / "run")
+    m = json.loads((tmp_path / "run/manifest.json").read_text())["simulated"]["chips"]
+    assert m["spread"] == 0.01
+    np.testing.assert_allclose(m["factors"], factors.reshape(-1), rtol=1e-4)
+    # identical chips change nothing else the run draws
+    again, _ = run_model(SimConfig(**BASE, chip_spread=0.0))
+    assert all(np.array_equal(a.end, b.end) for pa, pb in zip(clean.ops, again.ops) for a, b in zip(pa, pb))
+
+
 def test_cp_imbalance_stretches_attention_of_the_loaded_cp_rank_only() -> None:
     ratio, faults = _ratio_by_rank_step("cp_imbalance:ranks=1,weight=0.5")
     np.testing.assert_allclose(ratio[:, 0], 1.0)  # no other kernel changes

@@ -19,7 +19,9 @@ class SimConfig:
 
     Times are milliseconds of the true (global) clock. ``faults`` are specs in the trainer's
     spelling (tracekit/simulate/faults.py). ``noise`` is the sigma of the lognormal factor on every
-    compute kernel; ``spikes`` the probability that one kernel is descheduled 5-30x."""
+    compute kernel; ``spikes`` the probability that one kernel is descheduled 5-30x; ``chip_spread``
+    the sigma of a lognormal factor each rank keeps for the whole run (healthy chips differ: clocks,
+    thermals, placement), 0 for identical chips."""
 
     tp: int = 1
     cp: int = 1
@@ -33,6 +35,7 @@ class SimConfig:
     drift_ppm: float = 0.0
     noise: float = 0.02
     spikes: float = 0.0
+    chip_spread: float = 0.0
     microbatches: int = 0  # 0: 2 * pp (Llama 3's bs = 2 * pp)
     vstages: int = 1
     layers: int = 1  # transformer layers per virtual stage (each: attention + MLP)
@@ -74,7 +77,7 @@ class SimConfig:
             raise SimError(f"microbatches must be >= 1, got {self.microbatches}")
         if self.names not in NAMES:
             raise SimError(f"names must be one of {NAMES}, got {self.names!r}")
-        for name in ("skew_ms", "drift_ppm", "noise"):
+        for name in ("skew_ms", "drift_ppm", "noise", "chip_spread"):
             if getattr(self, name) < 0:
                 raise SimError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.spikes <= 1:

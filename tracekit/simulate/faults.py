@@ -192,6 +192,16 @@ def ground_truth(f: Fault, cfg: SimConfig) -> dict[str, Any]:
     return out
 
 
+def chip_factors(cfg: SimConfig) -> np.ndarray:
+    """Each rank's compute factor for the whole run, over the rank grid (DP, PP, CP, TP): healthy
+    chips differ (clocks, thermals, placement). A random stream of its own, so that
+    ``chip_spread`` 0 leaves every other draw of the run as it was."""
+    shape = (cfg.dp, cfg.pp, cfg.cp, cfg.tp)
+    if cfg.chip_spread <= 0:
+        return np.ones(shape)
+    return np.random.default_rng([cfg.seed, 2]).lognormal(0.0, cfg.chip_spread, shape)
+
+
 class Effects:
     """What the faults do, as arrays over the rank grid (DP, PP, CP, TP) per step."""
 
@@ -199,6 +209,7 @@ class Effects:
         self.cfg, self.faults = cfg, faults
         shape = (cfg.dp, cfg.pp, cfg.cp, cfg.tp)
         self.compute = np.ones((cfg.steps,) + shape)
+        self.compute *= chip_factors(cfg)
         self.attention = np.ones((cfg.steps,) + shape)
         lay = cfg.layout
         for f in faults:

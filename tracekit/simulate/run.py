@@ -14,7 +14,7 @@ import numpy as np
 from tracekit.simulate import flight, kineto
 from tracekit.simulate.clock import Clocks
 from tracekit.simulate.config import SimConfig
-from tracekit.simulate.faults import Effects, ground_truth, parse_all
+from tracekit.simulate.faults import Effects, chip_factors, ground_truth, parse_all
 from tracekit.simulate.model import Trace, simulate_job
 from tracekit.simulate.ranks import Views
 from tracekit.simulate.schedule import Groups, schedule_names
@@ -76,6 +76,9 @@ def manifest(cfg: SimConfig, faults: list, trace: Trace, clocks: Clocks, groups:
             "ranks_per_host": cfg.ranks_per_host, "noise": cfg.noise, "skew_ms": cfg.skew_ms,
             "drift_ppm": cfg.drift_ppm, **clocks.summary(),
             "spikes": {"probability": cfg.spikes, "events": trace.spikes},
+            # rank r's factor at [r] (rank order is (dp, pp, cp, tp) row-major, as the grid)
+            "chips": {"spread": cfg.chip_spread,
+                      "factors": [round(float(x), 5) for x in chip_factors(cfg).reshape(-1)]},
             "microbatches": cfg.n_microbatches, "vstages": cfg.vstages,
             "step_ms": [_longest(s, e) for s, e in zip(trace.step_start, trace.step_end)],
         },
