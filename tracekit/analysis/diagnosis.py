@@ -27,6 +27,7 @@ from tracekit.analysis.data_heavy import data_heavy, heavy_findings, merge_data_
 from tracekit.analysis.data_needs import missing_data
 from tracekit.analysis.findings import NEXT_STEP, Finding, where
 from tracekit.analysis.hangs import HangReport, rank_list
+from tracekit.analysis.hosts import slow_hosts
 from tracekit.analysis.link_findings import link_findings, links_beside_stragglers, minor_links
 from tracekit.analysis.links import link_transfers, p2p_coverage
 from tracekit.analysis.localize import Localization, localize
@@ -210,6 +211,7 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
     # a rank without data is never blamed (its peers' waits on it say nothing of its speed)
     findings = [f for f in findings if not set(f.ranks) & set(damaged) or f.kind == "slow_link"
                 and not set(f.ranks) <= set(damaged)]
+    findings = slow_hosts(findings, tables, step_ns)
     minor = minor_links(tables, links, step_ns, tun)
     cause = _primary_cause(findings, loc, tables, compute, minor, tun)
     return Diagnosis(_primary(loc, findings, tables, compute, bool(minor)), cause, findings, compute, damaged, scope)

@@ -8,7 +8,9 @@ groups' structure); a guess that another layout would explain as well is logged 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
+from pathlib import PurePath
 
 import duckdb
 import pyarrow as pa
@@ -42,6 +44,7 @@ class FileFacts:
     world_sizes: list[int] = field(default_factory=list)
     backends: set[str] = field(default_factory=set)
     pids: dict[int, int] = field(default_factory=dict)  # rank -> pid
+    hosts: dict[int, str] = field(default_factory=dict)  # rank -> host, where a file's name says it
     groups: dict[tuple, dict] = field(default_factory=dict)  # by identity
     descs: dict[tuple, set] = field(default_factory=dict)  # every pg_desc the files gave each group
 
@@ -71,11 +74,23 @@ def insert_file_meta(con: duckdb.DuckDBPyConnection, run_id: str, path: object, 
     con.execute(f"INSERT INTO file_meta VALUES {FILE_META_ROW}", file_meta_values(run_id, path, parsed, rank))
 
 
+# torch.profiler.tensorboard_trace_handler names each trace after its process:
+# f"{socket.gethostname()}_{os.getpid()}.{time.time_ns()}.pt.trace.json" (.gz when gzipped)
+_HANDLER_NAME = re.compile(r"^(?P<host>.+)_(?P<pid>\d+)\.\d+\.pt\.trace\.json(?:\.gz)?$")
+
+
+def host_from_name(path: str, pid: int | None) -> str | None:
+    """The host a trace was written on, from tensorboard_trace_handler's file name, where the name's
+    pid is the trace's own (another name that merely looks like it says nothing)."""
+    m = _HANDLER_NAME.match(PurePath(path).name)
+    return m["host"] if m and (pid is None or int(m["pid"]) == pid) else None
+
+
 def file_facts(con: duckdb.DuckDBPyConnection, run_id: str) -> FileFacts:
     facts = FileFacts()
     # in path order: the first file's group entry is the one recorded, whichever committed first
-    for rank, world, backend, pid, groups in con.execute(
-            "SELECT rank, world_size, backend, pid, groups FROM file_meta WHERE run_id = ? ORDER BY path",
+    for path, rank, world, backend, pid, groups in con.execute(
+            "SELECT path, rank, world_size, backend, pid, groups FROM file_meta WHERE run_id = ? ORDER BY path",
             [run_id]).fetchall():
         if world:
             facts.world_sizes.append(world)
@@ -83,6 +98,8 @@ def file_facts(con: duckdb.DuckDBPyConnection, run_id: str) -> FileFacts:
             facts.backends.add(backend)
         if rank is not None and pid is not None:
             facts.pids.setdefault(rank, pid)
+        if rank is not None and (host := host_from_name(path, pid)):
+            facts.hosts.setdefault(rank, host)
         for g in json.loads(groups or "[]"):
             key = group_key(g)
             facts.groups.setdefault(key, g)
@@ -165,14 +182,14 @@ def _layout(con: duckdb.DuckDBPyConnection, rb: RunBatch, world: int, prev: dict
 
 
 def _insert_ranks(con: duckdb.DuckDBPyConnection, rid: str, ranks: "range | list[int]", lay: Layout | None,
-                  m: rundir.Manifest | None, prev: dict, pids: dict[int, int]) -> None:
+                  m: rundir.Manifest | None, prev: dict, pids: dict[int, int], hosts: dict[int, str]) -> None:
     """The run's ranks rows in one insert (a row per INSERT took minutes at a world of 10^5)."""
     rows: dict[str, list] = {k: [] for k in ("rank", "dp", "pp", "cp", "tp", "host", "pid", "clock_offset_ns")}
     for r in ranks:
         c = lay.coords(r) if lay else None
         old = prev.get(r)
         for k, v in zip(rows, (r, c and c.dp, c and c.pp, c and c.cp, c and c.tp,
-                               (m.hosts.get(r) if m else None) or (old[6] if old else None),
+                               (m.hosts.get(r) if m else None) or hosts.get(r) or (old[6] if old else None),
                                pids.get(r, old[7] if old else None), old[8] if old else None)):
             rows[k].append(v)
     types = {"host": pa.string(), "pid": pa.int64(), "clock_offset_ns": pa.int64()}
@@ -224,7 +241,8 @@ def finalize(con: duckdb.DuckDBPyConnection, rb: RunBatch) -> dict[tuple[str, st
                      json.dumps(m.data) if m else prev.get("manifest")])
         if source != "wia-meta":
             con.execute("DELETE FROM ranks WHERE run_id = ?", [rid])
-            _insert_ranks(con, rid, range(world) if lay else sorted(seen), lay, m, prev_ranks, facts.pids)
+            _insert_ranks(con, rid, range(world) if lay else sorted(seen), lay, m, prev_ranks, facts.pids,
+                          facts.hosts)
         settled: dict[tuple[str, int], list[int]] = {}  # (dim, size) -> rowids: an UPDATE each, not one a group
         for rowid, _, ranks in groups:
             dim = (lay.dim_of(ranks) if lay and max(ranks) < lay.world_size else None) or \

@@ -1,0 +1,67 @@
+"""A slow machine is one finding of the host, with one cost, not one "drain the node of rank r" per
+GPU each costing its own share of the step (tracekit/analysis/hosts.py). Simulated NCCL jobs
+(`tracekit simulate`), ingested without their manifest."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import tracekit
+from tracekit.ingest import ingest
+from tracekit.simulate.config import SimConfig
+from tracekit.simulate.run import simulate
+
+
+def _diagnose(tmp_path, slow: list[int], factor: float = 1.2, handler_names: bool = True, **layout):
+    """Simulate, ingest and diagnose. ``handler_names``: the traces named as
+    torch.profiler.tensorboard_trace_handler names them (host_pid.ns.pt.trace.json.gz), the
+    manifest gone, so that the hosts come from the file names as in a real job's directory."""
+    cfg = SimConfig(**layout, steps=8, seed=11, noise=0.05, skew_ms=500,
+                    faults=tuple(f"slow:rank={r},factor={factor}" for r in slow))
+    run = tmp_path / "run"
+    simulate(cfg, run)
+    man = json.loads((run / "manifest.json").read_text())
+    if handler_names:
+        (run / "manifest.json").unlink()
+        for r, (host, pid) in enumerate(zip(man["hosts"], man["pids"])):
+            (run / f"traces/rank{r}.json.gz").rename(run / f"traces/{host}_{pid}.17320000{r:05d}.pt.trace.json.gz")
+    ingest([run], tmp_path / "s.duckdb", workers=1)
+    with tracekit.open(tmp_path / "s.duckdb") as s:
+        return s.diagnose()
+
+
+def test_every_rank_of_one_host_slow_is_one_finding_of_that_host(tmp_path):
+    d = _diagnose(tmp_path, [4, 5, 6, 7], tp=4, pp=2, dp=2, ranks_per_host=4)
+    assert len(d.findings) == 1, [f.summary for f in d.findings]
+    f = d.findings[0]
+    assert f.ranks == (4, 5, 6, 7) and f.kind == "straggler" and f.cause == "slow_compute"
+    assert "host node0001" in f.where and "host node0001" in f.next_step and "each of its 4 ranks" in f.summary
+    # they run side by side: the job loses about one rank's 20% of its compute, not four of them
+    assert 0.05 < f.cost_share < 0.15, f.cost_share
+    assert d.localization.verdict == "straggler" and d.localization.culprit_ranks == (4, 5, 6, 7)
+
+
+def test_half_a_host_is_its_host_and_fewer_are_ranks(tmp_path):
+    # the hosts from the trainer's manifest this time
+    d = _diagnose(tmp_path / "half", [0, 1, 2, 3], handler_names=False, tp=8, dp=2, ranks_per_host=8)
+    assert [f.ranks for f in d.findings] == [(0, 1, 2, 3)], [f.summary for f in d.findings]
+    assert "4 of its 8 ranks" in d.findings[0].summary
+    d = _diagnose(tmp_path / "two", [0, 5], handler_names=False, tp=8, dp=2, ranks_per_host=8)
+    assert sorted(f.ranks for f in d.findings) == [(0,), (5,)], [f.summary for f in d.findings]
+    assert all("node of rank" in f.next_step for f in d.findings)
+
+
+def test_two_slow_ranks_of_a_host_of_four_stay_two_ranks(tmp_path):
+    d = _diagnose(tmp_path, [4, 6], tp=4, pp=2, dp=2, ranks_per_host=4)
+    assert sorted(f.ranks for f in d.findings) == [(4,), (6,)], [f.summary for f in d.findings]
+
+
+def test_a_jobs_hosts_come_from_the_profilers_own_file_names(tmp_path):
+    from tracekit.ingest.topo import host_from_name
+
+    assert host_from_name("/x/node-1.dc.example_4567.1732000000123456789.pt.trace.json.gz", 4567) == "node-1.dc.example"
+    assert host_from_name("gpu_box_3_99.17.pt.trace.json", 99) == "gpu_box_3"
+    assert host_from_name("gpu_box_3_99.17.pt.trace.json", 98) is None  # not the trace's own pid
+    assert host_from_name("rank_3.json.gz", None) is None
