@@ -7,6 +7,7 @@ exactly (normal kernel noise, every span pooled, 1% false alarms per run by Bonf
     python benchmarks/culprit_bar.py --runs 60 --seed 2    # another draw
     python benchmarks/culprit_bar.py --runs 400 --seed 2 --cache /tmp/cb2   # keep the runs; re-judge in a minute
     python benchmarks/culprit_bar.py --grid-cache /tmp/gridcache   # also: the grid's 1.03x cases (diagnosis_grid --cache)
+    python benchmarks/culprit_bar.py --runs 0 --grid-cache /tmp/gridcache   # those alone
 
 Each run: tracekit/simulate with a layout of benchmarks/diagnosis_grid.py, 8 steps, 4 layers, kernel
 noise 2-15%, deschedule spikes, skewed and drifting clocks, DeviceMesh or plain names; clean (half of
@@ -170,6 +171,10 @@ def main() -> int:
                 print(f"[{i + 1}/{args.runs}] {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    if not runs:  # --runs 0: the grid's oracle alone
+        if args.grid_cache:
+            print_grid_oracle(args.grid_cache)
+        return 0
     in_use = Tunables().culprit_margin_min
     print(f"\n{len(runs)} fresh runs in {time.time() - t0:.0f} s; bar = culprit_margin_min + ln(ranks / 2), "
           f"in use: {in_use}\n")
