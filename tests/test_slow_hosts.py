@@ -65,3 +65,28 @@ def test_a_jobs_hosts_come_from_the_profilers_own_file_names(tmp_path):
     assert host_from_name("gpu_box_3_99.17.pt.trace.json", 99) == "gpu_box_3"
     assert host_from_name("gpu_box_3_99.17.pt.trace.json", 98) is None  # not the trace's own pid
     assert host_from_name("rank_3.json.gz", None) is None
+
+
+@pytest.mark.parametrize("layout,host", [
+    (dict(tp=8, dp=2), 0),  # the host is a TP group, half of the job's one stage
+    (dict(pp=8, dp=2), 1),  # the host is a whole pipeline replica: each stage's two ranks, one of them slow
+])
+def test_a_slow_host_that_is_half_of_every_stage_is_found_at_its_own_ratio(tmp_path, layout, host):
+    ranks = list(range(8 * host, 8 * host + 8))
+    d = _diagnose(tmp_path, ranks, **layout, ranks_per_host=8)
+    # before the hosts were compared as wholes: 1.08-1.09x (the stage medians half slow), or each
+    # rank of the replica called 'moving' at 0.99 (its stage's other rank its only reference)
+    hosts = [f for f in d.findings if f.kind == "straggler"]
+    assert [f.ranks for f in hosts] == [tuple(ranks)], [f.summary for f in d.findings]
+    assert not [f for f in d.findings if f.kind in ("moving", "transient")], [f.summary for f in d.findings]
+    ratios = hosts[0].evidence["compute_ratios"].values()
+    assert all(1.15 < r < 1.25 for r in ratios), ratios
+
+
+def test_two_hosts_whose_chips_differ_name_no_host(tmp_path):
+    cfg = SimConfig(tp=8, dp=2, steps=8, seed=3, noise=0.1, chip_spread=0.01)
+    simulate(cfg, tmp_path / "run")
+    ingest([tmp_path / "run"], tmp_path / "s.duckdb", workers=1)
+    with tracekit.open(tmp_path / "s.duckdb") as s:
+        d = s.diagnose()
+    assert not [f for f in d.findings if "host" in f.where], [f.summary for f in d.findings]

@@ -24,6 +24,7 @@ that is how much later it arrives at the next synchronization than its peers.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from statistics import NormalDist
@@ -132,10 +133,14 @@ def margin_confidence(margin: float, bar: float, steps_share: float) -> float:
     return float(min(0.99, steps_share / (1.0 + math.exp(-z))))
 
 
-def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int | None = None) -> ComputeCulprits:
+def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int | None = None,
+                  known: frozenset[int] = frozenset()) -> ComputeCulprits:
     """Persistent, transient and moving slow ranks from ``compute_speed``'s (step, rank) table.
     ``compared``: how many ranks the table's were picked from (a scoped diagnosis of a large job,
-    scope.py), so that the bars for the largest of many noisy scores count all of them."""
+    scope.py), so that the bars for the largest of many noisy scores count all of them. ``known``:
+    ranks already found slow as a group (``hosts.slow_host_ranks``: half of every stage, where a
+    median over the ranks is no longer a healthy one), left out of ``speed``'s references: each
+    step is then centred on the other ranks, and the guard measures the other ranks alone."""
     if not speed.height or speed["rank"].n_unique() < 2:
         return ComputeCulprits()
     ranks, steps, mat = _table(speed)
@@ -145,7 +150,10 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int
     ref_ns = {(int(t), int(r)): float(v) for t, r, v in speed.select("step", "rank", "ref_ns").iter_rows()}
     stage_of = dict(speed.select("rank", "pp").unique("rank").iter_rows())
     stage_size = Counter(stage_of.get(r) for r in ranks)
-    e = mat - np.nanmedian(mat, axis=1, keepdims=True)
+    healthy = [j for j, r in enumerate(ranks) if r not in known]
+    if len(healthy) < 2:
+        healthy = list(range(n))
+    e = mat - _step_level(mat, ranks, stage_of, known)
     sigma = max(step_scatter(mat), tun.compute_noise_floor)
     n_all = max(n, compared or 0)
     cells = max(T * n_all, 2)
@@ -167,7 +175,7 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int
             # chance more than the pooled scatter says: its spans' tails); the candidate's stage
             # peers only where their references leave it out (STAGE_PEERS_IN_GUARD_MIN): else a
             # slow rank makes them look fast (with two ranks per stage, its exact mirror image)
-            away = [k for k in range(n) if k != j and (peers_too or stage_of.get(ranks[k]) != stage_of.get(ranks[j]))]
+            away = [k for k in healthy if k != j and (peers_too or stage_of.get(ranks[k]) != stage_of.get(ranks[j]))]
             others = effects[away] if len(away) >= 2 else np.delete(effects, j)
             kept = np.sort(col)[1:-1] if col.size >= 6 else col
             noise = max(sigma / math.sqrt(kept.size), biweight_spread(others), tun.compute_noise_floor)
@@ -268,7 +276,8 @@ def measured_again(found: ComputeCulprits, speed: pl.DataFrame) -> ComputeCulpri
     ranks, steps, mat = _table(speed)
     if not mat.size:
         return found
-    e = mat - np.nanmedian(mat, axis=1, keepdims=True)
+    stage_of = dict(speed.select("rank", "pp").unique("rank").iter_rows())
+    e = mat - _step_level(mat, ranks, stage_of, frozenset(f.rank for f in found.of_kind("persistent")))
     ref_ns = {(int(t), int(r)): float(v) for t, r, v in speed.select("step", "rank", "ref_ns").iter_rows()}
     out = []
     for f in found.findings:
@@ -280,6 +289,24 @@ def measured_again(found: ComputeCulprits, speed: pl.DataFrame) -> ComputeCulpri
                 f = replace(f, ratio=math.exp(effect), cost_ns=cost)
         out.append(f)
     return replace(found, findings=out)
+
+
+def _step_level(mat: np.ndarray, ranks: list[int], stage_of: dict, known: frozenset[int]) -> np.ndarray:
+    """Each step's level (a column to subtract): the median over the ranks. With ``known`` culprits
+    out of the references (``compute_speed(tables, known)``), the median over the healthy ranks that
+    were measured against healthy ranks (another healthy rank in their stage): over all of them,
+    half a stage of culprits (a slow host of a two-host job) moved it halfway, and a 1.2x host read
+    1.08-1.09x; over healthy ranks whose only peer is a culprit (measured against it), 1.43x. None
+    such: 0 (the references are then plain means of healthy ranks already)."""
+    if not known:
+        return np.nanmedian(mat, axis=1, keepdims=True)
+    healthy_in = Counter(stage_of.get(r) for r in ranks if r not in known)
+    cols = [j for j, r in enumerate(ranks) if r not in known and healthy_in[stage_of.get(r)] >= 2]
+    if not cols:
+        return np.zeros((mat.shape[0], 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a step none of them recorded: NaN, skipped
+        return np.nanmedian(mat[:, cols], axis=1, keepdims=True)
 
 
 def _table(speed: pl.DataFrame) -> tuple[list[int], list[int], np.ndarray]:

@@ -27,7 +27,7 @@ from tracekit.analysis.data_heavy import data_heavy, heavy_findings, merge_data_
 from tracekit.analysis.data_needs import missing_data
 from tracekit.analysis.findings import NEXT_STEP, Finding, where
 from tracekit.analysis.hangs import HangReport, rank_list
-from tracekit.analysis.hosts import slow_hosts
+from tracekit.analysis.hosts import slow_host_ranks, slow_hosts
 from tracekit.analysis.link_findings import link_findings, links_beside_stragglers, minor_links
 from tracekit.analysis.links import link_transfers, p2p_coverage
 from tracekit.analysis.localize import Localization, localize
@@ -182,7 +182,12 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
     compared = scope.world_size if scope else None
     # where ranks get unequal attention work, device speed is measured on the other kernels
     heavy = data_heavy(tables, tun, compared)
-    compute = find_culprits(compute_speed(tables, device_only=bool(heavy)), tun, compared)
+    speed = compute_speed(tables, device_only=bool(heavy))
+    compute = find_culprits(speed, tun, compared)
+    # a host slow as a whole can be half of every stage, where no rank stands out from its peers
+    whole = slow_host_ranks(speed, tables, tun) if scope is None else frozenset()
+    if whole:
+        compute = find_culprits(compute_speed(tables, whole, device_only=bool(heavy)), tun, compared, known=whole)
     slow = frozenset(f.rank for f in compute.findings if f.kind == "persistent")
     if slow:  # their ratios and costs measured with them out of every other rank's reference
         compute = measured_again(compute, compute_speed(tables, slow, device_only=bool(heavy)))

@@ -1,4 +1,5 @@
-"""A slow host: slow workers that make up one host are one finding, of the host.
+"""A slow host: found as a whole where it is half of every stage (``slow_host_ranks``), and its
+slow workers made one finding of the host (``slow_hosts``).
 
 Several GPUs of one machine slowing down together point at what they share (the host's CPUs and
 memory, its power and cooling, a PCIe switch), not at each GPU: eight findings that each say "drain
@@ -15,21 +16,80 @@ host to set it against: nothing is merged there.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from dataclasses import replace
+
+import numpy as np
+import polars as pl
 
 from tracekit.analysis.findings import Finding, where
+from tracekit.analysis.standout import biweight_spread
 from tracekit.analysis.tables import RunTables
+from tracekit.analysis.tunables import Tunables
 
 HOST_MIN_RANKS = 3  # below every rank of its host, a host finding needs this many slow ranks
+# A host slow as a whole, tested against the other hosts (slow_host_ranks): its ranks' typical
+# effect over the other hosts' by at least this ratio (a host's median over its ranks moves by a
+# fraction of a percent with kernel noise or chips that differ), and this share of its ranks past
+# halfway between the two levels
+HOST_MIN_RATIO = 1.05
+HOST_UNIFORM_SHARE = 0.75
+
+
+def _host_of(tables: RunTables) -> dict[int, str]:
+    return {int(r): str(h) for r, h in tables.ranks.select("rank", "host").drop_nulls().iter_rows() if h}
+
+
+def slow_host_ranks(speed: pl.DataFrame, tables: RunTables, tun: Tunables = Tunables()) -> frozenset[int]:
+    """The ranks of hosts slow as a whole, from ``compute_speed``'s first look. Each rank is
+    compared with its stage peers' median; where one host is half of every stage (one of two
+    hosts), that median is half slow, the ranks' effects split in two, and against that spread no
+    rank stands out on its own (a 1.1x host of a cp 2 x dp 8 job went unseen; with two ranks a
+    stage, each slow rank was called moving at 0.99). So hosts are compared as wholes: a host's
+    level (the median of its ranks' effects) against the other hosts' ranks' median, in units of
+    the two medians' standard errors (from the ranks' spread within their hosts) or, with three
+    hosts or more, of the other hosts' levels' spread, whichever is larger, against the bar the
+    ranks' own test uses for that many hosts. Faults only slow, so of two hosts the slower is the
+    one. Returned: its ranks past halfway between the two levels, where they are most of it."""
+    from tracekit.analysis.culprits import _table, persistent_effect
+
+    host_of = _host_of(tables)
+    if len(set(host_of.values())) < 2 or not speed.height:
+        return frozenset()
+    ranks, _, mat = _table(speed)
+    if mat.shape[0] < tun.compute_min_steps:
+        return frozenset()
+    e = mat - np.nanmedian(mat, axis=1, keepdims=True)
+    effects = np.array([persistent_effect(e[:, j][np.isfinite(e[:, j])]) for j in range(len(ranks))])
+    by_host: dict[str, list[int]] = defaultdict(list)
+    for j, r in enumerate(ranks):
+        if r in host_of and math.isfinite(effects[j]):
+            by_host[host_of[r]].append(j)
+    by_host = {h: js for h, js in by_host.items() if len(js) >= 2}
+    if len(by_host) < 2:
+        return frozenset()
+    level = {h: float(np.median(effects[js])) for h, js in by_host.items()}
+    within = biweight_spread(np.concatenate([effects[js] - level[h] for h, js in by_host.items()]))
+    bar = tun.culprit_margin_min + tun.compute_margin_per_log * math.log(max(1.0, len(by_host) / 2))
+    slow: set[int] = set()
+    for h, js in by_host.items():
+        rest = [j for g, ks in by_host.items() if g != h for j in ks]
+        base = float(np.median(effects[rest]))
+        gap = level[h] - base
+        others = [level[g] for g in by_host if g != h]
+        se = 1.2533 * within * math.sqrt(1 / len(js) + 1 / len(rest))  # a median's, 1.25x a mean's
+        unit = max(se, biweight_spread(np.array(others)) if len(others) >= 2 else 0.0, tun.compute_noise_floor)
+        past = [j for j in js if effects[j] > base + gap / 2]
+        if gap / unit >= bar and gap >= math.log(HOST_MIN_RATIO) and len(past) >= HOST_UNIFORM_SHARE * len(js):
+            slow |= {ranks[j] for j in past}
+    return frozenset(slow)
 NEXT_STEP_HOST = ("drain or test host {host} (CPU load and memory bandwidth, power and thermal limits, PCIe and "
                   "NVLink errors, then `nvidia-smi -q` on each of its GPUs); rerun without it to confirm")
 
 
 def slow_hosts(findings: list[Finding], tables: RunTables, step_ns: float) -> list[Finding]:
     """``findings`` with each host's slow workers merged into one finding of the host."""
-    hosts = tables.ranks.select("rank", "host").drop_nulls()
-    host_of = {int(r): str(h) for r, h in hosts.iter_rows() if h}
+    host_of = _host_of(tables)
     if len(set(host_of.values())) < 2:
         return findings
     members: dict[str, set[int]] = defaultdict(set)
@@ -59,7 +119,8 @@ def _host_finding(tables: RunTables, host: str, kind: str, fs: list[Finding], ra
                   step_ns: float) -> Finding:
     from tracekit.analysis.whatif import WhatIfError, saving
 
-    ratios = [float(f.evidence.get("compute_ratio", float("nan"))) for f in fs]
+    by_rank = {f.ranks[0]: float(f.evidence.get("compute_ratio", float("nan"))) for f in fs}
+    ratios = [by_rank[r] for r in ranks]
     steps = fs[0].steps
     cost, share, how = max(f.cost_ns for f in fs), max(f.cost_ns for f in fs) / step_ns, "the costliest rank"
     try:  # all of them at their peers' speed at once: their costs overlap, they do not add
