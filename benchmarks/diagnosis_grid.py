@@ -14,7 +14,8 @@ skewed up to 2 s and drifting; faults: one slow rank (1.03-2x), two slow ranks, 
 steps), moving, slow collective link, slow p2p link, CP data imbalance, stage imbalance, hang, and
 clean runs; apart from those, clean runs whose healthy chips differ (``chips``: each rank's compute
 off by a lognormal factor of sd 0.5% or 1% for the whole run, as real fleets' chips are), which is
-what any lower bar for a 3% rank would cost; with ``--native``, torch-native jobs too
+what any lower bar for a 3% rank would cost; and slow hosts (``host``: every rank of one host
+1.1-1.5x, in layouts of two hosts or more); with ``--native``, torch-native jobs too
 (benchmarks/native_accuracy.py), reported apart. Judged (rank and coordinates both right):
 - slow: a straggler finding names the rank, and the store's layout is the true one (so its
   coordinates are right); two: both ranks are named as stragglers;
@@ -23,7 +24,8 @@ what any lower bar for a 3% rank would cost; with ``--native``, torch-native job
 - cp_imbalance: a data-imbalance finding within the loaded CP ranks; stage: the stage is named;
 - hang: no performance verdict, and ``hangs`` names the stuck rank alone;
 - clean and chips: no finding at all (anything else is a false alarm; for chips, each named rank's
-  own chip is printed in sds of the spread, since a chip 3 sd out is a slower chip); in every kind, a finding beside the
+  own chip is printed in sds of the spread, since a chip 3 sd out is a slower chip);
+- host: one finding, a straggler naming every rank of the host, and nothing else; in every kind, a finding beside the
   fault's own (a bystander named slow) makes the answer wrong.
 Printed: accuracy per kind (with a 95% Wilson lower bound), the false-alarm rate on clean runs, a
 calibration table (confidence bucket: findings, share right), time and peak memory. Holistic Trace
@@ -57,7 +59,8 @@ LAYOUTS = [  # (tp, cp, pp, dp): every dimension at 1 and above 1, TP to 8, CP t
     (1, 1, 2, 8), (2, 2, 4, 1), (1, 1, 8, 2), (2, 4, 1, 1), (1, 2, 1, 8),
 ]
 KINDS = ("slow", "slow3", "two", "transient", "moving", "link_coll", "link_p2p", "cp_imbalance", "stage", "hang",
-         "clean", "chips")
+         "clean", "chips", "host")
+LATER_KINDS = ("chips", "host")  # added after the grid was published: random streams of their own
 # clean runs whose healthy chips differ (each rank's compute off by a lognormal factor of this sigma
 # for the whole run), as real fleets' do: what a lower bar would cost. Reported apart from the
 # issue's clean runs (which have identical chips) and drawn from a random stream of their own, so
@@ -114,7 +117,7 @@ def make_cases(kinds, seeds: int, quick: bool, draw: int = 0, schedules: bool = 
             lay = Layout(tp=tp, cp=cp, pp=pp, dp=dp)
             world = lay.world_size
             # clean runs three times over: the false-alarm rate needs the most cases
-            for kind, variant in [(k, v) for k in kinds if k != "chips" for v in range(3 if k == "clean" else 1)]:
+            for kind, variant in [(k, v) for k in kinds if k not in LATER_KINDS for v in range(3 if k == "clean" else 1)]:
                 if quick and (li + seed + KINDS.index(kind) + variant) % 4:
                     continue
                 s = seed * 1000 + li * 37 + KINDS.index(kind) + 100 * variant + 100_000 * draw
@@ -181,7 +184,35 @@ def make_cases(kinds, seeds: int, quick: bool, draw: int = 0, schedules: bool = 
                 cases.append(case)
     if "chips" in kinds:
         cases += _chip_cases(seeds, quick, draw, schedules)
+    if "host" in kinds:
+        cases += _host_cases(seeds, quick, draw, schedules)
     return cases
+
+
+def _host_cases(seeds: int, quick: bool, draw: int, schedules: bool) -> list[Case]:
+    """A slow host: every rank of one host 1.1-1.5x, per seed and layout with two hosts or more."""
+    rng = random.Random(20261126 + 7919 * draw + 130_363)  # not the grid's stream: its cases stay
+    out = []
+    for seed in range(seeds):
+        for li, (tp, cp, pp, dp) in enumerate(LAYOUTS):
+            world = tp * cp * pp * dp
+            sched = ((rng.choice([1, 2, 4]) * pp, rng.choice([1, 2]) if pp > 1 else 1, rng.choice([2, 4]),
+                      rng.choice([4, 8])) if schedules else ())
+            per_host = sched[3] if sched else 8
+            if world // per_host < 2 or (quick and (li + seed) % 4):
+                continue
+            h = rng.randrange(world // per_host)
+            f = rng.choice([1.1, 1.2, 1.5])
+            ranks = list(range(h * per_host, (h + 1) * per_host))
+            s = seed * 1000 + li * 37 + 30 + 100_000 * draw
+            case = Case("host", (tp, cp, pp, dp), s, tuple(f"slow:rank={r},factor={f}" for r in ranks),
+                        rng.choice(["mesh", "plain", "none"]), rng.choice([0.02, 0.05, 0.1, 0.15]),
+                        rng.choice([0.0, 0.002, 0.01]), rng.choice([0.0, 50.0, 500.0, 2000.0]),
+                        rng.choice([0.0, 20.0]), {"ranks": ranks, "factor": f}, schedule=sched)
+            if case.names == "plain" and s % 3 == 2:
+                case.seed += 1
+            out.append(case)
+    return out
 
 
 def _chip_cases(seeds: int, quick: bool, draw: int, schedules: bool) -> list[Case]:
@@ -253,7 +284,10 @@ def run_case(case: Case, work: Path, cache: Path | None, hta_python: Path | None
         cfg = SimConfig(tp=tp, cp=cp, pp=pp, dp=dp, steps=8, seed=case.seed, faults=case.faults, names=case.names,
                         noise=case.noise, spikes=case.spikes, skew_ms=case.skew_ms, drift_ppm=case.drift_ppm,
                         layers=layers, microbatches=mb, vstages=vstages, ranks_per_host=per_host,
-                        chip_spread=case.chips)
+                        chip_spread=case.chips,
+                        # a host's ranks are known from the profiler's own file names (the manifest is
+                        # set aside): the slow-host cases are named so, the published cases as they were
+                        trace_names="profiler" if case.kind == "host" else "rank")
         simulate(cfg, out)
         pending = keep / "truth.pending"  # judge from the traces alone, not the manifest
         (out / "manifest.json").rename(pending)
@@ -290,6 +324,9 @@ def judge(case: Case, res: dict) -> tuple[bool, list[tuple[float, bool]]]:
         return not fs and verdict != "hang", [(f["confidence"], False) for f in fs]
     if case.kind == "chips":  # out of the calibration table: a chip drawn 3 sd out is a slower chip
         return not fs and verdict != "hang", []
+    if case.kind == "host":  # one finding, of the host: every rank of it, nothing else
+        ok = [f["kind"] == "straggler" and sorted(f["ranks"]) == t["ranks"] and "host" in f["where"] for f in fs]
+        return len(fs) == 1 and ok[0], [(f["confidence"], x) for f, x in zip(fs, ok)]
     if case.kind == "hang":
         return verdict == "hang" and res["hang_culprits"] == t["ranks"], []
     for i, f in enumerate(fs):

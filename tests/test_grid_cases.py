@@ -19,7 +19,7 @@ PUBLISHED = {(0, False): "e03489a99d521e40", (1, False): "78669cecc22c5ee8", (3,
 @pytest.mark.parametrize("draw,schedules", sorted(PUBLISHED))
 def test_the_published_cases_do_not_move_when_kinds_are_added(draw: int, schedules: bool) -> None:
     cases = grid.make_cases(list(grid.KINDS), 2, False, draw, schedules)
-    labels = [c.label for c in cases if c.kind != "chips"]
+    labels = [c.label for c in cases if c.kind not in grid.LATER_KINDS]
     assert len(labels) == 280
     assert hashlib.sha1("\n".join(labels).encode()).hexdigest()[:16] == PUBLISHED[(draw, schedules)]
 
@@ -31,3 +31,16 @@ def test_clean_runs_whose_chips_differ_cover_every_layout_at_each_spread() -> No
     assert {c.layout for c in chips} == set(grid.LAYOUTS)
     # each is its own run: no two share a label (the cache key)
     assert len({c.label for c in chips}) == len(chips)
+
+
+def test_slow_hosts_are_every_rank_of_one_host_of_a_layout_with_two_or_more() -> None:
+    for schedules in (False, True):
+        hosts = grid.make_cases(["host"], 2, False, 26, schedules)
+        assert hosts and all(c.faults for c in hosts)
+        for c in hosts:
+            per_host = c.schedule[3] if c.schedule else 8
+            ranks = c.truth["ranks"]
+            assert len(ranks) == per_host and ranks[0] % per_host == 0 and ranks == list(range(ranks[0], ranks[-1] + 1))
+            assert len(c.faults) == per_host and all(f"factor={c.truth['factor']}" in f for f in c.faults)
+            tp, cp, pp, dp = c.layout
+            assert tp * cp * pp * dp >= 2 * per_host

@@ -35,6 +35,9 @@ KINETO_MAX_RANKS = 512  # beyond: hundreds of MB of JSON per thousand ranks; the
 @click.option("--chip-spread", type=float, default=0.0, show_default=True,
               help="Lognormal sigma of each rank's own compute speed, kept for the whole run (healthy chips "
                    "differ); the factors are in the manifest.")
+@click.option("--trace-names", type=click.Choice(["rank", "profiler"]), default="rank", show_default=True,
+              help="Trace file names: traces/rank<R>.json.gz, or as torch.profiler.tensorboard_trace_handler "
+                   "writes them (<host>_<pid>.<ns>.pt.trace.json.gz: the hosts a real job's directory gives).")
 @click.option("--microbatches", type=int, default=0, help="Micro-batches per step (default 2 x pp).")
 @click.option("--vstages", type=int, default=1, show_default=True, help="Virtual stages per rank (interleaved 1F1B).")
 @click.option("--ranks-per-host", type=int, default=8, show_default=True, help="Ranks sharing one host clock.")
@@ -49,8 +52,8 @@ KINETO_MAX_RANKS = 512  # beyond: hundreds of MB of JSON per thousand ranks; the
                    f"to {KINETO_MAX_RANKS} ranks.")
 def simulate_command(tp: int, cp: int, pp: int, dp: int, steps: int, seed: int, out: str, faults: tuple[str, ...],
                      names: str, skew_ms: float, drift_ppm: float, noise: float, spikes: float, chip_spread: float,
-                     microbatches: int, vstages: int, ranks_per_host: int, detail: bool, layers: int, attn_ms: float,
-                     mlp_ms: float, fmt: str) -> None:
+                     trace_names: str, microbatches: int, vstages: int, ranks_per_host: int, detail: bool,
+                     layers: int, attn_ms: float, mlp_ms: float, fmt: str) -> None:
     """Simulate a 4D-parallel NCCL job: its traces and ground truth, or its tables for large worlds.
 
     Kineto traces and flight-recorder dumps as the job would write them, with the ground truth in
@@ -61,8 +64,8 @@ def simulate_command(tp: int, cp: int, pp: int, dp: int, steps: int, seed: int, 
 
     cfg = SimConfig(tp=tp, cp=cp, pp=pp, dp=dp, steps=steps, seed=seed, faults=tuple(faults), names=names,
                     skew_ms=skew_ms, drift_ppm=drift_ppm, noise=noise, spikes=spikes, chip_spread=chip_spread,
-                    microbatches=microbatches, vstages=vstages, ranks_per_host=ranks_per_host, detail=detail,
-                    layers=layers, attn_ms=attn_ms, mlp_ms=mlp_ms)
+                    trace_names=trace_names, microbatches=microbatches, vstages=vstages,
+                    ranks_per_host=ranks_per_host, detail=detail, layers=layers, attn_ms=attn_ms, mlp_ms=mlp_ms)
     if fmt == "auto":
         fmt = "kineto" if tp * cp * pp * dp <= KINETO_MAX_RANKS else "parquet"
     try:

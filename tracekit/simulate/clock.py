@@ -26,6 +26,9 @@ class Clocks:
     def host(self, rank: int) -> int:
         return rank // self.rph
 
+    def host_name(self, rank: int) -> str:
+        return f"node{self.host(rank):04d}"
+
     def local_ms(self, rank: int, true_ms: np.ndarray | float) -> np.ndarray:
         """``rank``'s host clock minus EPOCH_NS, in ms (kept small so that floats hold nanoseconds)."""
         h = self.host(rank)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from tracekit.topology import Layout, LayoutError
 
 NAMES = ("mesh", "plain", "none")
+TRACE_NAMES = ("rank", "profiler")  # traces/rank<R>.json.gz, or as torch.profiler.tensorboard_trace_handler names them
 
 
 class SimError(ValueError):
@@ -36,6 +37,7 @@ class SimConfig:
     noise: float = 0.02
     spikes: float = 0.0
     chip_spread: float = 0.0
+    trace_names: str = "rank"  # rank: traces/rank<R>.json.gz; profiler: <host>_<pid>.<ns>.pt.trace.json.gz
     microbatches: int = 0  # 0: 2 * pp (Llama 3's bs = 2 * pp)
     vstages: int = 1
     layers: int = 1  # transformer layers per virtual stage (each: attention + MLP)
@@ -77,6 +79,8 @@ class SimConfig:
             raise SimError(f"microbatches must be >= 1, got {self.microbatches}")
         if self.names not in NAMES:
             raise SimError(f"names must be one of {NAMES}, got {self.names!r}")
+        if self.trace_names not in TRACE_NAMES:
+            raise SimError(f"trace_names must be one of {TRACE_NAMES}, got {self.trace_names!r}")
         for name in ("skew_ms", "drift_ppm", "noise", "chip_spread"):
             if getattr(self, name) < 0:
                 raise SimError(f"{name} must be >= 0, got {getattr(self, name)}")

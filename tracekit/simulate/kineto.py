@@ -83,6 +83,11 @@ def kernel_name(op: Op, new: bool) -> str:
     return f"ncclKernel_{body}(ncclDevComm*, unsigned long, ncclWork*)"
 
 
+def process_id(rank: int) -> int:
+    """The simulated rank's process id (its CPU events' pid)."""
+    return 100_000 + 17 * rank
+
+
 class RankWriter:
     """Builds one rank's trace document."""
 
@@ -106,7 +111,7 @@ class RankWriter:
     def document(self, view: RankOps) -> dict:
         r = view.rank
         rng = np.random.default_rng([self.seed, 3, r])
-        cpu_pid, device = 100_000 + 17 * r, r % self.clocks.rph
+        cpu_pid, device = process_id(r), r % self.clocks.rph
         ts = self.clocks.ts_us(r, view.start).tolist()
         te = self.clocks.ts_us(r, view.end).tolist()
         lead = (rng.uniform(0.015, 0.08, len(view.ops)) * 1e3).tolist()  # the CPU runs ahead of the GPU (us)

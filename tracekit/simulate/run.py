@@ -38,12 +38,21 @@ def simulate(cfg: SimConfig, out_dir: str | Path) -> Path:
     blocked = []
     for r in range(cfg.world_size):
         view = views.rank(r)
-        kineto.write(out / "traces" / f"rank{r}.json.gz", writer.document(view))
+        kineto.write(out / "traces" / trace_file(cfg, clocks, r), writer.document(view))
         flight.write(out / "fr" / f"rank{r}", flight.dump(views, clocks, view, cfg.seed))
         if np.any(np.isfinite(view.start) & ~np.isfinite(view.end)):
             blocked.append(r)
     (out / "manifest.json").write_text(json.dumps(manifest(cfg, faults, trace, clocks, groups, blocked), indent=1))
     return out
+
+
+def trace_file(cfg: SimConfig, clocks: Clocks, r: int) -> str:
+    """Rank r's trace file name: rank<R>.json.gz, or (``trace_names`` profiler) the name
+    torch.profiler.tensorboard_trace_handler gives it, f"{hostname}_{pid}.{time_ns}.pt.trace.json.gz",
+    which is where a real job's directory says which host each rank ran on."""
+    if cfg.trace_names == "profiler":
+        return f"{clocks.host_name(r)}_{kineto.process_id(r)}.{clocks.base_ns(r) + r}.pt.trace.json.gz"
+    return f"rank{r}.json.gz"
 
 
 def manifest(cfg: SimConfig, faults: list, trace: Trace, clocks: Clocks, groups: Groups, blocked: list[int]) -> dict:
@@ -55,7 +64,7 @@ def manifest(cfg: SimConfig, faults: list, trace: Trace, clocks: Clocks, groups:
     config = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extras"}
     config["faults"] = ";".join(cfg.faults)
     config["microbatches"] = cfg.n_microbatches
-    hosts = [f"node{clocks.host(r):04d}" for r in range(cfg.world_size)]
+    hosts = [clocks.host_name(r) for r in range(cfg.world_size)]
     return {
         "config": config,
         "layout": cfg.layout.as_dict(),
@@ -64,10 +73,11 @@ def manifest(cfg: SimConfig, faults: list, trace: Trace, clocks: Clocks, groups:
         "torch_version": "simulated",
         "python_version": sys.version.split()[0],
         "hosts": hosts,
-        "pids": [100_000 + 17 * r for r in range(cfg.world_size)],
+        "pids": [kineto.process_id(r) for r in range(cfg.world_size)],
         "pipeline_schedule": schedule_names(cfg),
         "faults": truth,
-        "artifacts": {"traces": "traces/rank<R>.json.gz", "profiled_steps": list(range(cfg.steps)),
+        "artifacts": {"traces": "traces/rank<R>.json.gz" if cfg.trace_names == "rank" else
+                      "traces/<host>_<pid>.<ns>.pt.trace.json.gz", "profiled_steps": list(range(cfg.steps)),
                       "flight_recorder": "fr/rank<R>"},
         "simulated": {
             "seed": cfg.seed, "names": cfg.names,
