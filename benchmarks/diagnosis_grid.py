@@ -172,21 +172,29 @@ def make_cases(kinds, seeds: int, quick: bool, draw: int = 0, schedules: bool = 
                 elif kind == "hang":
                     r = rng.randrange(world)
                     faults, truth = (f"hang:rank={r},step={rng.randrange(2, 6)}",), {"ranks": [r]}
-                names = rng.choice(["mesh", "plain", "none"])
+                names, noise, spikes, skew, drift = _conditions(rng)
                 if names == "plain" and s % 3 == 2:  # the simulator's plain flavour 2 names nothing ('undefined')
                     s += 1
-                case = Case(kind, (tp, cp, pp, dp), s, faults, names,
-                            rng.choice([0.02, 0.05, 0.1, 0.15]), rng.choice([0.0, 0.002, 0.01]),
-                            rng.choice([0.0, 50.0, 500.0, 2000.0]), rng.choice([0.0, 20.0]), truth)
+                case = Case(kind, (tp, cp, pp, dp), s, faults, names, noise, spikes, skew, drift, truth)
                 if schedules:
-                    case.schedule = (rng.choice([1, 2, 4]) * pp, rng.choice([1, 2]) if pp > 1 else 1,
-                                     rng.choice([2, 4]), rng.choice([4, 8]))
+                    case.schedule = _schedule(rng, pp)
                 cases.append(case)
     if "chips" in kinds:
         cases += _chip_cases(seeds, quick, draw, schedules)
     if "host" in kinds:
         cases += _host_cases(seeds, quick, draw, schedules)
     return cases
+
+
+def _conditions(rng: random.Random) -> tuple[str, float, float, float, float]:
+    """A case's group names, kernel noise, spike probability, clock skew (ms) and drift (ppm)."""
+    return (rng.choice(["mesh", "plain", "none"]), rng.choice([0.02, 0.05, 0.1, 0.15]), rng.choice([0.0, 0.002, 0.01]),
+            rng.choice([0.0, 50.0, 500.0, 2000.0]), rng.choice([0.0, 20.0]))
+
+
+def _schedule(rng: random.Random, pp: int) -> tuple[int, int, int, int]:
+    """Micro-batches, virtual stages per rank, layers per virtual stage, ranks per host."""
+    return rng.choice([1, 2, 4]) * pp, rng.choice([1, 2]) if pp > 1 else 1, rng.choice([2, 4]), rng.choice([4, 8])
 
 
 def _host_cases(seeds: int, quick: bool, draw: int, schedules: bool) -> list[Case]:
@@ -196,8 +204,7 @@ def _host_cases(seeds: int, quick: bool, draw: int, schedules: bool) -> list[Cas
     for seed in range(seeds):
         for li, (tp, cp, pp, dp) in enumerate(LAYOUTS):
             world = tp * cp * pp * dp
-            sched = ((rng.choice([1, 2, 4]) * pp, rng.choice([1, 2]) if pp > 1 else 1, rng.choice([2, 4]),
-                      rng.choice([4, 8])) if schedules else ())
+            sched = _schedule(rng, pp) if schedules else ()
             per_host = sched[3] if sched else 8
             if world // per_host < 2 or (quick and (li + seed) % 4):
                 continue
@@ -205,10 +212,9 @@ def _host_cases(seeds: int, quick: bool, draw: int, schedules: bool) -> list[Cas
             f = rng.choice([1.1, 1.2, 1.5])
             ranks = list(range(h * per_host, (h + 1) * per_host))
             s = seed * 1000 + li * 37 + 30 + 100_000 * draw
-            case = Case("host", (tp, cp, pp, dp), s, tuple(f"slow:rank={r},factor={f}" for r in ranks),
-                        rng.choice(["mesh", "plain", "none"]), rng.choice([0.02, 0.05, 0.1, 0.15]),
-                        rng.choice([0.0, 0.002, 0.01]), rng.choice([0.0, 50.0, 500.0, 2000.0]),
-                        rng.choice([0.0, 20.0]), {"ranks": ranks, "factor": f}, schedule=sched)
+            names, noise, spikes, skew, drift = _conditions(rng)
+            case = Case("host", (tp, cp, pp, dp), s, tuple(f"slow:rank={r},factor={f}" for r in ranks), names, noise,
+                        spikes, skew, drift, {"ranks": ranks, "factor": f}, schedule=sched)
             if case.names == "plain" and s % 3 == 2:
                 case.seed += 1
             out.append(case)
@@ -225,14 +231,12 @@ def _chip_cases(seeds: int, quick: bool, draw: int, schedules: bool) -> list[Cas
                 if quick and (li + seed + v) % 4:
                     continue
                 s = seed * 1000 + li * 37 + 20 + 100 * v + 100_000 * draw
-                case = Case("chips", (tp, cp, pp, dp), s, (), rng.choice(["mesh", "plain", "none"]),
-                            rng.choice([0.02, 0.05, 0.1, 0.15]), rng.choice([0.0, 0.002, 0.01]),
-                            rng.choice([0.0, 50.0, 500.0, 2000.0]), rng.choice([0.0, 20.0]), {}, chips=spread)
+                names, noise, spikes, skew, drift = _conditions(rng)
+                case = Case("chips", (tp, cp, pp, dp), s, (), names, noise, spikes, skew, drift, {}, chips=spread)
                 if case.names == "plain" and s % 3 == 2:  # as above: plain flavour 2 names nothing
                     case.seed += 1
                 if schedules:
-                    case.schedule = (rng.choice([1, 2, 4]) * pp, rng.choice([1, 2]) if pp > 1 else 1,
-                                     rng.choice([2, 4]), rng.choice([4, 8]))
+                    case.schedule = _schedule(rng, pp)
                 out.append(case)
     return out
 
