@@ -185,8 +185,9 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
     speed = compute_speed(tables, device_only=bool(heavy))
     compute = find_culprits(speed, tun, compared)
     # a host slow as a whole can be half of every stage, where no rank stands out from its peers
-    whole = slow_host_ranks(speed, tables, tun) if scope is None else frozenset()
-    if whole:
+    hosts = slow_host_ranks(speed, tables, tun) if scope is None else {}
+    if hosts:
+        whole = frozenset().union(*(ranks for ranks, _ in hosts.values()))
         compute = find_culprits(compute_speed(tables, whole, device_only=bool(heavy)), tun, compared, known=whole)
     slow = frozenset(f.rank for f in compute.findings if f.kind == "persistent")
     if slow:  # their ratios and costs measured with them out of every other rank's reference
@@ -216,7 +217,7 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
     # a rank without data is never blamed (its peers' waits on it say nothing of its speed)
     findings = [f for f in findings if not set(f.ranks) & set(damaged) or f.kind == "slow_link"
                 and not set(f.ranks) <= set(damaged)]
-    findings = slow_hosts(findings, tables, step_ns)
+    findings = slow_hosts(findings, tables, step_ns, hosts)
     minor = minor_links(tables, links, step_ns, tun)
     cause = _primary_cause(findings, loc, tables, compute, minor, tun)
     return Diagnosis(_primary(loc, findings, tables, compute, bool(minor)), cause, findings, compute, damaged, scope)

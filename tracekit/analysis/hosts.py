@@ -40,7 +40,8 @@ def _host_of(tables: RunTables) -> dict[int, str]:
     return {int(r): str(h) for r, h in tables.ranks.select("rank", "host").drop_nulls().iter_rows() if h}
 
 
-def slow_host_ranks(speed: pl.DataFrame, tables: RunTables, tun: Tunables = Tunables()) -> frozenset[int]:
+def slow_host_ranks(speed: pl.DataFrame, tables: RunTables,
+                    tun: Tunables = Tunables()) -> dict[str, tuple[frozenset[int], float]]:
     """The ranks of hosts slow as a whole, from ``compute_speed``'s first look. Each rank is
     compared with its stage peers' median; where one host is half of every stage (one of two
     hosts), that median is half slow, the ranks' effects split in two, and against that spread no
@@ -50,15 +51,17 @@ def slow_host_ranks(speed: pl.DataFrame, tables: RunTables, tun: Tunables = Tuna
     the two medians' standard errors (from the ranks' spread within their hosts) or, with three
     hosts or more, of the other hosts' levels' spread, whichever is larger, against the bar the
     ranks' own test uses for that many hosts. Faults only slow, so of two hosts the slower is the
-    one. Returned: its ranks past halfway between the two levels, where they are most of it."""
-    from tracekit.analysis.culprits import _table, persistent_effect
+    one, where most of its ranks are past halfway between the two levels. Returned, per such host:
+    all of its ranks (to be left out of every reference and judged each on its own) and how sure
+    the host test is (``margin_confidence`` of its margin)."""
+    from tracekit.analysis.culprits import _table, margin_confidence, persistent_effect
 
     host_of = _host_of(tables)
     if len(set(host_of.values())) < 2 or not speed.height:
-        return frozenset()
+        return {}
     ranks, _, mat = _table(speed)
     if mat.shape[0] < tun.compute_min_steps:
-        return frozenset()
+        return {}
     e = mat - np.nanmedian(mat, axis=1, keepdims=True)
     effects = np.array([persistent_effect(e[:, j][np.isfinite(e[:, j])]) for j in range(len(ranks))])
     by_host: dict[str, list[int]] = defaultdict(list)
@@ -67,11 +70,11 @@ def slow_host_ranks(speed: pl.DataFrame, tables: RunTables, tun: Tunables = Tuna
             by_host[host_of[r]].append(j)
     by_host = {h: js for h, js in by_host.items() if len(js) >= 2}
     if len(by_host) < 2:
-        return frozenset()
+        return {}
     level = {h: float(np.median(effects[js])) for h, js in by_host.items()}
     within = biweight_spread(np.concatenate([effects[js] - level[h] for h, js in by_host.items()]))
     bar = tun.culprit_margin_min + tun.compute_margin_per_log * math.log(max(1.0, len(by_host) / 2))
-    slow: set[int] = set()
+    slow: dict[str, tuple[frozenset[int], float]] = {}
     for h, js in by_host.items():
         rest = [j for g, ks in by_host.items() if g != h for j in ks]
         base = float(np.median(effects[rest]))
@@ -81,34 +84,49 @@ def slow_host_ranks(speed: pl.DataFrame, tables: RunTables, tun: Tunables = Tuna
         unit = max(se, biweight_spread(np.array(others)) if len(others) >= 2 else 0.0, tun.compute_noise_floor)
         past = [j for j in js if effects[j] > base + gap / 2]
         if gap / unit >= bar and gap >= math.log(HOST_MIN_RATIO) and len(past) >= HOST_UNIFORM_SHARE * len(js):
-            slow |= {ranks[j] for j in past}
-    return frozenset(slow)
+            # all of its ranks out of the references: each is then judged on its own against healthy
+            # ones (at 15% noise two of a 1.1x host's eight fell short of halfway, were measured
+            # against the host's own ranks, and came out 'moving')
+            slow[h] = frozenset(ranks[j] for j in js), margin_confidence(gap / unit, bar, len(past) / len(js))
+    return slow
 NEXT_STEP_HOST = ("drain or test host {host} (CPU load and memory bandwidth, power and thermal limits, PCIe and "
                   "NVLink errors, then `nvidia-smi -q` on each of its GPUs); rerun without it to confirm")
 
 
-def slow_hosts(findings: list[Finding], tables: RunTables, step_ns: float) -> list[Finding]:
-    """``findings`` with each host's slow workers merged into one finding of the host."""
+def slow_hosts(findings: list[Finding], tables: RunTables, step_ns: float,
+               whole: dict[str, tuple[frozenset[int], float]] | None = None) -> list[Finding]:
+    """``findings`` with each host's slow workers merged into one finding of the host. ``whole``:
+    hosts found slow as wholes (``slow_host_ranks``): named with every rank they hold, at the host
+    test's confidence, their ranks' own findings folded in (at 15% noise, two of a 1.1x host's eight
+    ranks fell short of the ranks' own bar, one of them then 'moving')."""
     host_of = _host_of(tables)
     if len(set(host_of.values())) < 2:
         return findings
     members: dict[str, set[int]] = defaultdict(set)
     for r, h in host_of.items():
         members[h].add(r)
+    merged: list[Finding] = []
+    gone: set[int] = set()
+    for host, (_, sure) in (whole or {}).items():
+        mine = [f for f in findings if f.kind in ("straggler", "transient", "moving") and f.cause == "slow_compute"
+                and len(f.ranks) == 1 and host_of.get(f.ranks[0]) == host]
+        persistent = [f for f in mine if f.kind == "straggler"]
+        if persistent:
+            merged.append(_host_finding(tables, host, "straggler", persistent, sorted(members[host]),
+                                        len(members[host]), step_ns, sure))
+            gone |= {id(f) for f in mine}
     groups: dict[tuple, list[Finding]] = defaultdict(list)
     for f in findings:
         if f.kind in ("straggler", "transient") and f.cause == "slow_compute" and len(f.ranks) == 1 \
-                and f.ranks[0] in host_of:
+                and f.ranks[0] in host_of and id(f) not in gone:
             groups[(host_of[f.ranks[0]], f.kind, f.steps if f.kind == "transient" else ())].append(f)
-    merged: list[Finding] = []
-    gone: set[int] = set()
     for (host, kind, _), fs in groups.items():
         ranks = sorted(f.ranks[0] for f in fs)
         held = members[host]
         if not (len(ranks) >= 2 and set(ranks) == held
                 or len(ranks) >= HOST_MIN_RANKS and 2 * len(ranks) >= len(held)):
             continue
-        merged.append(_host_finding(tables, host, kind, fs, ranks, len(held), step_ns))
+        merged.append(_host_finding(tables, host, kind, fs, ranks, len(held), step_ns, min(f.confidence for f in fs)))
         gone |= {id(f) for f in fs}
     if not merged:
         return findings
@@ -116,11 +134,13 @@ def slow_hosts(findings: list[Finding], tables: RunTables, step_ns: float) -> li
 
 
 def _host_finding(tables: RunTables, host: str, kind: str, fs: list[Finding], ranks: list[int], held: int,
-                  step_ns: float) -> Finding:
+                  step_ns: float, confidence: float) -> Finding:
+    """The host's finding over ``ranks``, from its ranks' own findings ``fs`` (their ratios: where
+    the host was found as a whole, some of its ranks may have none)."""
     from tracekit.analysis.whatif import WhatIfError, saving
 
     by_rank = {f.ranks[0]: float(f.evidence.get("compute_ratio", float("nan"))) for f in fs}
-    ratios = [by_rank[r] for r in ranks]
+    ratios = list(by_rank.values())
     steps = fs[0].steps
     cost, share, how = max(f.cost_ns for f in fs), max(f.cost_ns for f in fs) / step_ns, "the costliest rank"
     try:  # all of them at their peers' speed at once: their costs overlap, they do not add
@@ -130,12 +150,14 @@ def _host_finding(tables: RunTables, host: str, kind: str, fs: list[Finding], ra
         pass
     lo, hi = min(ratios), max(ratios)
     span = f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}x"
-    every = (f"each of its {held} ranks computes {span} its peers" if len(ranks) == held
-             else f"{len(ranks)} of its {held} ranks compute {span} their peers")
+    every = (f"each of its {held} ranks computes {span} its peers" if len(fs) == len(ranks) == held
+             else f"{len(ranks)} of its {held} ranks compute {span} their peers" if len(fs) == len(ranks)
+             else f"its {len(ranks)} ranks are slower than the other hosts' as a whole, {len(fs)} of them beyond noise "
+                  f"on their own ({span} their peers)")
     place = f"host {host}: {where(tables, tuple(ranks))}"
     what = "is slow" if kind == "straggler" else "is slow in some steps"
     summary = f"{place} {what}: {every}: one slow machine, not {len(ranks)} slow GPUs"
-    return Finding(kind, tuple(ranks), place, steps, cost, share, min(f.confidence for f in fs), "slow_compute",
+    return Finding(kind, tuple(ranks), place, steps, cost, share, confidence, "slow_compute",
                    summary, NEXT_STEP_HOST.format(host=host),
-                   {"host": host, "host_ranks": held, "compute_ratio": hi, "compute_ratios": dict(zip(ranks, ratios)),
+                   {"host": host, "host_ranks": held, "compute_ratio": hi, "compute_ratios": by_rank,
                     "cost_from": how, "members": [f.to_dict() for f in sorted(fs, key=lambda f: f.ranks)]})
