@@ -102,3 +102,19 @@ def test_a_host_holding_whole_stages_of_a_single_replica_leaves_no_straggler_in_
     assert not d.findings and d.localization.verdict == "no_straggler", [f.summary for f in d.findings]
     assert d.localization.confidence <= 0.5
     assert "with one replica, a whole pipeline stage" in d.cause.summary
+
+
+def test_a_host_found_as_a_whole_is_named_with_every_rank_even_those_short_of_their_own_bar(tmp_path):
+    # grid draw 28 (schedules), kind host: cp 2 x dp 8, host node0001 (ranks 8-15) 1.1x at 15% kernel
+    # noise, 2 micro-batches of 2 layers. Six of its ranks clear their own bar, two do not; before,
+    # the host was named with six ranks and the other two (and a healthy rank beside them) 'moving'
+    cfg = SimConfig(cp=2, dp=8, steps=8, seed=2801437, noise=0.15, spikes=0.01, drift_ppm=20.0, names="none",
+                    microbatches=2, layers=2, ranks_per_host=8, trace_names="profiler",
+                    faults=tuple(f"slow:rank={r},factor=1.1" for r in range(8, 16)))
+    simulate(cfg, tmp_path / "run")
+    (tmp_path / "run/manifest.json").unlink()
+    ingest([tmp_path / "run"], tmp_path / "s.duckdb", workers=1)
+    with tracekit.open(tmp_path / "s.duckdb") as s:
+        d = s.diagnose()
+    assert [f.ranks for f in d.findings] == [tuple(range(8, 16))], [f.summary for f in d.findings]
+    assert "host node0001" in d.findings[0].where and d.findings[0].confidence >= 0.9
