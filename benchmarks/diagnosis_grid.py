@@ -84,12 +84,14 @@ class Case:
     # published grid's (2 x pp, 1, 4, 8)
     schedule: tuple[int, ...] = ()
     chips: float = 0.0  # sigma of the ranks' own compute factors (chips that differ); 0: identical chips
+    profiler_names: bool = False  # traces named host_pid.ns.pt.trace.json.gz: the hosts known, as in a real job
 
     @property
     def label(self) -> str:
         tp, cp, pp, dp = self.layout
         sched = " mb{} v{} L{} h{}".format(*self.schedule) if self.schedule else ""
         sched += f" chips {self.chips:.3f}" if self.chips else ""
+        sched += " profiler-names" if self.profiler_names and self.kind != "host" else ""
         return (f"{self.kind:12s} tp{tp} cp{cp} pp{pp} dp{dp} {self.names:5s} noise {self.noise:.2f} "
                 f"skew {self.skew_ms:.0f}ms seed {self.seed}{sched} {' '.join(self.faults)}")
 
@@ -291,7 +293,7 @@ def run_case(case: Case, work: Path, cache: Path | None, hta_python: Path | None
                         chip_spread=case.chips,
                         # a host's ranks are known from the profiler's own file names (the manifest is
                         # set aside): the slow-host cases are named so, the published cases as they were
-                        trace_names="profiler" if case.kind == "host" else "rank")
+                        trace_names="profiler" if case.kind == "host" or case.profiler_names else "rank")
         simulate(cfg, out)
         pending = keep / "truth.pending"  # judge from the traces alone, not the manifest
         (out / "manifest.json").rename(pending)
@@ -452,6 +454,10 @@ def main() -> None:
                     help="also run torch-native jobs (reference_trainer/native_job.py: FSDP2 x DTensor x pipelining, "
                          "gloo, plain profiler) on these dp x pp x tp layouts (none given: all), reported apart")
     ap.add_argument("--cache", type=Path, help="keep each case's store here; a re-run re-judges the analysis only")
+    ap.add_argument("--profiler-names", action="store_true",
+                    help="name every case's traces as the profiler does (host_pid.ns.pt.trace.json.gz), so that "
+                         "each rank's host is known, as in a real job's directory (the published grid names them "
+                         "rank<R>; the host kind always uses these names)")
     ap.add_argument("--tunable", action="append", default=[], metavar="NAME=VALUE",
                     help="judge with this analysis setting instead (tracekit.analysis.tunables), e.g. "
                          "culprit_margin_min=2.0: with --cache, what a setting does to every kind, replayed")
@@ -469,6 +475,8 @@ def main() -> None:
         except ValueError:
             ap.error(f"--tunable {item}: {name} takes a {kind.__name__}")
     cases = make_cases(args.kinds, args.seeds, args.quick, args.draw, args.schedules)
+    for case in cases:
+        case.profiler_names = args.profiler_names
     hta_python = None
     if args.hta:
         from ingest_vs_hta import ensure_hta
