@@ -118,3 +118,17 @@ def test_a_host_found_as_a_whole_is_named_with_every_rank_even_those_short_of_th
         d = s.diagnose()
     assert [f.ranks for f in d.findings] == [tuple(range(8, 16))], [f.summary for f in d.findings]
     assert "host node0001" in d.findings[0].where and d.findings[0].confidence >= 0.9
+
+
+def test_ranks_of_one_host_taking_turns_are_a_moving_straggler_not_a_slow_host(tmp_path):
+    # three ranks of a host of four, 1.5x in turn: their trimmed means over the steps read high
+    # enough to pass as a slow host, and the moving straggler was then "no straggler"
+    cfg = SimConfig(tp=2, pp=2, dp=4, steps=8, seed=4, noise=0.05, ranks_per_host=4, layers=4,
+                    trace_names="profiler", faults=("moving:ranks=0+1+2,factor=1.5",))
+    simulate(cfg, tmp_path / "run")
+    (tmp_path / "run/manifest.json").unlink()
+    ingest([tmp_path / "run"], tmp_path / "s.duckdb", workers=1)
+    with tracekit.open(tmp_path / "s.duckdb") as s:
+        d = s.diagnose()
+    assert d.localization.verdict == "moving", d.headline
+    assert {r for f in d.findings for r in f.ranks} <= {0, 1, 2} and not any("host" in f.where for f in d.findings)
