@@ -4,9 +4,18 @@ slow worker, not data imbalance. With each kernel class's time summed (before at
 a trimmed mean of span ratios), 4 of 25 stored torch-native runs of benchmarks/native_accuracy.py,
 all at factor 1.3, had their slow device called data imbalance; whether a given run does depends on
 the machine's load, so this one (tp 2, rank 1 computing 1.3x slower, 4 steps) pins the answer, not
-that history."""
+that history.
+
+The two processes share this machine's two cores with everything else on it: in some runs a rank's
+CPU ops scatter by 11-41% from step to step (measured in 2026-11-27's suite runs: the test failed in
+about one run of four, on the code of then and of the stop before), and then no 1.3x rank can stand
+out over 8 steps, which the answer says ("a rank 168% slower would have stood out"). Such a run is
+no input for this test: it is run again, up to three times, and skipped if the machine stays that
+noisy. The assertions are on runs quiet enough to measure a 1.3x rank."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -14,15 +23,25 @@ import tracekit
 from reference_trainer import native_job
 from tracekit.ingest.pipeline import ingest
 
+NOISY = math.log(1.10)  # compute scatter per step above which a 1.3x rank cannot be measured here
+ATTEMPTS = 3
+
 
 @pytest.fixture(scope="module")
 def diagnosis(tmp_path_factory):
-    out = tmp_path_factory.mktemp("native_cause")
-    native_job.run(native_job.parse_args(["--dp", "1", "--pp", "1", "--tp", "2", "--steps", "4", "--seed", "0",
-                                          "--out", str(out / "run"), "--slow-rank", "1", "--slow-factor", "1.3"]))
-    ingest([out / "run"], out / "s.duckdb")
-    with tracekit.open(out / "s.duckdb") as s:
-        return s.diagnose()
+    scatters = []
+    for attempt in range(ATTEMPTS):
+        out = tmp_path_factory.mktemp(f"native_cause{attempt}")
+        native_job.run(native_job.parse_args(["--dp", "1", "--pp", "1", "--tp", "2", "--steps", "8", "--seed", "0",
+                                              "--out", str(out / "run"), "--slow-rank", "1", "--slow-factor", "1.3"]))
+        ingest([out / "run"], out / "s.duckdb")
+        with tracekit.open(out / "s.duckdb") as s:
+            d = s.diagnose()
+        scatters.append(d.compute.sigma if d.compute is not None else float("inf"))
+        if scatters[-1] <= NOISY:
+            return d
+    pytest.skip(f"the machine was too noisy to measure a 1.3x rank: compute scatter "
+                f"{', '.join(f'{math.exp(x) - 1:.0%}' for x in scatters)} per step in {ATTEMPTS} runs")
 
 
 def test_a_slow_device_on_a_native_job_is_a_slow_worker(diagnosis):
