@@ -54,7 +54,7 @@ TAUS = (0.0, 0.003, 0.005, 0.01)  # sd of the per-rank offsets in "chips that di
 def draw_run(i: int, rng: random.Random, base_seed: int) -> tuple[dict, "SimConfig"]:
     """Run ``i``'s truth (kind, noise, slow rank, world) and its simulator configuration: every draw
     of the run, in one place, so that a run read from the cache leaves the rng as a simulated one."""
-    from diagnosis_grid import LAYOUTS
+    from grid_cases import LAYOUTS
     from tracekit.simulate.config import SimConfig
 
     tp, cp, pp, dp = rng.choice(LAYOUTS)

@@ -37,7 +37,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from diagnosis_grid import LAYOUTS, Case, print_accuracy, print_calibration, run_case  # noqa: E402
+from diagnosis_grid import Case, print_accuracy, print_calibration, run_case  # noqa: E402
+from grid_cases import LAYOUTS  # noqa: E402
 
 MIXES = ("slow+link", "two+link", "slow+link_near", "slow+transient", "slow+stage", "slow+cp_imbalance",
          "slow_on_cp_imbalance", "moving+link", "transient+link", "two_links", "slow+hang")

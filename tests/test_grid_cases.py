@@ -1,4 +1,4 @@
-"""The fault grid's cases (benchmarks/diagnosis_grid.py) stay what was published: the numbers in
+"""The fault grid's cases (benchmarks/grid_cases.py) stay what was published: the numbers in
 docs/analysis.md were measured on them, so a new kind of case must not move the others."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import diagnosis_grid as grid  # noqa: E402
+import grid_cases as grid  # noqa: E402
 
 # sha1 of the labels (layout, names, noise, clocks, seed, faults) of every case, as published
 PUBLISHED = {(0, False): "e03489a99d521e40", (1, False): "78669cecc22c5ee8", (3, True): "efcf1287fae177d9"}

@@ -35,6 +35,8 @@ HOST_MIN_RANKS = 3  # below every rank of its host, a host finding needs this ma
 # halfway between the two levels
 HOST_MIN_RATIO = 1.05
 HOST_UNIFORM_SHARE = 0.75
+NEXT_STEP_HOST = ("drain or test host {host} (CPU load and memory bandwidth, power and thermal limits, PCIe and "
+                  "NVLink errors, then `nvidia-smi -q` on each of its GPUs); rerun without it to confirm")
 
 
 def _host_of(tables: RunTables) -> dict[int, str]:
@@ -95,8 +97,6 @@ def slow_host_ranks(speed: pl.DataFrame, tables: RunTables,
             # against the host's own ranks, and came out 'moving')
             slow[h] = frozenset(ranks[j] for j in js), margin_confidence(gap / unit, bar, len(past) / len(js))
     return slow
-NEXT_STEP_HOST = ("drain or test host {host} (CPU load and memory bandwidth, power and thermal limits, PCIe and "
-                  "NVLink errors, then `nvidia-smi -q` on each of its GPUs); rerun without it to confirm")
 
 
 def slow_hosts(findings: list[Finding], tables: RunTables, step_ns: float,
