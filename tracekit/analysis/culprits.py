@@ -160,7 +160,7 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int
     # a single cell's bar is a tail quantile: of the noise itself, not of step_scatter's low reading
     cell_sigma = sigma / scatter_bias(T, n)
     cell_bar = max(NormalDist().inv_cdf(1 - tun.episode_alpha / cells) * cell_sigma, math.log(tun.episode_min_ratio))
-    bar = tun.culprit_margin_min + tun.compute_margin_per_log * math.log(max(1.0, n_all / 2))
+    bar = tun.culprit_margin_min + tun.culprit_margin_per_log * math.log(max(1.0, n_all / 2))
     effects = np.array([persistent_effect(e[:, j][np.isfinite(e[:, j])]) for j in range(n)])
     findings: list[RankFinding] = []
     persistent: set[int] = set()

@@ -81,7 +81,7 @@ def slow_host_ranks(speed: pl.DataFrame, tables: RunTables,
         return {}
     level = {h: float(np.median(effects[js])) for h, js in by_host.items()}
     within = biweight_spread(np.concatenate([effects[js] - level[h] for h, js in by_host.items()]))
-    bar = tun.culprit_margin_min + tun.compute_margin_per_log * math.log(max(1.0, len(by_host) / 2))
+    bar = tun.host_margin_min + tun.compute_margin_per_log * math.log(max(1.0, len(by_host) / 2))
     slow: dict[str, tuple[frozenset[int], float]] = {}
     for h, js in by_host.items():
         rest = [j for g, ks in by_host.items() if g != h for j in ks]

@@ -103,6 +103,9 @@ class Tunables:
     # grid clean-or-slow runs had a bystander over it, and a 3% slowdown cleared it in 79% of 128 runs
     # (2-15% noise, 8 steps; 3.0 gave 68%). benchmarks/diagnosis_grid.py checks it.
     culprit_margin_min: float = 2.25
+    culprit_margin_per_log: float = 1.0
+    # hosts.py's whole-host test: host_margin_min + compute_margin_per_log * ln(hosts / 2)
+    host_margin_min: float = 2.25
     compute_effect_min_ratio: float = 1.02
     # Where fewer than culprits.GUARD_MIN_RANKS other ranks do the same work, their own spread (the
     # guard against ranks that differ for reasons that are not a fault) cannot be measured: a
