@@ -151,12 +151,12 @@ def _distances(rank: int, spans: pl.DataFrame, others: dict[int, dict[str, np.nd
 def _ways(counts: dict[str, dict[str, int]], dist: dict[str, dict[str, float]], cands: list) -> dict:
     """The rank's ways to give its threads groups, the cheapest (summed distance) of each signature:
     signature (ops per kind of each group, keyed by dimension where the rank's are distinct) ->
-    (summed distance, thread -> group). Threads near no group stay out; too many ways: the nearest."""
+    (summed distance, thread -> group). Threads near no group stay out; over 4096 ways: the nearest."""
     tids = sorted(t for t in dist if any(np.isfinite(list(dist[t].values()))))
     options = [[p for p, d in dist[t].items() if np.isfinite(d)] for t in tids]
     dims = [d for _, d, _ in cands]
     key = {n: d if None not in dims and len(set(dims)) == len(dims) else n for n, d, _ in cands}
-    combos = (itertools.product(*options) if np.prod([len(o) for o in options]) <= 200_000
+    combos = (itertools.product(*options) if np.prod([len(o) for o in options]) <= 4096
               else [tuple(min(o, key=dist[t].get) for t, o in zip(tids, options))])
     out: dict[tuple, tuple[float, dict[str, str]]] = {}
     for combo in combos:
@@ -203,7 +203,10 @@ def _by_timing(ranks: dict[int, tuple[pl.DataFrame, dict, dict, list]]) -> dict[
     out: dict[int, dict[str, str]] = {}
     for st in set(stage_of.values()):
         stage = [r for r in ranks if stage_of[r] == st]
-        held = {s: [r for r in stage if s in ways[r]] for r in stage for s in ways[r]}
+        held: dict[tuple, list[int]] = {}  # signature -> the ranks that can give it
+        for r in stage:
+            for s in ways[r]:
+                held.setdefault(s, []).append(r)
         most = max((len(h) for h in held.values()), default=0)
         sigs = sorted((s for s, h in held.items() if len(h) == most), key=lambda s: sum(ways[r][s][0] for r in held[s]))
         own = {r: min(ways[r], key=lambda s: ways[r][s][0]) for r in stage if ways[r]}
