@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import duckdb
+import numpy as np
 import polars as pl
 import pytest
 from click.testing import CliRunner
@@ -34,14 +35,22 @@ def run(tmp_path_factory) -> dict:
     return {"dir": out / "run", "store": store, "manifest": manifest}
 
 
-def _tables(run: dict, with_fr: bool = True) -> RunTables:
+def _frames(run: dict) -> dict[str, pl.DataFrame]:
+    """The store's tables without the flight recorder's."""
     con = duckdb.connect(str(run["store"]), read_only=True)
     try:
-        if with_fr:
-            return RunTables.from_duckdb(con, "run")
-        frames = {t: pl.from_arrow(con.sql(f"SELECT * FROM {t}").to_arrow_table())
-                  for t in ("runs", "ranks", "groups", "events", "collectives", "p2p", "steps")}
-        return RunTables.from_mapping(frames)
+        return {t: pl.from_arrow(con.sql(f"SELECT * FROM {t}").to_arrow_table())
+                for t in ("runs", "ranks", "groups", "events", "collectives", "p2p", "steps")}
+    finally:
+        con.close()
+
+
+def _tables(run: dict, with_fr: bool = True) -> RunTables:
+    if not with_fr:
+        return RunTables.from_mapping(_frames(run))
+    con = duckdb.connect(str(run["store"]), read_only=True)
+    try:
+        return RunTables.from_duckdb(con, "run")
     finally:
         con.close()
 
@@ -82,6 +91,38 @@ def test_both_ways_of_labelling_agree(run: dict) -> None:
     assert (j["pg_name"] == j["pg_name_right"]).all() and (j["seq"] == j["seq_right"]).all()
 
 
+@pytest.mark.parametrize("delay", ["shift", "random", "random_one_thread"])
+def test_timing_labels_survive_a_descheduled_dp_thread(run: dict, delay: str) -> None:
+    """Each rank in turn has its DP collectives complete late, as if their worker threads were
+    descheduled: all 3 ms late, 0-5 ms late each, or 0-5 ms late each on one of its two DP threads.
+    Without the recorder every collective still gets the recorder's group and seq (a frequent TP
+    group has a completion within a few ms of any instant, so nearness alone labelled the DP
+    threads of the late rank and of its DP partner TP)."""
+    frames, fr = _frames(run), _tables(run)
+    want = fr.collectives
+    dp = want.join(fr.groups.filter(pl.col("dim") == "dp").select("pg_name"), on="pg_name")
+    tids = dp.join(frames["events"].select("rank", pl.col("ts_ns").alias("start_ns"), "tid").unique(),
+                   on=["rank", "start_ns"])
+    wrong = {}
+    for rank in range(8):
+        late = tids.filter(pl.col("rank") == rank)
+        if delay == "random_one_thread":
+            late = late.filter(pl.col("tid") == late["tid"].min())
+        ms = (np.full(late.height, 3.0) if delay == "shift"
+              else np.random.default_rng(rank).uniform(0, 5, late.height))
+        late = late.select("rank", "start_ns", pl.Series("late_ns", (ms * 1e6).astype(np.int64)))
+        coll = frames["collectives"].join(late, on=["rank", "start_ns"], how="left").with_columns(
+            pl.col("end_ns") + pl.col("late_ns").fill_null(0)).drop("late_ns")
+        got = RunTables.from_mapping({**frames, "collectives": coll})
+        assert got.labelling.method == "timing"
+        j = want.join(got.collectives, on=["rank", "start_ns"])
+        assert j.height == want.height == got.collectives.height
+        bad = j.filter((pl.col("pg_name") != pl.col("pg_name_right")) | (pl.col("seq") != pl.col("seq_right")))
+        if bad.height:
+            wrong[rank] = sorted(bad["rank"].unique().to_list())
+    assert not wrong, f"late rank -> ranks with a collective labelled otherwise: {wrong}"
+
+
 def test_p2p_peers_are_the_neighbouring_stage(run: dict) -> None:
     t = _tables(run)
     co = t.coords()
@@ -115,10 +156,7 @@ def test_nothing_missing_and_a_stripped_run_says_what_to_turn_on(run: dict) -> N
     t = _tables(run)
     assert missing_data(t) == []
     # without worker threads (e.g. a trace exported without them) or a recorder: groups unknown
-    con = duckdb.connect(str(run["store"]), read_only=True)
-    frames = {k: pl.from_arrow(con.sql(f"SELECT * FROM {k}").to_arrow_table())
-              for k in ("runs", "ranks", "groups", "events", "collectives", "p2p", "steps")}
-    con.close()
+    frames = _frames(run)
     frames["events"] = frames["events"].with_columns(pl.lit(None, pl.Utf8).alias("tid"))
     needs = missing_data(RunTables.from_mapping(frames))
     groups = [m for m in needs if m.what == "groups"]

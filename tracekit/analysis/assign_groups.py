@@ -11,10 +11,13 @@ across ranks. This module fills those in from what a run does hold, when its tab
   its own, so all spans of a thread belong to one group;
 - which group a thread serves: with the flight recorder (``fr_entries``: group, sequence and kind
   of every collective the rank issued), the assignment of threads to groups whose op counts, per
-  kind, match the recorder's per group; without it, the group whose other members complete a
-  collective of the same kind closest to each of the thread's completions (every member of an
-  instance finishes when the last one's data arrives). Order, kinds and shapes alone cannot tell
-  the groups apart: in a symmetric SPMD job every rank of a stage issues the same sequence, so
+  kind, match the recorder's per group; without it, completion times (every member of an instance
+  finishes when the last one's data arrives) and counts: a thread's nearest group (whose members
+  complete same-kind ops closest to its own) alone fails where a member was descheduled, as a
+  frequent group completes something near any instant; so a pipeline stage's ranks, which issue
+  the same ops per kind on each dimension, take the same counts per dimension, those whose groups'
+  k-th ops complete together on all members (``_by_timing``). Order, kinds and shapes alone cannot
+  tell the groups apart: in a symmetric SPMD job every rank of a stage issues the same sequence, so
   relabelling a dp op as tp on every rank is just as consistent;
 - the sequence number: the op's order among its group's ops on the rank (a group's ops start in the
   order they were issued, which every member shares), the recorder's ``collective_seq_id`` where the
@@ -31,6 +34,7 @@ that rank; middle pipeline stages are told apart by completion time only.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -122,34 +126,95 @@ def _by_counts(threads: dict[str, dict[str, int]], fr: dict[str, dict[str, int]]
     return best if ties == 1 else None  # groups whose counts agree: the recorder cannot tell them apart
 
 
-def _by_timing(rank: int, spans: pl.DataFrame, others: dict[int, dict[str, np.ndarray]],
-               candidates: list[tuple[str, str, tuple[int, ...]]]) -> dict[str, str]:
-    """Each thread's group: the one whose members complete same-kind ops nearest its completions
-    (``others``: rank -> op -> sorted completion times). Python loops: O(spans x group members)."""
-    out: dict[str, str] = {}
-    for tid, part in spans.filter(pl.col("tid").is_not_null()).group_by("tid"):
-        tid = tid[0]
-        best, best_d = None, None
-        for name, _, members in candidates:
-            dist = []
-            for op, end in part.select("op", "end_ns").iter_rows():
-                worst = 0.0
-                for m in members:
-                    if m == rank:
-                        continue
-                    ends = others.get(m, {}).get(op)
-                    if ends is None or not len(ends):
-                        worst = np.inf
-                        break
-                    i = np.searchsorted(ends, end)
-                    near = min(abs(ends[j] - end) for j in (i - 1, i) if 0 <= j < len(ends))
-                    worst = max(worst, float(near))
-                dist.append(worst)
-            d = float(np.median(dist)) if dist else np.inf
-            if np.isfinite(d) and (best_d is None or d < best_d):
-                best, best_d = name, d
-        if best is not None:
-            out[str(tid)] = best
+def _gap(ends: np.ndarray | None, t: int) -> float:
+    """How far the nearest of the sorted ``ends`` is from t (inf: there are none)."""
+    if ends is None or not len(ends):
+        return np.inf
+    i = np.searchsorted(ends, t)
+    return float(min(abs(int(ends[j]) - t) for j in (i - 1, i) if 0 <= j < len(ends)))
+
+
+def _distances(rank: int, spans: pl.DataFrame, others: dict[int, dict[str, np.ndarray]],
+               candidates: list[tuple[str, str, tuple[int, ...]]]) -> dict[str, dict[str, float]]:
+    """thread -> group -> how far the group's members complete same-kind ops from the thread's
+    completions: the median over its ops of the worst member's nearest (``others``: rank -> op ->
+    sorted completion times). Python loops: O(spans x group members)."""
+    out: dict[str, dict[str, float]] = {}
+    for (tid,), part in spans.filter(pl.col("tid").is_not_null()).group_by("tid"):
+        rows = part.select("op", "end_ns").rows()
+        out[str(tid)] = {name: float(np.median([max([_gap(others.get(m, {}).get(op), end) for m in members
+                                                      if m != rank], default=0.0) for op, end in rows]))
+                         for name, _, members in candidates}
+    return out
+
+
+def _ways(counts: dict[str, dict[str, int]], dist: dict[str, dict[str, float]], cands: list) -> dict:
+    """The rank's ways to give its threads groups, the cheapest (summed distance) of each signature:
+    signature (ops per kind of each group, keyed by dimension where the rank's are distinct) ->
+    (summed distance, thread -> group). Threads near no group stay out; over 4096 ways: the nearest."""
+    tids = sorted(t for t in dist if any(np.isfinite(list(dist[t].values()))))
+    options = [[p for p, d in dist[t].items() if np.isfinite(d)] for t in tids]
+    dims = [d for _, d, _ in cands]
+    key = {n: d if None not in dims and len(set(dims)) == len(dims) else n for n, d, _ in cands}
+    combos = (itertools.product(*options) if np.prod([len(o) for o in options]) <= 4096
+              else [tuple(min(o, key=dist[t].get) for t, o in zip(tids, options))])
+    out: dict[tuple, tuple[float, dict[str, str]]] = {}
+    for combo in combos:
+        total: dict[str, Counter] = {}
+        for t, p in zip(tids, combo):
+            total.setdefault(key[p], Counter()).update(counts.get(t, {}))
+        sig = tuple(sorted((k, tuple(sorted(v.items()))) for k, v in total.items()))
+        cost = sum(dist[t][p] for t, p in zip(tids, combo))
+        if sig not in out or cost < out[sig][0]:
+            out[sig] = (cost, dict(zip(tids, combo)))
+    return out
+
+
+def _misfit(assigned: dict[int, dict[str, str]], spans: dict[int, pl.DataFrame], groups: set) -> float:
+    """How far apart the members' k-th ops of each group complete (k-th by start on each member),
+    summed over the ops; a steady offset of a member (its thread descheduled for a while) counts an
+    eighth: a few late threads must not outweigh ops paired with the wrong instances."""
+    total = 0.0
+    for name, members in groups:
+        ends = [spans[m].filter(pl.col("tid").is_in([t for t, p in assigned[m].items() if p == name]))
+                .sort("start_ns")["end_ns"].to_numpy() for m in members if m in assigned]
+        if len({len(e) for e in ends}) > 1:
+            return np.inf
+        for d in (e - ends[0] for e in ends[1:] if len(e)):
+            steady = float(np.median(d))
+            total += float(np.abs(d - steady).sum()) + len(d) * abs(steady) / 8
+    return total
+
+
+def _by_timing(ranks: dict[int, tuple[pl.DataFrame, dict, dict, list]]) -> dict[int, dict[str, str]]:
+    """Each rank's thread -> group (``ranks``: rank -> (spans, thread op counts, distances, groups)).
+
+    A stage (ranks joined by groups without pp) takes one signature: of those most of its ranks can
+    give, the 8 cheapest by summed distance and each rank's own cheapest, the one whose groups' k-th
+    ops complete together on all members (``_misfit``), then the cheapest. A rank that cannot give
+    it (a damaged trace) keeps its own cheapest way."""
+    ways = {r: _ways(c, d, g) for r, (_, c, d, g) in ranks.items()}
+    stage_of = {r: r for r in ranks}  # the lowest rank its stage's groups reach
+    joins = {tuple(m for m in ms if m in ranks) for *_, cands in ranks.values() for _, dim, ms in cands
+             if dim and dim != "other" and "pp" not in dim.split("_") and any(m in ranks for m in ms)}
+    while any(stage_of[m] != min(stage_of[x] for x in ms) for ms in joins for m in ms):
+        for ms in joins:
+            stage_of.update(dict.fromkeys(ms, min(stage_of[m] for m in ms)))
+    out: dict[int, dict[str, str]] = {}
+    for st in set(stage_of.values()):
+        stage = [r for r in ranks if stage_of[r] == st]
+        held: dict[tuple, list[int]] = {}  # signature -> the ranks that can give it
+        for r in stage:
+            for s in ways[r]:
+                held.setdefault(s, []).append(r)
+        most = max((len(h) for h in held.values()), default=0)
+        sigs = sorted((s for s, h in held.items() if len(h) == most), key=lambda s: sum(ways[r][s][0] for r in held[s]))
+        own = {r: min(ways[r], key=lambda s: ways[r][s][0]) for r in stage if ways[r]}
+        groups = {(n, tuple(m for m in ms if m in stage)) for r in stage for n, _, ms in ranks[r][3]}
+        best = min(sigs[:8] + [s for s in sigs[8:] if s in own.values()], default=None, key=lambda s: _misfit(
+            {r: ways[r][s][1] for r in held[s]}, {r: ranks[r][0] for r in held[s]}, groups))
+        for r in stage:
+            out[r] = ways[r][best][1] if best in ways[r] else ways[r][own[r]][1] if r in own else {}
     return out
 
 
@@ -172,6 +237,7 @@ def assign(collectives: pl.DataFrame, p2p: pl.DataFrame, events: pl.DataFrame, g
     by_rank = _rank_groups(groups)
     first = steps.group_by(pl.col("rank").cast(pl.Int32)).agg(pl.col("start_ns").min().cast(pl.Int64).alias("_first"))
     threads: dict[int, dict[str, str]] = {}
+    timing: dict[int, tuple] = {}  # ranks the recorder cannot label
     methods: set[str] = set()
     labelled = todo.head(0)
     if todo.height:
@@ -180,17 +246,18 @@ def assign(collectives: pl.DataFrame, p2p: pl.DataFrame, events: pl.DataFrame, g
                 for (r,), part in spans.group_by("rank")}
         for (rank,), part in spans.group_by("rank"):
             cands = [g for g in by_rank.get(int(rank), []) if g[1] != "pp"]
-            counts = {str(t): dict(zip(*np.unique(p["op"].to_numpy(), return_counts=True)))
+            counts = {str(t): {str(k): int(n) for k, n in zip(*np.unique(p["op"].to_numpy(), return_counts=True))}
                       for (t,), p in part.filter(pl.col("tid").is_not_null()).group_by("tid")}
             fr = _fr_counts(fr_entries, int(rank), int(part["start_ns"].min()), int(part["end_ns"].max()))
-            got = _by_counts({t: {str(k): int(v) for k, v in c.items()} for t, c in counts.items()}, fr,
-                             [g[0] for g in cands]) if fr else None
+            got = _by_counts(counts, fr, [g[0] for g in cands]) if fr else None
             if got is not None:
                 methods.add("flight_recorder")
+                threads[int(rank)] = got
             else:
-                got = _by_timing(int(rank), part, ends, cands)
-                methods.update(["timing"] if got else [])
-            threads[int(rank)] = got
+                timing[int(rank)] = (part, counts, _distances(int(rank), part, ends, cands), cands)
+        for rank, got in _by_timing(timing).items():
+            methods.update(["timing"] if got else [])
+            threads[rank] = got
         mapping = pl.DataFrame([(r, t, p) for r, m in threads.items() for t, p in m.items()],
                                schema={"rank": pl.Int32, "tid": pl.Utf8, "_pg": pl.Utf8}, orient="row")
         spans = spans.join(mapping, on=["rank", "tid"], how="left").join(first, on="rank", how="left")
