@@ -12,8 +12,10 @@ exactly (normal kernel noise, every span pooled, 1% false alarms per run by Bonf
 Each run: tracekit/simulate with a layout of benchmarks/diagnosis_grid.py, 8 steps, 4 layers, kernel
 noise 2-15%, deschedule spikes, skewed and drifting clocks, DeviceMesh or plain names; clean (half of
 the runs), one rank 1.03x or one rank 1.05x; then the real ingest and compute_speed, and
-culprits.find_culprits at each bar (Tunables.culprit_margin_min). A false alarm is any persistent
-finding on a rank that is not slow.
+culprits.find_culprits at each bar (``SHAPES``: its value at 8 ranks and its rise per ln(ranks / 2),
+Tunables.culprit_margin_min and culprit_margin_per_log). A false alarm is any persistent finding on
+a rank that is not slow. Each bar's row also counts the clean runs naming a rank once each rank's
+compute is moved by an offset of its own (chips that differ, sd 0.5% and 1%): what a lower bar costs.
 
 Two more tables say why the bar is where it is. The persistent test's noise unit is the larger of a
 rank's standard error over the steps and the spread of the other ranks' own means: the second part
@@ -47,7 +49,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-BARS = (2.0, 2.25, 2.5, 3.0)
+# the bar a persistent culprit must clear (culprits.persistent_bar): (its value at 8 ranks, its rise
+# per ln(ranks / 8) beyond); it rises by ln(ranks / 2) up to 8 ranks. (3.64, 1.0) before 2026-11-27
+SHAPES = ((3.64, 1.0), (3.64, 0.3), (3.4, 0.3), (3.2, 0.3), (3.1, 0.3), (3.0, 0.3), (2.8, 0.3))
 TAUS = (0.0, 0.003, 0.005, 0.01)  # sd of the per-rank offsets in "chips that differ" (log ratio)
 
 
@@ -93,13 +97,31 @@ def one_run(i: int, rng: random.Random, base_seed: int, work: Path, cache: Path 
     return {**truth, "speed": speed}
 
 
-def judge(run: dict, bar: float) -> tuple[bool, bool]:
-    """(a rank that is not slow was named, the slow rank was named)."""
-    from tracekit.analysis.culprits import find_culprits
+def shape_tunables(at8: float, per_log: float) -> "Tunables":
+    """The settings whose bar is ``at8`` at 8 ranks and rises by ``per_log`` per ln(ranks / 8) beyond."""
     from tracekit.analysis.tunables import Tunables
 
-    found = find_culprits(run["speed"], replace(Tunables(), culprit_margin_min=bar))
-    named = {f.rank for f in found.findings if f.kind == "persistent"}
+    t = Tunables()
+    return replace(t, culprit_margin_min=at8 - t.compute_margin_per_log * math.log(t.culprit_margin_knee / 2),
+                   culprit_margin_per_log=per_log)
+
+
+def in_use_shape() -> tuple[float, float]:
+    from tracekit.analysis.culprits import persistent_bar
+    from tracekit.analysis.tunables import Tunables
+
+    return round(persistent_bar(8), 2), Tunables().culprit_margin_per_log
+
+
+def named_persistent(speed: pl.DataFrame, tun: "Tunables") -> set[int]:
+    from tracekit.analysis.culprits import find_culprits
+
+    return {f.rank for f in find_culprits(speed, tun).findings if f.kind == "persistent"}
+
+
+def judge(run: dict, tun: "Tunables") -> tuple[bool, bool]:
+    """(a rank that is not slow was named, the slow rank was named)."""
+    named = named_persistent(run["speed"], tun)
     return bool(named - {run["slow"]}), run["slow"] in named
 
 
@@ -175,26 +197,31 @@ def main() -> int:
         if args.grid_cache:
             print_grid_oracle(args.grid_cache)
         return 0
-    in_use = Tunables().culprit_margin_min
-    print(f"\n{len(runs)} fresh runs in {time.time() - t0:.0f} s; bar = culprit_margin_min + ln(ranks / 2), "
-          f"in use: {in_use}\n")
+    in_use = in_use_shape()
+    print(f"\n{len(runs)} fresh runs in {time.time() - t0:.0f} s; bar = its value at 8 ranks, + per_log * ln(ranks / 8) beyond "
+          f"(culprits.persistent_bar); in use: {in_use[0]} at 8 ranks, "
+          f"per_log {in_use[1]}\n")
     noises = (0.02, 0.05, 0.1, 0.15)
 
     def by_noise(hits: list[tuple[dict, float]]) -> str:
         return " / ".join(f"{_fmt(sum(h for r, h in hits if r['noise'] == nz))}/{sum(r['noise'] == nz for r, _ in hits)}"
                           for nz in noises)
 
-    print("| culprit_margin_min | runs with a false alarm | 1.03x found | at noise 2 / 5 / 10 / 15% | 1.05x found "
-          "| at noise 2 / 5 / 10 / 15% |")
-    print("|---|---|---|---|---|---|")
-    for bar in sorted(set(BARS) | {in_use}):
-        judged = [(r, *judge(r, bar)) for r in runs]
+    clean = [r for r in runs if r["kind"] == "clean"]
+    print("| bar at 8 ranks, per ln | runs with a false alarm | 1.03x found | at noise 2 / 5 / 10 / 15% | 1.05x found "
+          "| at noise 2 / 5 / 10 / 15% | clean runs naming a rank where chips differ by 0.5% / 1% |")
+    print("|---|---|---|---|---|---|---|")
+    for shape in sorted(set(SHAPES) | {in_use}, key=lambda x: (-x[1], -x[0])):
+        tun = shape_tunables(*shape)
+        judged = [(r, *judge(r, tun)) for r in runs]
         fa = sum(f for _, f, _ in judged)
         s3 = [(r, float(hit)) for r, _, hit in judged if r["kind"] == "slow3"]
         s5 = [(r, float(hit)) for r, _, hit in judged if r["kind"] == "slow5"]
-        mark = " (in use)" if bar == in_use else ""
-        print(f"| {bar}{mark} | {fa}/{len(runs)} ({fa / len(runs):.1%}) | {_fmt(sum(h for _, h in s3))}/{len(s3)} | "
-              f"{by_noise(s3)} | {_fmt(sum(h for _, h in s5))}/{len(s5)} | {by_noise(s5)} |")
+        chips = " / ".join(str(sum(bool(named_persistent(with_offsets(r["speed"], tau, i), tun))
+                                   for i, r in enumerate(clean))) + f"/{len(clean)}" for tau in (0.005, 0.01))
+        mark = " (in use)" if shape == in_use else ""
+        print(f"| {shape[0]}, {shape[1]}{mark} | {fa}/{len(runs)} ({fa / len(runs):.1%}) | {_fmt(sum(h for _, h in s3))}/{len(s3)} | "
+              f"{by_noise(s3)} | {_fmt(sum(h for _, h in s5))}/{len(s5)} | {by_noise(s5)} | {chips} |")
     s3 = [(r, oracle_power(r, 1.03)) for r in runs if r["kind"] == "slow3"]
     s5 = [(r, oracle_power(r, 1.05)) for r in runs if r["kind"] == "slow5"]
     print(f"| a detector that knew the noise (expected) | 1% by design | {_fmt(sum(h for _, h in s3))}/{len(s3)} | "
@@ -212,12 +239,11 @@ def main() -> int:
     return 0
 
 
-def print_offsets(runs: list[dict], in_use: float) -> None:
+def print_offsets(runs: list[dict], in_use: tuple[float, float]) -> None:
     from tracekit.analysis.culprits import find_culprits
-    from tracekit.analysis.tunables import Tunables
 
     clean = [r for r in runs if r["kind"] == "clean"]
-    tun = replace(Tunables(), culprit_margin_min=in_use)
+    tun = shape_tunables(*in_use)
     print(f"\nChips that differ: {len(clean)} clean runs, each rank's compute moved by its own offset (normal, sd tau) "
           "in every step; runs in which a rank is named persistent\n")
     print("| tau (sd of the offsets) | the test in use | without the guard |")

@@ -269,3 +269,14 @@ def test_two_slow_ranks_of_one_stage_of_four_are_not_each_others_noise(tmp_path)
     d = _diagnose(tmp_path, tp=1, cp=2, pp=2, dp=2, seed=800039, names="mesh", skew_ms=0.0, noise=0.15,
                   spikes=0.01, faults=("slow:rank=2,factor=1.1", "slow:rank=6,factor=1.1"))
     assert sorted((f.kind, f.ranks) for f in d.findings) == [("straggler", (2,)), ("straggler", (6,))], d.headline
+
+
+def test_a_3pct_rank_of_16_clears_a_bar_that_rises_as_a_bonferroni_z_does(tmp_path):
+    # published draw 17, 10% kernel noise, one stage of 16 ranks: rank 8 at 1.03x stood 4.2 units out
+    # (its 2.3% over its steps against the spread of the 15 others), under a bar of 4.33 that rose by
+    # a whole ln(ranks / 2) from 8 ranks to 16, where a Bonferroni z rises by 0.2 and the guard is
+    # measured over twice the ranks: "no straggler". Past 8 ranks it rises by 0.3 ln(ranks / 8): 3.84
+    d = _diagnose(tmp_path, tp=1, cp=2, pp=1, dp=8, seed=1701408, names="mesh", skew_ms=500.0, noise=0.10,
+                  spikes=0.002, faults=("slow:rank=8,factor=1.03",))
+    assert [(f.kind, f.ranks) for f in d.findings] == [("straggler", (8,))], d.headline
+    assert 3.8 < d.compute.bar < 3.9 < 4.0 < d.compute.top_margin < 4.33

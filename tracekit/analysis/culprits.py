@@ -126,6 +126,16 @@ class _Persistent:
     passes: bool
 
 
+def persistent_bar(ranks: int, tun: Tunables = Tunables()) -> float:
+    """The margin a persistent culprit must reach among ``ranks`` compared: rising by
+    ``compute_margin_per_log`` per ln(ranks / 2) up to ``culprit_margin_knee`` ranks, where the guard
+    (the other ranks' spread) comes from few ranks and is itself uncertain, and by
+    ``culprit_margin_per_log`` beyond, as the largest of more noisy scores does (a Bonferroni z)."""
+    knee = max(2, tun.culprit_margin_knee)
+    return (tun.culprit_margin_min + tun.compute_margin_per_log * math.log(min(max(ranks, 2), knee) / 2)
+            + tun.culprit_margin_per_log * math.log(max(ranks, knee) / knee))
+
+
 def margin_confidence(margin: float, bar: float, steps_share: float) -> float:
     """A margin at the bar is a coin flip made firmer by persistence; calibrated on the fault grid
     (benchmarks/diagnosis_grid.py): it only approaches 1 well past the bar."""
@@ -160,7 +170,7 @@ def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int
     # a single cell's bar is a tail quantile: of the noise itself, not of step_scatter's low reading
     cell_sigma = sigma / scatter_bias(T, n)
     cell_bar = max(NormalDist().inv_cdf(1 - tun.episode_alpha / cells) * cell_sigma, math.log(tun.episode_min_ratio))
-    bar = tun.culprit_margin_min + tun.culprit_margin_per_log * math.log(max(1.0, n_all / 2))
+    bar = persistent_bar(n_all, tun)
     effects = np.array([persistent_effect(e[:, j][np.isfinite(e[:, j])]) for j in range(n)])
     findings: list[RankFinding] = []
     persistent: set[int] = set()
