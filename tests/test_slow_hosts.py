@@ -132,3 +132,17 @@ def test_ranks_of_one_host_taking_turns_are_a_moving_straggler_not_a_slow_host(t
         d = s.diagnose()
     assert d.localization.verdict == "moving", d.headline
     assert {r for f in d.findings for r in f.ranks} <= {0, 1, 2} and not any("host" in f.where for f in d.findings)
+
+
+@pytest.mark.parametrize("dp, sure", [(1, False), (2, True)])
+def test_a_stage_slower_on_all_its_ranks_is_an_imbalance_in_doubt_where_no_replica_repeats_it(tmp_path, dp, sure):
+    # a host of 2 holding stage 1 of a tp 2 x pp 4 pipeline, 1.5x: with one replica nothing else does
+    # that stage's work, and it read "stage imbalance" at 0.95 (fault grid draws 29 and 30, kind host);
+    # with two replicas the host holds the stage of one of them and is named itself
+    d = _diagnose(tmp_path, [2, 3], factor=1.5, tp=2, pp=4, dp=dp, ranks_per_host=2)
+    stage = [f for f in d.findings if f.kind == "stage_imbalance" and 2 in f.ranks]
+    if sure:
+        assert not stage and d.findings[0].ranks == (2, 3) and d.findings[0].confidence > 0.9, d.headline
+    else:
+        assert [f.ranks for f in stage] == [(2, 3)] and stage[0].confidence <= 0.7, d.headline
+        assert "one slow host" in stage[0].summary and "in doubt" in stage[0].summary
