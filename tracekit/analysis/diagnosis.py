@@ -79,7 +79,6 @@ class Diagnosis:
                 "scope": self.scope.to_dict() if self.scope else None}
 
 
-
 def _steps_text(f: Finding) -> str:
     return f" in steps {', '.join(map(str, f.steps))}" if f.kind in ("transient", "moving") and f.steps else ""
 

@@ -104,7 +104,7 @@ class Tunables:
     # over many ranks, and the bar need only rise as a Bonferroni z does (by 0.2 from 8 to 16 ranks).
     # It rose by a whole ln(ranks / 2) before (4.33 at 16), and 16-rank runs lost 3% ranks standing
     # 4.0-4.3 units out. Measured (docs/analysis.md): the fault grid's published draws, 1.03x found
-    # 414 -> 426 of 480, clean runs naming a rank 1 -> 2 of 1,125; benchmarks/culprit_bar.py's 800
+    # 414 -> 426 of 480, clean runs naming a rank 1 -> 3 of 1,440; benchmarks/culprit_bar.py's 800
     # runs, 162 -> 165 of 187, clean runs naming a rank once chips differ by 1% 4 -> 6 of 402
     culprit_margin_min: float = 2.25
     culprit_margin_knee: int = 8
