@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import tracekit
+from tracekit.analysis.hangs import rank_list
 from tracekit.analysis.links import median_without
 from tracekit.analysis.tunables import Tunables
 from tracekit.simulate.config import SimConfig
@@ -123,3 +124,11 @@ def test_a_dataset_store_gives_the_same_scoped_verdict_reading_only_its_rank_blo
         scoped = files_read(f"SELECT count(*) FROM {source} WHERE run_id = 'run'{where}")
         whole = files_read("SELECT count(*) FROM events_parts WHERE run_id = 'run'")
         assert 0 < scoped < whole and len({r // 16 for r in db.scope.ranks}) < 8, (scoped, whole)
+
+
+def test_long_rank_lists_read_as_a_count_with_ranges_or_a_stride():
+    # a DP group of a 16,384-rank job has 64 members, one in every 256: a headline names it so
+    assert rank_list(range(100, 16384, 256)) == "64 ranks [100, 356, ..., 16228] (stride 256)"
+    assert rank_list([*range(40), 50]) == "41 ranks [0-39, 50]"
+    assert rank_list([*range(0, 40, 2), 41]) == "21 ranks [0, 2, 4, 6, 8, 10, 12, 14, ... (13 more ranges)]"
+    assert rank_list([3, 1]) == "[1, 3]"

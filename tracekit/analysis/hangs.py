@@ -24,10 +24,14 @@ from tracekit.analysis.damaged import describe
 
 def rank_list(ranks, shown: int = 16) -> str:
     """Ranks for a sentence: the list up to ``shown`` of them, else their count and contiguous
-    ranges (a hang in a 16,384-rank job blocks thousands)."""
+    ranges (a hang in a 16,384-rank job blocks thousands), or their stride where they are evenly
+    spaced (a DP group of 64 ranks of such a job, one in every 256)."""
     ranks = sorted(int(r) for r in ranks)
     if len(ranks) <= shown:
         return str(ranks)
+    gaps = {b - a for a, b in zip(ranks, ranks[1:])}
+    if len(gaps) == 1 and (stride := gaps.pop()) > 1:
+        return f"{len(ranks):,} ranks [{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}] (stride {stride})"
     runs: list[list[int]] = []
     for r in ranks:
         if runs and runs[-1][1] == r - 1:

@@ -7,14 +7,13 @@ from dataclasses import replace
 
 import polars as pl
 
-from tracekit.analysis.findings import NEXT_STEP, Finding, where
+from tracekit.analysis.findings import LISTED_MAX, NEXT_STEP, Finding, where
+from tracekit.analysis.hangs import rank_list
+from tracekit.analysis.links import CPU_TRANSPORTS
 from tracekit.analysis.rootcause import peers, ratio_to_peers
 from tracekit.analysis.tables import RunTables
 from tracekit.analysis.tunables import Tunables
 
-
-# backends that move data through the host's CPUs: within one host there is no link hardware to fail
-CPU_TRANSPORTS = ("gloo",)
 
 
 def _one_cpu_host(tables: RunTables, ranks: tuple[int, ...]) -> str | None:
@@ -43,7 +42,8 @@ def link_findings(tables: RunTables, links: pl.DataFrame, step_ns: float, metric
         conf = float(min(0.99, 1 - 2.0 ** (-(row["z"] - row["z_bar"]) - 1)))
         summary = (f"slow link: {place} transfers {row['ratio']:.{2 if row['ratio'] < 1.5 else 1}f}x slower "
                    "than the same kind elsewhere")
-        next_step = NEXT_STEP["slow_link"].format(who=f"ranks {list(ranks)}")
+        who = f"ranks {list(ranks)}" if len(ranks) <= LISTED_MAX else f"the {rank_list(ranks)}"
+        next_step = NEXT_STEP["slow_link"].format(who=who)
         host = _one_cpu_host(tables, ranks)
         if host is not None:  # measured right, but the link is the host's cores: in doubt as a link
             conf = min(conf, 0.5)
@@ -70,7 +70,10 @@ def minor_links(tables: RunTables, links: pl.DataFrame, step_ns: float, tun: Tun
         place = f"p2p rank {ends}" if row["link"] == "p2p" else where(tables, ranks)
         parts.append(f"{place} transfers {row['ratio']:.2f}x slower, costing {row['excess_per_step_ns'] / 1e6:.1f} ms "
                      f"per step ({row['excess_per_step_ns'] / step_ns:.1%})")
-    return (f"below the {tun.link_effect_min_frac:.0%} reporting floor: " + "; ".join(parts)) if parts else ""
+    floor = f"{tun.link_effect_min_frac:.0%} of a step"
+    if tables.backend not in CPU_TRANSPORTS:
+        floor += f"; {tun.link_broken_min_frac:.1%} for a link {tun.link_broken_ratio:g}x slower"
+    return (f"below the reporting floor ({floor}): " + "; ".join(parts)) if parts else ""
 
 
 def links_beside_stragglers(findings: list[Finding]) -> list[Finding]:

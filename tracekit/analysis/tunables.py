@@ -53,8 +53,14 @@ class Tunables:
     slow_link_ratio: float = 1.05
     link_alpha: float = 0.001
     link_z_min: float = 3.0
-    # ... and the link's excess transfer time costs at least this share of a step.
+    # ... and the link's excess transfer time costs at least this share of a step, or, for a link
+    # link_broken_ratio x slower than its kind elsewhere, link_broken_min_frac: a link that slow is
+    # broken (a port fallen back to a slower path) whatever it costs today (at 16,384 ranks a DP
+    # group's link 8.2x slower cost 0.9% of a 4.5 s step and was no finding). Not on a CPU
+    # transport (gloo), where a "link" within a host is its processes' share of the cores.
     link_effect_min_frac: float = 0.01
+    link_broken_ratio: float = 3.0
+    link_broken_min_frac: float = 0.002
     # a "no straggler" answer names the ranks whose p2p ops the link level could not measure when
     # fewer than this share of p2p ops entered a transfer (its confidence scales with the share)
     p2p_coverage_note: float = 0.95
