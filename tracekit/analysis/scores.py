@@ -53,22 +53,38 @@ def pipeline_scores(tables: RunTables) -> pl.DataFrame:
         (pl.col("excess").sum() / n_dirs.first()).cast(pl.Float64).alias("score"))
 
 
+def _cell_sums(scores: pl.DataFrame, coords: pl.DataFrame, rng: dict[str, int], keys: tuple[str, ...]):
+    """(steps, key values per row, score sums per row, counts per key value): the scores of the
+    ranks within ``rng`` summed per (step, key values), in numpy. The localizer asks for one such
+    matrix per group it searches (148 on a 16,384-rank job's scope), and polars' fixed cost per
+    operation made them 0.4 s; the sums are of whole and half nanoseconds, exact in any order."""
+    mask = np.ones(coords.height, dtype=bool)
+    for dim, v in rng.items():
+        mask &= coords[dim].to_numpy() == v
+    ranks = coords["rank"].to_numpy()[mask].astype(np.int64)
+    vals = np.stack([coords[k].to_numpy()[mask].astype(np.int64) for k in keys], axis=1) if ranks.size else \
+        np.zeros((0, len(keys)), dtype=np.int64)
+    sr = scores["rank"].to_numpy().astype(np.int64)
+    keep = scores["score"].is_not_null().to_numpy()
+    row_of = np.full(max(int(ranks.max(initial=-1)), int(sr.max(initial=-1))) + 2, -1, dtype=np.int64)
+    row_of[ranks] = np.arange(ranks.size)
+    hit = keep & (sr >= 0) & (row_of[np.clip(sr, 0, None)] >= 0)
+    at = row_of[sr[hit]]
+    steps_of = scores["step"].to_numpy()[hit]
+    steps, step_pos = np.unique(steps_of, return_inverse=True)
+    return steps, step_pos, vals[at], scores["score"].to_numpy()[hit].astype(np.float64), vals
+
+
 def score_matrix(scores: pl.DataFrame, coords: pl.DataFrame, rng: dict[str, int], level: str, size: int):
     """Steps x candidates matrix: per step, the mean score of the ranks within the range that have
     each coordinate value (a rank without a score row counts 0)."""
-    within = coords
-    for dim, v in rng.items():
-        within = within.filter(pl.col(dim) == v)
-    counts = dict(within.group_by(level).len().iter_rows())
-    s = scores.join(within.select("rank", level), on="rank").group_by("step", level).agg(pl.col("score").sum())
-    if not s.height:
+    steps, pos, cell, v, members = _cell_sums(scores, coords, rng, (level,))
+    if not steps.size:
         return [], np.zeros((0, size))
-    steps = sorted(s["step"].unique().to_list())
-    pos = {t: i for i, t in enumerate(steps)}
-    mat = np.zeros((len(steps), size))
-    for t, c, v in s.iter_rows():
-        mat[pos[t], c] = v / counts[c]
-    return steps, mat
+    mat = np.zeros((steps.size, size))
+    np.add.at(mat, (pos, cell[:, 0]), v)
+    counts = np.bincount(members[:, 0], minlength=size)
+    return [int(t) for t in steps], np.divide(mat, counts, out=np.zeros_like(mat), where=counts > 0)
 
 
 def level_matrix(scores: pl.DataFrame, coords: pl.DataFrame, rng: dict[str, int], level: str, lay: Layout):
@@ -78,19 +94,14 @@ def level_matrix(scores: pl.DataFrame, coords: pl.DataFrame, rng: dict[str, int]
     size = getattr(lay, level)
     if level != "pp" or "dp" not in rng or lay.dp == 1:
         return score_matrix(scores, coords, rng, level, size)
-    within = coords
-    for dim, v in rng.items():
-        if dim != "dp":
-            within = within.filter(pl.col(dim) == v)
-    counts = within.group_by("dp", "pp").len()
-    s = (scores.join(within.select("rank", "dp", "pp"), on="rank").group_by("step", "dp", "pp")
-         .agg(pl.col("score").sum()).join(counts, on=["dp", "pp"]))
-    if not s.filter(pl.col("dp") == rng["dp"]).height:
+    steps, pos, cell, v, members = _cell_sums(scores, coords, {d: x for d, x in rng.items() if d != "dp"}, ("dp", "pp"))
+    if not (cell[:, 0] == rng["dp"]).any():
         return [], np.zeros((0, size))
-    steps = sorted(s["step"].unique().to_list())
-    pos = {t: i for i, t in enumerate(steps)}
-    cube = np.zeros((len(steps), lay.dp, size))
-    for t, d, c, v, n in s.iter_rows():
-        cube[pos[t], d, c] = v / n
+    cube = np.zeros((steps.size, lay.dp, size))
+    np.add.at(cube, (pos, cell[:, 0], cell[:, 1]), v)
+    counts = np.zeros((lay.dp, size))
+    np.add.at(counts, (members[:, 0], members[:, 1]), 1.0)
+    # a (replica, stage) cell without a score row stays 0, as its missing row did before
+    cube = np.divide(cube, counts, out=np.zeros_like(cube), where=counts > 0)
     others = np.delete(cube, rng["dp"], axis=1)
-    return steps, cube[:, rng["dp"], :] - np.median(others, axis=1)
+    return [int(t) for t in steps], cube[:, rng["dp"], :] - np.median(others, axis=1)
