@@ -128,9 +128,12 @@ def compute_speed(tables: RunTables, culprits: frozenset[int] = frozenset(), dev
     own = pl.col("own_ns")
     # each span's peers summarized once and joined back (a group-by: window expressions over the
     # same keys took 1.7x as long on a 16,384-rank job's 336-rank scope)
+    healthy = ~pl.col("rank").is_in(list(culprits))
+    mine = pl.when(healthy).then(own).otherwise(0.0)  # a culprit's own time is no reference
     spans = spans.join(spans.group_by(peers).agg(
         pl.len().alias("n"), own.sum().alias("peers_sum"), own.max().alias("top"),
-        own.top_k(2).min().alias("second")), on=peers, how="left", maintain_order="left")
+        own.top_k(2).min().alias("second"), healthy.sum().alias("healthy_n"), mine.sum().alias("healthy_sum")),
+        on=peers, how="left", maintain_order="left")
     n = pl.col("n")
     rest = pl.col("peers_sum") - own
     if culprits:
@@ -139,10 +142,8 @@ def compute_speed(tables: RunTables, culprits: frozenset[int] = frozenset(), dev
         # rank, as a first look must, leaves a second culprit in its stage's references (beside two
         # 1.5x ranks of 8 the culprits read 1.58-1.62x; two of a stage's four, 1.36x); with them
         # out, every reference is a plain mean of healthy ranks and needs no rescale below
-        healthy = ~pl.col("rank").is_in(list(culprits))
-        others = healthy.sum().over(peers) - healthy.cast(pl.UInt32)
-        mine = pl.when(healthy).then(own).otherwise(0.0)
-        ref = pl.when(others >= 1).then((mine.sum().over(peers) - mine) / others).otherwise(rest / (n - 1))
+        others = pl.col("healthy_n") - healthy.cast(pl.UInt32)
+        ref = pl.when(others >= 1).then((pl.col("healthy_sum") - mine) / others).otherwise(rest / (n - 1))
     else:
         # the reference is the mean of the *other* ranks' same span: with two ranks per stage, a
         # median that includes the rank itself would halve its own slowdown and mirror it onto its
