@@ -146,3 +146,18 @@ def test_a_stage_slower_on_all_its_ranks_is_an_imbalance_in_doubt_where_no_repli
     else:
         assert [f.ranks for f in stage] == [(2, 3)] and stage[0].confidence <= 0.7, d.headline
         assert "one slow host" in stage[0].summary and "in doubt" in stage[0].summary
+
+
+def test_a_stage_of_two_ranks_in_all_slower_on_both_is_an_imbalance_in_doubt(tmp_path):
+    # a hold-out grid case (kind two, draw 29): ranks 4 and 12 at 1.3x are stage 4 of both replicas
+    # of tp 1 x cp 1 x pp 8 x dp 2, its only ranks; it read "stage imbalance" at 0.95, wrong
+    cfg = SimConfig(tp=1, cp=1, pp=8, dp=2, steps=8, seed=2901335, noise=0.1, spikes=0.01, names="mesh", layers=4,
+                    faults=("slow:rank=4,factor=1.3", "slow:rank=12,factor=1.3"))
+    simulate(cfg, tmp_path / "run")
+    (tmp_path / "run/manifest.json").unlink()
+    ingest([tmp_path / "run"], tmp_path / "s.duckdb", workers=1)
+    with tracekit.open(tmp_path / "s.duckdb") as s:
+        d = s.diagnose()
+    stage = [f for f in d.findings if f.kind == "stage_imbalance"]
+    assert stage and set(stage[0].ranks) == {4, 12}, [f.summary for f in d.findings]
+    assert stage[0].confidence <= 0.7 and "in doubt: the stage has 2 ranks in all (ranks 4, 12)" in stage[0].summary
