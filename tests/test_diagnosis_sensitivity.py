@@ -97,7 +97,7 @@ def test_a_slower_link_below_the_cost_floor_is_mentioned_not_reported(tmp_path):
     assert not d.findings
     m = re.search(r"below the reporting floor \(1% of a step; 0\.2% for a link 3x slower\): DP group \[2, 10\] "
                   r"transfers 1\.\d\dx slower, costing "
-                  r"(\d+\.\d) ms per step \((\d\.\d)%\)", d.headline)
+                  r"(\d+\.\d) ms per step \((\d\.\d\d)%\)", d.headline)
     assert m, d.headline
     assert 5.0 <= float(m[1]) <= 15.0 and float(m[2]) < 1.0
 

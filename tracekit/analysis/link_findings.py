@@ -68,8 +68,9 @@ def minor_links(tables: RunTables, links: pl.DataFrame, step_ns: float, tun: Tun
         ranks = tuple(sorted(int(r) for r in row["ranks"]))
         ends = " -> rank ".join(str(r) for r in row["ranks"])
         place = f"p2p rank {ends}" if row["link"] == "p2p" else where(tables, ranks)
+        # two decimals: a link at 0.99% of a step is below the 1% floor, and "(1.0%)" read as at it
         parts.append(f"{place} transfers {row['ratio']:.2f}x slower, costing {row['excess_per_step_ns'] / 1e6:.1f} ms "
-                     f"per step ({row['excess_per_step_ns'] / step_ns:.1%})")
+                     f"per step ({row['excess_per_step_ns'] / step_ns:.2%})")
     floor = f"{tun.link_effect_min_frac:.0%} of a step"
     if tables.backend not in CPU_TRANSPORTS:
         floor += f"; {tun.link_broken_min_frac:.1%} for a link {tun.link_broken_ratio:g}x slower"
