@@ -119,7 +119,8 @@ def _transfer_instances(tables: RunTables) -> pl.DataFrame:
     return pl.concat(parts).drop_nulls("t")
 
 
-def costs_enough(ratio, excess_ns, step_ns: float, tun: Tunables, cpu_transport: bool = False):
+def costs_enough(ratio: float | pl.Expr, excess_ns: float | pl.Expr, step_ns: float, tun: Tunables,
+                 cpu_transport: bool = False) -> bool | pl.Expr:
     """Whether a slow link costs enough to be a finding: ``link_effect_min_frac`` of a step, or
     ``link_broken_min_frac`` for a link ``link_broken_ratio`` x slower (broken, whatever it costs
     today) where the transport is not the CPU's. Floats give a bool, polars expressions an expression."""
