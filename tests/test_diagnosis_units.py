@@ -13,7 +13,7 @@ import pytest
 from synthetic_job import Faults, make_job
 
 from tracekit.analysis.culprits import margin_confidence
-from tracekit.analysis.diagnosis import _stage_findings
+from tracekit.analysis.stage_findings import stage_findings
 from tracekit.analysis.link_findings import link_findings
 from tracekit.analysis.links import _transfer_instances, link_transfers
 from tracekit.analysis.standout import standout
@@ -116,8 +116,8 @@ def test_a_stage_heavy_in_barely_half_the_steps_is_not_stage_imbalance(tables):
         return pl.DataFrame(rows, schema={"rank": pl.Int32, "step": pl.Int64, "compute_ns": pl.Float64}, orient="row")
 
     tun = Tunables(stage_compute_ratio=1.1)
-    assert _stage_findings(tables, metrics(set(range(6))), tun, 1e9) == []
-    (f,) = _stage_findings(tables, metrics(set(range(11))), tun, 1e9)  # heavy in every step
+    assert stage_findings(tables, metrics(set(range(6))), tun, 1e9) == []
+    (f,) = stage_findings(tables, metrics(set(range(11))), tun, 1e9)  # heavy in every step
     assert f.kind == "stage_imbalance" and "stage 1" in f.where and f.cost_ns == pytest.approx(0.2e8)
     # a whole stage of slow devices reads the same in step times (grid draw 23): the next step says so
     assert f.next_step.startswith("rebalance the pipeline") and "test its nodes" in f.next_step

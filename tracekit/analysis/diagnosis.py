@@ -32,14 +32,11 @@ from tracekit.analysis.link_findings import link_findings, links_beside_straggle
 from tracekit.analysis.links import link_transfers, p2p_coverage
 from tracekit.analysis.localize import Localization, localize
 from tracekit.analysis.scope import Scope
-from tracekit.analysis.rootcause import Cause, explain, rank_step_metrics, stage_ratios
+from tracekit.analysis.rootcause import Cause, explain, rank_step_metrics
+from tracekit.analysis.stage_findings import stage_findings, stages_alone
 from tracekit.analysis.tables import RunTables
 from tracekit.analysis.tunables import Tunables
 from tracekit.analysis.whatif import WhatIfError, saving
-
-STAGE_ALONE_CONFIDENCE = 0.7  # a stage imbalance where no replica repeats the stage (dp 1) ...
-STAGE_FEW_RANKS = 2  # ... or where the stage has this many ranks in all (one per replica, two replicas)
-
 
 @dataclass(frozen=True)
 class Diagnosis:
@@ -150,39 +147,6 @@ def _rank_finding(tables: RunTables, f: RankFinding, loc: Localization, tun: Tun
                     "extra_compute_ns": max(f.cost_ns, 0.0), "cost_from": how})
 
 
-def _stage_findings(tables: RunTables, metrics: pl.DataFrame, tun: Tunables, step_ns: float) -> list[Finding]:
-    lay = tables.layout
-    if lay.pp < 2:
-        return []
-    out = []
-    for stage, ratio, excess_ns, share in stage_ratios(metrics, tables, tun.stage_compute_ratio):
-        if ratio >= tun.stage_compute_ratio and share >= tun.persist_min:
-            ranks = tuple(r for r in range(lay.world_size) if lay.coords(r).pp == stage)
-            members = f"ranks {list(ranks)}" if len(ranks) <= 16 else f"{len(ranks):,} ranks: pp {stage} of every replica"
-            sure, doubt = min(0.95, share), ""
-            if stages_alone(tables):
-                # no replica repeats the stage, so no rank does its work elsewhere: every rank of it
-                # slower (a slow host holding the stage) reads the same as more layers; 3 such answers
-                # at 0.95 were slow hosts (fault grid, kind host, draws 29 and 30), the only findings at
-                # >= 0.9 wrong there
-                sure = min(sure, STAGE_ALONE_CONFIDENCE)
-                doubt = ("; in doubt: with one replica (dp 1) no other rank does this stage's work, so slower "
-                         "devices on all of its ranks (one slow host) read the same as more work")
-            elif len(ranks) <= STAGE_FEW_RANKS:
-                # two slow devices on a stage's only two ranks read the same as more work: two
-                # culprits of tp 1 x cp 1 x pp 8 x dp 2 meet so in 1 of 15 draws, and one such grid
-                # case read "stage imbalance" at 0.95 (2026-11-27, kind two, a hold-out of draw 29)
-                sure = min(sure, STAGE_ALONE_CONFIDENCE)
-                doubt = (f"; in doubt: the stage has {len(ranks)} ranks in all (ranks {', '.join(map(str, ranks))}), "
-                         "so slower devices on each of them read the same as more work")
-            out.append(Finding("stage_imbalance", ranks, f"pipeline stage {stage} ({members})", (), excess_ns,
-                               excess_ns / step_ns, sure, "stage_imbalance",
-                               f"pipeline stage {stage} computes {ratio:.2f}x the median stage in every replica" + doubt,
-                               NEXT_STEP["stage_imbalance"].format(who=stage),
-                               {"stage": stage, "stage_compute_ratio": ratio, "steps_share": share}))
-    return out
-
-
 def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFrame | None = None,
              hang: HangReport | None = None, damaged: dict[int, str] | None = None,
              scope: Scope | None = None) -> Diagnosis:
@@ -216,7 +180,7 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
     findings: list[Finding] = [_rank_finding(tables, f, loc, tun, work, step_ns, bool(heavy)) for f in compute.findings]
     findings += heavy_findings(tables, heavy, step_ns)
     steady = steady_compute(tables)  # descheduled spans are not a stage's work
-    findings += _stage_findings(tables, steady if steady.height else metrics, tun, step_ns)
+    findings += stage_findings(tables, steady if steady.height else metrics, tun, step_ns)
     links = link_transfers(tables, step_ns, tun)
     findings += link_findings(tables, links, step_ns, metrics)
     findings = _data_or_device(tables, loc, findings, tun, work, metrics, step_ns)
@@ -314,12 +278,6 @@ def _no_data_reason(tables: RunTables) -> str:
     if not missing:
         return "no collectives across ranks and no p2p records: nothing to compare"
     return "; ".join(m.text() for m in missing)
-
-
-def stages_alone(tables: RunTables) -> bool:
-    """A pipeline that no other replica repeats (dp = 1, pp > 1): nothing else does a stage's work."""
-    lay = tables.layout
-    return lay.dp == 1 and lay.pp > 1
 
 
 def _primary(loc: Localization, findings: list[Finding], tables: RunTables,

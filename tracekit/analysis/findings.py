@@ -11,6 +11,11 @@ from tracekit.analysis.tables import RunTables
 
 LISTED_MAX = 16  # members named one by one; a longer group by its count, ranges or stride (rank_list)
 
+
+def named_ranks(ranks) -> str:
+    """'ranks [4, 12]', or for more than LISTED_MAX '64 ranks [100, 356, ..., 16228] (stride 256)'."""
+    return f"ranks {list(ranks)}" if len(ranks) <= LISTED_MAX else rank_list(ranks)
+
 NEXT_STEP = {
     "slow_compute": "drain or test the node of {who} (GPU clocks and thermals, ECC/XID errors, `nvidia-smi -q`); "
                     "rerun without it to confirm",
@@ -52,9 +57,9 @@ def where(tables: RunTables, ranks: tuple[int, ...]) -> str:
         c = lay.coords(ranks[0]).as_dict()
         return f"rank {ranks[0]} (" + ", ".join(f"{d} {v}" for d, v in c.items() if getattr(lay, d) > 1) + ")"
     dim = lay.dim_of(ranks) if max(ranks) < lay.world_size else None
-    long = len(ranks) > LISTED_MAX  # a DP group of a 16,384-rank job has 64 members
     if dim and "_" not in dim:  # one dimension's group; a combined one reads better as shared coordinates
-        return f"{dim.upper()} group of {rank_list(ranks)}" if long else f"{dim.upper()} group {list(ranks)}"
+        # a DP group of a 16,384-rank job has 64 members: by count and stride
+        return f"{dim.upper()} group of {rank_list(ranks)}" if len(ranks) > LISTED_MAX else f"{dim.upper()} group {list(ranks)}"
     values = {d: {getattr(lay.coords(r), d) for r in ranks} for d in ("dp", "pp", "cp", "tp") if getattr(lay, d) > 1}
     shared = [f"{d} {next(iter(v))}" for d, v in values.items() if len(v) == 1]
-    return (rank_list(ranks) if long else f"ranks {list(ranks)}") + (f" (all {', '.join(shared)})" if shared else "")
+    return named_ranks(ranks) + (f" (all {', '.join(shared)})" if shared else "")

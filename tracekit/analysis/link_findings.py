@@ -7,13 +7,11 @@ from dataclasses import replace
 
 import polars as pl
 
-from tracekit.analysis.findings import LISTED_MAX, NEXT_STEP, Finding, where
-from tracekit.analysis.hangs import rank_list
+from tracekit.analysis.findings import NEXT_STEP, Finding, named_ranks, where
 from tracekit.analysis.links import CPU_TRANSPORTS
 from tracekit.analysis.rootcause import peers, ratio_to_peers
 from tracekit.analysis.tables import RunTables
 from tracekit.analysis.tunables import Tunables
-
 
 
 def _one_cpu_host(tables: RunTables, ranks: tuple[int, ...]) -> str | None:
@@ -42,8 +40,7 @@ def link_findings(tables: RunTables, links: pl.DataFrame, step_ns: float, metric
         conf = float(min(0.99, 1 - 2.0 ** (-(row["z"] - row["z_bar"]) - 1)))
         summary = (f"slow link: {place} transfers {row['ratio']:.{2 if row['ratio'] < 1.5 else 1}f}x slower "
                    "than the same kind elsewhere")
-        who = f"ranks {list(ranks)}" if len(ranks) <= LISTED_MAX else f"the {rank_list(ranks)}"
-        next_step = NEXT_STEP["slow_link"].format(who=who)
+        next_step = NEXT_STEP["slow_link"].format(who=named_ranks(ranks))
         host = _one_cpu_host(tables, ranks)
         if host is not None:  # measured right, but the link is the host's cores: in doubt as a link
             conf = min(conf, 0.5)

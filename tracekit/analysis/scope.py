@@ -225,6 +225,7 @@ def _pp_level(con, run_id: str, lay: Layout, replica: int, ref: int, tun: Tunabl
             pl.col("per_step").alias("ps_ref"))
         both = mine.join(theirs, on=["src", "dst"]).with_columns(
             (pl.col("t") / pl.col("t_ref")).alias("ratio"), (pl.col("per_step") - pl.col("ps_ref")).alias("excess"))
+        # the diagnosis' own cost rule (on any transport: here it only chooses what to read)
         both = both.filter((pl.col("ratio") >= tun.slow_link_ratio)
                            & costs_enough(pl.col("ratio"), pl.col("excess"), step_ns, tun)).sort("ratio", descending=True)
         if both.height:
