@@ -132,3 +132,29 @@ def test_long_rank_lists_read_as_a_count_with_ranges_or_a_stride():
     assert rank_list([*range(40), 50]) == "41 ranks [0-39, 50]"
     assert rank_list([*range(0, 40, 2), 41]) == "21 ranks [0, 2, 4, 6, 8, 10, 12, 14, ... (13 more ranges)]"
     assert rank_list([3, 1]) == "[1, 3]"
+
+
+def test_deschedule_spikes_make_no_candidate_but_a_slow_step_does(tmp_path):
+    """The compute level sums each rank-step where the data lies; a deschedule spike is one span
+    many times its length. Two spikes in one rank-step (rank 20) move nothing, nor does one step 3%
+    slower (rank 40: many noise units, but too little for the diagnosis to call an episode); one rank computing
+    1.3x in two steps (rank 70, a transient) and one 1.1x throughout (rank 101) are the candidates.
+    Eight layers: a real step has hundreds of spans or more, so its longest normal spans (which the
+    trim leaves in a spiked step) weigh little."""
+    from tracekit.analysis.scope import narrow
+    from tracekit.topology import Layout
+
+    path = tmp_path / "spikes.duckdb"
+    write_duckdb(SimConfig(**{**BASE, "layers": 8}, seed=3), path, "spikes")
+    con = __import__("duckdb").connect(str(path))
+    compute = "kind = 'kernel' AND NOT is_comm"  # the simulator's compute spans
+    spiked = con.sql(f"SELECT rowid FROM events WHERE rank = 20 AND step = 3 AND {compute} ORDER BY ts_ns LIMIT 2"
+                     ).fetchall()
+    con.execute(f"UPDATE events SET dur_ns = dur_ns * 25 WHERE rowid IN ({', '.join(str(r) for r, in spiked)})")
+    con.execute(f"UPDATE events SET dur_ns = dur_ns * 1.03 WHERE rank = 40 AND step = 4 AND {compute}")
+    con.execute(f"UPDATE events SET dur_ns = dur_ns * 1.3 WHERE rank = 70 AND step IN (2, 5) AND {compute}")
+    con.execute(f"UPDATE events SET dur_ns = dur_ns * 1.1 WHERE rank = 101 AND {compute}")
+    con.close()
+    with tracekit.open(path) as s:
+        scope = narrow(s._con, s._run(None), Layout(tp=2, cp=2, pp=4, dp=8), SCOPED)
+    assert scope.levels[0]["candidates"] == [70, 101], scope.levels[0]
