@@ -158,3 +158,18 @@ def test_deschedule_spikes_make_no_candidate_but_a_slow_step_does(tmp_path):
     with tracekit.open(path) as s:
         scope = narrow(s._con, s._run(None), Layout(tp=2, cp=2, pp=4, dp=8), SCOPED)
     assert scope.levels[0]["candidates"] == [70, 101], scope.levels[0]
+
+
+@pytest.mark.parametrize("layout, fault, group", [
+    # two replicas: the later one has no spread to be judged by; a TP link of replica 1
+    (dict(tp=2, cp=1, pp=4, dp=2), "link:a=12,b=13,delay_ms=20", (12, 13)),
+    # two DP groups (cp 2, pp 1): the slower DP group by its ratio to the other
+    (dict(tp=1, cp=2, pp=1, dp=8), "link:a=0,b=6,delay_ms=10", (0, 2, 4, 6, 8, 10, 12, 14)),
+])
+def test_a_slow_link_is_in_the_scope_where_only_two_replicas_or_groups_compare(tmp_path, layout, fault, group):
+    path = tmp_path / "two.duckdb"
+    write_duckdb(SimConfig(**{**BASE, **layout}, seed=5, faults=(fault,)), path, "two")
+    with tracekit.open(path) as s:
+        scoped = s.diagnose(tunables=SCOPED)
+    assert scoped.scope is not None  # (two DP groups: the slow one and its peer are the whole job)
+    assert _named(scoped) == {"slow_link": [group]}, scoped.headline

@@ -38,6 +38,9 @@ COMPUTE_SQL = ("NOT coalesce(is_comm, false) AND step IS NOT NULL "
 # "persistent"), and each such candidate's cells were read. Three leave a rank-step with four spikes
 # (about 1 in 10^6 at that rate) and cost nothing measurable (0.97 -> 0.99 s at 16,384 ranks).
 SCOPE_TRIM_SPANS = 3
+# Fewer units than this (two replicas, two DP groups) have no spread to judge one by: the scope then
+# reads the later or slower one wherever its effect is large enough.
+MIN_COMPARED = 3
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,9 @@ def _dp_level(con, run_id: str, lay: Layout, tun: Tunables, step_ns: float) -> t
         mat = per.drop("dp").to_numpy().astype(float)
         lateness = np.nanmedian(mat, axis=0, keepdims=True) - mat
         scale = np.array([max(spread(c[np.isfinite(c)]), 1e-9) for c in lateness.T])
-        z = lateness / scale
+        # two replicas have no spread to measure against (their z is 0.67 whatever happens): the
+        # later one is read where it alone is late enough in two steps (a cell more to read, not a verdict)
+        z = lateness / scale if len(dps) >= MIN_COMPARED else np.where(lateness > 0, np.inf, -np.inf)
         # late in two steps at least: the diagnosis names no episode of one step (culprits.py), and at
         # one span in 2,000 descheduled every replica of 256 ranks has a spike or more in every step,
         # so some replica is late by one in some step (1,024 ranks: two more cells read, 0.3-0.4 s)
@@ -160,15 +165,20 @@ def _dp_level(con, run_id: str, lay: Layout, tun: Tunables, step_ns: float) -> t
         order = np.argsort(-score)[:tun.scope_candidates]
         late = [int(dps[i]) for i in order if score[i] >= tun.scope_z_step
                 and effect[i] >= tun.effect_min_frac * step_ns]
+        if len(dps) < MIN_COMPARED and len(late) > 1:  # each of two later in turn: neither is the late one
+            late = []
         evidence["late_replicas"] = late
     slow_group: list[int] = []
-    if links.height > 2:
-        med = links.group_by("pg_name").agg(pl.col("transfer_ns").median())
+    med = links.group_by("pg_name").agg(pl.col("transfer_ns").median())
+    if med.height >= 2:
         vals = med["transfer_ns"].to_numpy()
-        s = max(spread(vals), 1e-9 * max(float(np.median(vals)), 1.0))
         top = int(np.argmax(vals))
-        z = (vals[top] - np.median(vals)) / s
-        if z >= tun.scope_z_step and vals[top] >= np.median(vals) * tun.slow_link_ratio:
+        if vals.size >= MIN_COMPARED:
+            s = max(spread(vals), 1e-9 * max(float(np.median(vals)), 1.0))
+            z, ref = (vals[top] - np.median(vals)) / s, float(np.median(vals))
+        else:  # two DP groups: no spread to measure against; the slower by the ratio alone
+            z, ref = math.inf, float(np.min(vals))
+        if z >= tun.scope_z_step and vals[top] >= ref * tun.slow_link_ratio:
             name = med["pg_name"][top]
             members = con.sql("SELECT ranks FROM groups WHERE run_id = $r AND pg_name = $p",
                               params={"r": run_id, "p": name}).fetchall()
@@ -286,12 +296,15 @@ def narrow(con, run_id: str, lay: Layout, tun: Tunables = Tunables()) -> Scope:
     cells: set[tuple[int, int]] = {(lay.coords(r).dp, lay.coords(r).pp) for r in candidates}
     link_cells = {(lay.coords(r).dp, lay.coords(r).pp) for pair in pairs for r in pair}
     busy = {d for d, _ in cells} | set(late)
-    refs = [d for d in range(lay.dp) if d not in busy][: max(1, math.ceil(tun.scope_min_peers / (lay.cp * lay.tp)))]
+    # reference replicas: quiet ones first; where too few are quiet (two replicas, both with a
+    # candidate), busy ones too: any other replica's cell is a peer of the same position
+    refs = sorted(range(lay.dp), key=lambda d: d in busy)[: max(1, math.ceil(tun.scope_min_peers / (lay.cp * lay.tp)))]
     # every late replica is searched, candidates or not: the compute level lets a few ranks of a large
     # job through by chance, and one of those in a replica would hide its slow link
     for replica in late[:2]:
-        if refs:
-            stages, ev = _pp_level(con, run_id, lay, replica, refs[0], tun, step_ns)
+        ref = next((d for d in refs if d != replica), None)
+        if ref is not None:
+            stages, ev = _pp_level(con, run_id, lay, replica, ref, tun, step_ns)
             levels.append(ev)
             cells |= {(replica, q) for q in stages}
     cells |= link_cells
