@@ -173,3 +173,22 @@ def test_a_slow_link_is_in_the_scope_where_only_two_replicas_or_groups_compare(t
         scoped = s.diagnose(tunables=SCOPED)
     assert scoped.scope is not None  # (two DP groups: the slow one and its peer are the whole job)
     assert _named(scoped) == {"slow_link": [group]}, scoped.headline
+
+
+def test_a_slow_p2p_link_is_in_the_scope_when_the_p2p_records_name_no_peer(tmp_path):
+    """NCCL's p2p records name the pipeline group, not the peer (FORMATS.md): the diagnosis takes the
+    peers from the flight recorder's entries; the scope, which cannot align those in SQL, reads the
+    stages around the rank whose sends grew most in the late replica. Kineto traces and recorder
+    dumps, through the real ingest."""
+    from tracekit.ingest import ingest
+    from tracekit.simulate.run import simulate
+
+    run = simulate(SimConfig(tp=1, cp=1, pp=4, dp=4, steps=8, seed=7, noise=0.05, skew_ms=500, drift_ppm=20, layers=4,
+                             faults=("link:a=9,b=10,delay_ms=20",)), tmp_path / "run")
+    store = tmp_path / "s.duckdb"
+    ingest([run], store, workers=1)
+    with tracekit.open(store) as s:
+        assert s.sql("SELECT count(peer) AS n FROM p2p WHERE source <> 'fr'")["n"][0] == 0  # as NCCL records them
+        scoped = s.diagnose(tunables=SCOPED)
+    assert len(scoped.scope.ranks) < scoped.scope.world_size, scoped.scope.summary
+    assert _named(scoped) == {"slow_link": [(9, 10)]}, scoped.headline

@@ -230,7 +230,10 @@ def _pp_level(con, run_id: str, lay: Layout, replica: int, ref: int, tun: Tunabl
     evidence: dict = {"level": "pp", "read": f"p2p and in-stage collectives of replicas {replica} and {ref}"}
     stages: list[int] = []
     p2p = con.sql(f"SELECT rank, peer, direction, step, start_ns, end_ns FROM {p2p_src} WHERE run_id = $r "
-                  f"AND source <> 'fr'{p2p_within} AND peer IS NOT NULL AND step IS NOT NULL", params={"r": run_id}).pl()
+                  f"AND source <> 'fr'{p2p_within} AND step IS NOT NULL", params={"r": run_id}).pl()
+    if p2p.height and not p2p["peer"].is_not_null().any():
+        stages += _peerless_link(p2p, lay, replica, ref, tun, step_ns, evidence)
+    p2p = p2p.filter(pl.col("peer").is_not_null())
     if p2p.height:
         pairs = pair_messages(p2p)
         # each link against the link at the same position of the reference replica
@@ -268,6 +271,29 @@ def _pp_level(con, run_id: str, lay: Layout, replica: int, ref: int, tun: Tunabl
             evidence["in_stage"] = {"stage": int(top), "grown_ns": grown[top]}
     evidence["stages"] = sorted(set(stages))
     return sorted(set(stages)), evidence
+
+
+def _peerless_link(p2p: pl.DataFrame, lay: Layout, replica: int, ref: int, tun: Tunables, step_ns: float,
+                   evidence: dict) -> list[int]:
+    """The stages around a slow link where the p2p records name no peer (NCCL's name the pipeline group
+    only; the diagnosis pairs them with the flight recorder's entries, which SQL cannot align): the rank
+    whose sends grew most against the same position of ``ref``, and its two neighbouring stages (the
+    link is to one of them). Sends, not receives: a late replica's receives all wait longer, and a
+    slow link's sends grow at its two ends (by 1.3-2x the replica's other sends on the fault grid)."""
+    size = lay.world_size // lay.dp
+    sends = p2p.filter((pl.col("direction") == "send") & pl.col("end_ns").is_not_null()).group_by("rank").agg(
+        ((pl.col("end_ns") - pl.col("start_ns")).sum() / pl.col("step").n_unique()).cast(pl.Float64).alias("ns"))
+    mine = sends.filter(pl.col("rank") // size == replica).with_columns((pl.col("rank") % size).alias("pos"))
+    theirs = sends.filter(pl.col("rank") // size == ref).select((pl.col("rank") % size).alias("pos"),
+                                                                pl.col("ns").alias("ref_ns"))
+    grown = mine.join(theirs, on="pos").with_columns((pl.col("ns") - pl.col("ref_ns")).alias("grown")).sort(
+        "grown", descending=True)
+    if not grown.height or grown["grown"][0] < tun.link_effect_min_frac * step_ns:
+        return []
+    rank = int(grown["rank"][0])
+    stage = lay.coords(rank).pp
+    evidence["peerless_link"] = {"rank": rank, "grown_ns": float(grown["grown"][0])}
+    return [q for q in (stage - 1, stage, stage + 1) if 0 <= q < lay.pp]
 
 
 def _stage_level(compute: pl.DataFrame, lay: Layout, tun: Tunables) -> tuple[list[int], dict]:
