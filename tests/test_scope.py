@@ -192,3 +192,24 @@ def test_a_slow_p2p_link_is_in_the_scope_when_the_p2p_records_name_no_peer(tmp_p
         scoped = s.diagnose(tunables=SCOPED)
     assert len(scoped.scope.ranks) < scoped.scope.world_size, scoped.scope.summary
     assert _named(scoped) == {"slow_link": [(9, 10)]}, scoped.headline
+
+
+@pytest.mark.parametrize("fault, want", [
+    ("link:a=6,b=4,delay_ms=10", (4, 6)),  # a CP group's link (tp 2: ranks 4 and 6 are cp 0 and 1)
+    ("link:a=7,b=11,delay_ms=20", (7, 11)),  # a pipeline link; NCCL's records name no peer
+])
+def test_with_one_replica_a_slow_link_is_in_the_scope(tmp_path, fault, want):
+    """dp = 1: no replica to hold a late one against; the stage's groups (and sends) against each other."""
+    from tracekit.ingest import ingest
+    from tracekit.simulate.run import simulate
+
+    run = simulate(SimConfig(tp=2, cp=2, pp=4, dp=1, steps=8, seed=3, noise=0.05, skew_ms=500, drift_ppm=20,
+                             layers=4, faults=(fault,)), tmp_path / "run")
+    store = tmp_path / "s.duckdb"
+    ingest([run], store, workers=1)
+    with tracekit.open(store) as s:
+        scoped = s.diagnose(tunables=SCOPED)
+        full = s.diagnose()
+    assert _named(full) == {"slow_link": [want]}, full.headline
+    assert len(scoped.scope.ranks) < scoped.scope.world_size, scoped.scope.summary
+    assert _named(scoped) == {"slow_link": [want]}, scoped.headline

@@ -296,6 +296,48 @@ def _peerless_link(p2p: pl.DataFrame, lay: Layout, replica: int, ref: int, tun: 
     return [q for q in (stage - 1, stage, stage + 1) if 0 <= q < lay.pp]
 
 
+def _stage_group_level(con, run_id: str, lay: Layout, tun: Tunables, step_ns: float) -> tuple[list[int], dict]:
+    """With one replica (dp = 1), the stages holding a slow TP or CP group: each group's transfers
+    (per collective the fastest member's time, one clock) summed per step, against the groups of the
+    same dimension and stage, by the diagnosis' link rules (ratio, cost); and, where the p2p records
+    name no peer, the stages around the rank whose sends exceed its stage's most (as
+    ``_peerless_link``, its stage standing in for a reference replica). Reads every TP and CP
+    collective and every send: affordable where a single replica is the whole job."""
+    rows = con.sql(
+        "WITH g AS (SELECT pg_name, dim, ranks[1] AS first FROM groups WHERE run_id = $r AND dim IN ('tp', 'cp') "
+        "AND size >= 2), t AS (SELECT pg_name, seq, any_value(step) AS step, min(end_ns - start_ns) AS t "
+        "FROM collectives WHERE run_id = $r AND source <> 'fr' AND step IS NOT NULL "
+        "AND pg_name IN (SELECT pg_name FROM g) GROUP BY ALL) "
+        "SELECT t.pg_name, any_value(g.dim) AS dim, any_value(g.first) AS first, "
+        "(sum(t.t) / count(DISTINCT t.step))::DOUBLE AS per_step FROM t JOIN g USING (pg_name) GROUP BY t.pg_name",
+        params={"r": run_id}).pl()
+    evidence: dict = {"level": "groups", "read": "TP and CP collectives, sends (one replica)", "rows": rows.height}
+    if not rows.height:
+        return [], evidence
+    rows = rows.with_columns((pl.col("first") // (lay.tp * lay.cp) % lay.pp).alias("pp"))
+    ref = ((pl.col("per_step").sum().over("dim", "pp") - pl.col("per_step")) / (pl.len().over("dim", "pp") - 1))
+    rows = rows.filter(pl.len().over("dim", "pp") >= 2).with_columns(ref.alias("ref")).with_columns(
+        (pl.col("per_step") / pl.col("ref")).alias("ratio"), (pl.col("per_step") - pl.col("ref")).alias("excess"))
+    slow = rows.filter((pl.col("ratio") >= tun.slow_link_ratio)
+                       & costs_enough(pl.col("ratio"), pl.col("excess"), step_ns, tun)).sort(
+        "ratio", descending=True).head(tun.scope_candidates)
+    stages = {int(q) for q in slow["pp"].to_list()}
+    evidence["slow_groups"] = slow["pg_name"].to_list()
+    if lay.pp > 1:  # pipeline links whose records name no peer: the rank whose sends exceed its stage's most
+        sends = con.sql("SELECT rank, (sum(end_ns - start_ns) / count(DISTINCT step))::DOUBLE AS ns FROM p2p "
+                        "WHERE run_id = $r AND source <> 'fr' AND direction = 'send' AND step IS NOT NULL "
+                        "AND end_ns IS NOT NULL GROUP BY rank HAVING count(peer) = 0", params={"r": run_id}).pl()
+        if sends.height:
+            sends = sends.with_columns((pl.col("rank") // (lay.tp * lay.cp) % lay.pp).alias("pp")).with_columns(
+                (pl.col("ns") - pl.col("ns").median().over("pp")).alias("grown")).sort("grown", descending=True)
+            if sends["grown"][0] >= tun.link_effect_min_frac * step_ns:
+                q = int(sends["pp"][0])
+                stages |= {x for x in (q - 1, q, q + 1) if 0 <= x < lay.pp}
+                evidence["peerless_link"] = {"rank": int(sends["rank"][0]), "grown_ns": float(sends["grown"][0])}
+    evidence["stages"] = sorted(stages)
+    return sorted(stages), evidence
+
+
 def _stage_level(compute: pl.DataFrame, lay: Layout, tun: Tunables) -> tuple[list[int], dict]:
     if lay.pp < 2 or not compute.height:
         return [], {"level": "stage", "read": "nothing (pp = 1)"}
@@ -321,6 +363,10 @@ def narrow(con, run_id: str, lay: Layout, tun: Tunables = Tunables()) -> Scope:
     levels.append(ev)
     cells: set[tuple[int, int]] = {(lay.coords(r).dp, lay.coords(r).pp) for r in candidates}
     link_cells = {(lay.coords(r).dp, lay.coords(r).pp) for pair in pairs for r in pair}
+    if lay.dp == 1:  # no replica to hold a late one against: the stage's groups against each other
+        slow_stages, ev = _stage_group_level(con, run_id, lay, tun, step_ns)
+        levels.append(ev)
+        link_cells |= {(0, q) for q in slow_stages}
     busy = {d for d, _ in cells} | set(late)
     # reference replicas: quiet ones first; where too few are quiet (two replicas, both with a
     # candidate), busy ones too: any other replica's cell is a peer of the same position
