@@ -9,7 +9,10 @@ stage shows in a few numbers per (rank, step). ``narrow`` computes those where t
    the DP group whose transfers (the fastest member's time, one clock) are slow;
 3. PP (only the late replica's ranks and a reference replica's): the stage whose pipeline and
    in-stage communication waits grew against the same stage of the reference;
-and the stage whose compute exceeds the others in every replica. The scope is those ranks' cells
+and the stage whose compute exceeds the others in every replica. Where fewer than three replicas
+(or DP groups) compare, a level judges by effect or ratio alone, and with one replica the stage's
+TP and CP groups are held against each other instead (docs/scale.md has each level and how the
+scope fares on the fault grid). The scope is those ranks' cells
 (a replica's stage: its CP x TP ranks) with the same cells of reference replicas as their peers,
 and the diagnosis runs on it unchanged (``Store.diagnose``), told how many ranks the candidates
 were picked from so that its bars stay those of the whole job.
