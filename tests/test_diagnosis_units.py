@@ -243,3 +243,17 @@ def test_profiled_p2p_ops_take_their_peers_from_the_recorder_entries_they_lie_al
     # and a recorder that holds more than was profiled (it ran on after the profiler stopped)
     more = np.concatenate([fr_t, fr_t[-1] + np.cumsum(rng.uniform(5e6, 9e6, 10)).astype(np.int64)])
     assert _align(prof, more, np.concatenate([peers, [3] * 10])) == peers.tolist()
+
+
+def test_with_two_groups_of_a_kind_a_slow_ones_ratio_is_its_transfer_over_the_others():
+    """Two TP groups (and two DP groups): each is measured against the other, so the slow one's
+    mirror image must not count against it a second time (its ratio read 100x for 10x, and
+    45,188x on a fault-grid TP link). Oracle: per group, the median over instances of the fastest
+    member's duration, from the collectives table itself."""
+    tables = RunTables.from_mapping(make_job(Layout(tp=2, cp=1, pp=1, dp=2), faults=Faults(slow_group="tp:2"), seed=0))
+    inst = tables.collectives.group_by("pg_name", "seq").agg((pl.col("end_ns") - pl.col("start_ns")).min().alias("t"))
+    med = dict(inst.group_by("pg_name").agg(pl.col("t").median()).iter_rows())
+    links = link_transfers(tables, 100e6, TUN)
+    slow = links.filter(pl.col("name") == "tp:2").row(0, named=True)
+    assert slow["ratio"] == pytest.approx(med["tp:2"] / med["tp:0"], rel=0.1)
+    assert slow["ratio"] == pytest.approx(10.0, rel=0.25)  # the fault's factor

@@ -201,7 +201,6 @@ def link_transfers(tables: RunTables, step_ns: float, tunables: Tunables = Tunab
     ranks[order] = np.repeat(first + (counts + 1) / 2.0, counts)
     n = lr.size
     tie = float((counts.astype(float) ** 3 - counts).sum()) / (n * (n - 1)) if n > 1 else 0.0
-    lr_sorted = lr[order]
     per_kind = inst.group_by("key", "kind").agg(pl.col("t").median().alias("med"), pl.col("ref").first(),
                                                 pl.len().alias("n"), pl.col("lr").median())
     excess_of = dict(per_kind.group_by("key").agg(((pl.col("med") - pl.col("ref")) * pl.col("n")).sum())
@@ -213,8 +212,9 @@ def link_transfers(tables: RunTables, step_ns: float, tunables: Tunables = Tunab
     for key, idx in _groups(keys):
         x = lr[idx]
         n1, n2 = x.size, n - x.size
-        rest_median = median_without(lr_sorted, x) if n2 else float("nan")
-        ratio = math.exp(float(np.median(x)) - rest_median) if n2 else math.exp(float(np.median(x)))
+        # each instance is already a ratio to its kind's median on the other links: with two groups
+        # of a kind, each other's mirror image, the other links' median lr is the slow one's negative
+        ratio = math.exp(float(np.median(x)))
         var = n1 * n2 / 12.0 * ((n + 1) - tie)
         z = float((ranks[idx].sum() - n1 * (n1 + 1) / 2.0 - n1 * n2 / 2.0) / math.sqrt(var)) if n2 and var > 0 else 0.0
         excess = float(excess_of[key]) / n_steps
