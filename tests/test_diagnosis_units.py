@@ -257,3 +257,18 @@ def test_with_two_groups_of_a_kind_a_slow_ones_ratio_is_its_transfer_over_the_ot
     slow = links.filter(pl.col("name") == "tp:2").row(0, named=True)
     assert slow["ratio"] == pytest.approx(med["tp:2"] / med["tp:0"], rel=0.1)
     assert slow["ratio"] == pytest.approx(10.0, rel=0.25)  # the fault's factor
+
+
+def test_a_group_search_over_no_split_coordinates_searches_the_whole_range():
+    """The localizer's group search skips the combinations of split coordinates that hold no scored
+    rank; with no split coordinates there is one combination, the range itself, which holds them
+    all (a first version skipped it and lost a culprit on the fault grid)."""
+    from tracekit.analysis.collectives import match_collectives
+    from tracekit.analysis.localize import _search_groups, step_time_ns
+    from tracekit.analysis.scores import collective_scores
+
+    lay = Layout(tp=2, cp=1, pp=1, dp=2)
+    tables = RunTables.from_mapping(make_job(lay, faults=Faults(slow_rank=3, slow_factor=1.5), seed=1))
+    scores = collective_scores(tables, "dp", match_collectives(tables))
+    found = _search_groups("dp", scores, tables.coords(), {}, [], lay, step_time_ns(tables), TUN)
+    assert found is not None and found.verdict == "culprit" and found.chosen == lay.coords(3).dp
