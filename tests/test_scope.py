@@ -212,4 +212,5 @@ def test_with_one_replica_a_slow_link_is_in_the_scope(tmp_path, fault, want):
         full = s.diagnose()
     assert _named(full) == {"slow_link": [want]}, full.headline
     assert len(scoped.scope.ranks) < scoped.scope.world_size, scoped.scope.summary
+    assert "TP and CP groups and sends of the one replica: stages [" in scoped.scope.summary  # said, as read
     assert _named(scoped) == {"slow_link": [want]}, scoped.headline

@@ -79,6 +79,8 @@ class Scope:
                 said.append(f"p2p of every rank: {len(lv.get('slow_links') or [])} slow links")
             elif lv["level"] == "pp":
                 said.append(f"pipeline waits of two replicas: stages {picked or 'none'}")
+            elif lv["level"] == "groups":
+                said.append(f"TP and CP groups and sends of the one replica: stages {picked or 'none'}")
             elif lv["level"] == "stage" and picked:
                 said.append(f"heavy stages {picked}")
         return (f"large job: the diagnosis read {len(self.ranks):,} of {self.world_size:,} ranks, chosen top-down ("

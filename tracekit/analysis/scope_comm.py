@@ -122,8 +122,12 @@ def peerless_link(p2p: pl.DataFrame, lay: Layout, replica: int, ref: int, tun: T
     if not grown.height or grown["grown"][0] < tun.link_effect_min_frac * step_ns:
         return []
     rank = int(grown["rank"][0])
-    stage = lay.coords(rank).pp
     evidence["peerless_link"] = {"rank": rank, "grown_ns": float(grown["grown"][0])}
+    return around(lay.coords(rank).pp, lay)
+
+
+def around(stage: int, lay: Layout) -> list[int]:
+    """A stage and its neighbours: where a link of that stage's unknown peer can be."""
     return [q for q in (stage - 1, stage, stage + 1) if 0 <= q < lay.pp]
 
 
@@ -162,8 +166,7 @@ def stage_group_level(con, run_id: str, lay: Layout, tun: Tunables, step_ns: flo
             sends = sends.with_columns((pl.col("rank") // (lay.tp * lay.cp) % lay.pp).alias("pp")).with_columns(
                 (pl.col("ns") - pl.col("ns").median().over("pp")).alias("grown")).sort("grown", descending=True)
             if sends["grown"][0] >= tun.link_effect_min_frac * step_ns:
-                q = int(sends["pp"][0])
-                stages |= {x for x in (q - 1, q, q + 1) if 0 <= x < lay.pp}
+                stages |= set(around(int(sends["pp"][0]), lay))
                 evidence["peerless_link"] = {"rank": int(sends["rank"][0]), "grown_ns": float(sends["grown"][0])}
     evidence["stages"] = sorted(stages)
     return sorted(stages), evidence
