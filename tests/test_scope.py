@@ -214,3 +214,20 @@ def test_with_one_replica_a_slow_link_is_in_the_scope(tmp_path, fault, want):
     assert len(scoped.scope.ranks) < scoped.scope.world_size, scoped.scope.summary
     assert "TP and CP groups and sends of the one replica: stages [" in scoped.scope.summary  # said, as read
     assert _named(scoped) == {"slow_link": [want]}, scoped.headline
+
+
+def test_a_replica_late_in_every_step_is_searched_before_replicas_late_in_two(tmp_path):
+    """Two transient stragglers make their replicas very late in two steps each; a CP link makes
+    replica 5 late by less, but in every step. Only two late replicas are searched: the steady one
+    must be among them (1,024 ranks, tp 1 x cp 4 x dp 256: a CP link 20 ms late, 80 ms a step,
+    was read after two replicas with spikes and went unnamed at 0.97)."""
+    faults = ("slow:rank=20,factor=3,steps=2+5", "slow:rank=40,factor=3,steps=3+6", "link:a=80,b=82,delay_ms=5")
+    path = tmp_path / "steady.duckdb"
+    write_duckdb(SimConfig(**BASE, seed=4, faults=faults), path, "steady")
+    with tracekit.open(path) as s:
+        scoped = s.diagnose(tunables=SCOPED)
+    assert (80, 82) in _named(scoped).get("slow_link", []), scoped.headline
+    dp_level = next(lv for lv in scoped.scope.levels if lv["level"] == "dp")
+    assert dp_level["late_replicas"][0] == 5, dp_level
+    named = _named(scoped)  # (two ranks slow in different steps read as one moving slowness)
+    assert sorted(r for kind in ("transient", "moving") for r in named.get(kind, [])) == [(20,), (40,)], named

@@ -58,7 +58,9 @@ def pp_level(con, run_id: str, lay: Layout, replica: int, ref: int, tun: Tunable
     p2p_src, p2p_within = ranked_source(con, "p2p", ranges)
     coll_src, coll_within = ranked_source(con, "collectives", ranges)
     stage = (pl.col("rank") // (lay.tp * lay.cp)) % lay.pp
-    evidence: dict = {"level": "pp", "read": f"p2p and in-stage collectives of replicas {replica} and {ref}"}
+    waits = "p2p and in-stage collectives" if lay.pp > 1 else "in-replica collectives"
+    evidence: dict = {"level": "pp", "replica": replica, "ref": ref, "waits": waits,
+                      "read": f"{waits} of replicas {replica} and {ref}"}
     stages: list[int] = []
     p2p = con.sql(f"SELECT rank, peer, direction, step, start_ns, end_ns FROM {p2p_src} WHERE run_id = $r "
                   f"AND source <> 'fr'{p2p_within} AND step IS NOT NULL", params={"r": run_id}).pl()
