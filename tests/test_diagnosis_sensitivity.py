@@ -171,3 +171,26 @@ def test_a_link_several_times_slower_is_a_finding_below_the_cost_floor_but_not_o
     assert not [f for f in gloo.findings if f.kind == "slow_link"], gloo.headline
     assert re.search(r"below the reporting floor \(1% of a step\): pipeline link|below the reporting floor "
                      r"\(1% of a step\): p2p rank", gloo.headline), gloo.headline
+
+
+@pytest.mark.parametrize("layout, fault, lone", [
+    (dict(tp=1, cp=1, pp=1, dp=8), "link:a=2,b=3,delay_ms=20", "one DP group holds every rank"),  # DP alone
+    (dict(tp=4, cp=1, pp=1, dp=1), "link:a=0,b=1,delay_ms=5", "one TP group holds every rank"),  # TP alone
+])
+def test_a_slow_link_in_a_group_that_holds_every_rank_leaves_no_straggler_in_doubt(tmp_path, layout, fault, lone):
+    # every transfer of the only group of its kind is slowed alike, and links are measured against
+    # the same kind elsewhere: 1,024 ranks of DP alone with a DP link 20 ms late (5% of a step) read
+    # "no straggler" at 0.98
+    d = _diagnose(tmp_path, "lone", **{**NOISY, "noise": 0.05, **layout}, faults=(fault,))
+    assert d.localization.verdict == "no_straggler" and not d.findings, d.headline
+    assert d.localization.confidence <= 0.5 and lone in d.cause.summary and "nccl-tests" in d.cause.summary
+
+
+def test_where_groups_of_a_kind_compare_a_clean_run_is_sure_and_a_slow_link_is_named(tmp_path):
+    # the same DP link where two DP groups (tp 2) hold each other's measure
+    base = {**NOISY, "noise": 0.05, "tp": 2, "pp": 1, "dp": 4}
+    clean = _diagnose(tmp_path, "clean", **base)
+    assert clean.localization.verdict == "no_straggler" and clean.localization.confidence > 0.5, clean.headline
+    assert "holds every rank" not in clean.cause.summary
+    slow = _diagnose(tmp_path, "slow", **base, faults=("link:a=2,b=4,delay_ms=20",))
+    assert [(f.kind, f.ranks) for f in slow.findings] == [("slow_link", (0, 2, 4, 6))], slow.headline

@@ -29,7 +29,7 @@ from tracekit.analysis.findings import NEXT_STEP, Finding, where
 from tracekit.analysis.hangs import HangReport, rank_list
 from tracekit.analysis.hosts import slow_host_ranks, slow_hosts
 from tracekit.analysis.link_findings import link_findings, links_beside_stragglers, minor_links
-from tracekit.analysis.links import link_transfers, p2p_coverage
+from tracekit.analysis.links import link_transfers, lone_groups, p2p_coverage
 from tracekit.analysis.localize import Localization, localize
 from tracekit.analysis.scope import Scope
 from tracekit.analysis.rootcause import Cause, explain, rank_step_metrics
@@ -300,6 +300,11 @@ def _primary(loc: Localization, findings: list[Finding], tables: RunTables,
                 # it) shows only against the other stages, whose work differs by design; a 1.1x host
                 # holding two of four stages was "no straggler" at 0.87-0.91 (grid, kind host)
                 sure = min(sure, 0.5)
+            if lone_groups(tables):
+                # a slow link in a group that holds every rank slows that group's every transfer
+                # alike: nothing in the run is faster to hold it against (1,024 ranks of DP alone, a
+                # DP link 20 ms late, 5% of a step: "no straggler" at 0.98)
+                sure = min(sure, 0.5)
             if minor_link:
                 # then "no straggler" rests on the cost floor alone: over 8 grid draws 4 of 10 such
                 # answers were right (5 slow DP links of 0.7% of a step among the wrong ones)
@@ -355,6 +360,13 @@ def _primary_cause(findings: list[Finding], loc: Localization, tables: RunTables
                 f"it) shows only against the other stages, whose work differs by design: under "
                 f"{tun.stage_compute_ratio:.2f}x it would not stand out (rerun a step with the stages "
                 "placed on other hosts, or compare the stages' kernels)")) if x)
+        lone = lone_groups(tables)
+        if lone:
+            names = " and ".join(d.upper() for d in lone)
+            limit = "; ".join(x for x in (limit, (
+                f"one {names} group holds every rank, so its transfers have no other group to be compared "
+                "with: a slow link there slows every transfer alike and would not stand out (measure its bus "
+                "bandwidth against the fabric's, e.g. with nccl-tests, or compare with an earlier run)")) if x)
         head = ("no rank or stage stands out beyond noise, and no link costs "
                 f"{tun.link_effect_min_frac:.0%} of a step or more") if minor else \
             "no rank, stage or link stands out beyond noise"

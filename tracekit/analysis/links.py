@@ -92,6 +92,14 @@ def p2p_coverage(tables: RunTables) -> P2PCoverage:
 
 
 @per_tables
+def lone_groups(tables: RunTables) -> list[str]:
+    """The collective dimensions whose one group holds every rank (a job of DP alone, or TP alone):
+    their transfers have no other group of the kind to be compared with, so a slow link in them
+    cannot stand out (``link_transfers`` measures each link against the same kind elsewhere)."""
+    lay = tables.layout
+    return [d for d in ("tp", "cp", "dp") if 1 < getattr(lay, d) == lay.world_size]
+
+
 def _transfer_instances(tables: RunTables) -> pl.DataFrame:
     """(link, name, ranks, kind, step, t): one row per transfer sample, each measured on one rank's
     clock (host clocks are skewed; FORMATS.md): a collective instance's transfer is its shortest
