@@ -11,6 +11,10 @@ benchmarks/diagnosis_grid.py judges: rank and coordinates right, nothing else na
 
     PYTHONPATH=$PWD python benchmarks/scale.py [--sizes 64 1024 4096 16384] [--kinds slow two ...]
         [--steps 20] [--keep DIR] [--json]
+    PYTHONPATH=$PWD python benchmarks/scale.py --layouts 1x1x8x128 8x4x1x32 --no-ray   # other layouts (tp x cp x pp x dp)
+
+Kinds a layout cannot hold (a CP imbalance without CP, a p2p link or a stage without PP, a
+collective link in a world of one rank a group) are left out of its row.
 """
 
 from __future__ import annotations
@@ -102,16 +106,24 @@ def simulate_args(layout, steps: int, seed: int, faults, out: Path, fmt: str) ->
     return args
 
 
-def run_size(size: int, kinds: list[str], steps: int, work: Path, ray: bool) -> dict:
+def fits(kind: str, layout: tuple[int, int, int, int]) -> bool:
+    """Whether a layout can hold a fault kind at all."""
+    tp, cp, pp, dp = layout
+    needs = {"cp_imbalance": cp > 1, "link_p2p": pp > 1, "stage": pp > 1,
+             "link_coll": max(tp, cp, dp) > 1, "two": tp * cp * pp * dp > 1}
+    return needs.get(kind, True)
+
+
+def run_size(layout: tuple[int, int, int, int], kinds: list[str], steps: int, work: Path, ray: bool) -> dict:
     from diagnosis_grid import Case, judge
 
-    layout = LAYOUTS[size]
+    size = layout[0] * layout[1] * layout[2] * layout[3]
     fmt = "kineto" if size <= KINETO_UP_TO else "parquet"
-    rng = random.Random(size)
+    rng = random.Random(size if layout == LAYOUTS.get(size) else "x".join(map(str, layout)))
     row: dict = {"size": size, "layout": layout, "format": fmt, "cases": []}
-    for i, kind in enumerate(kinds):
+    for i, kind in enumerate(k for k in kinds if fits(k, layout)):
         faults, truth = fault(kind, layout, rng)
-        case_dir = work / f"{size}-{kind}"
+        case_dir = work / f"{'x'.join(map(str, layout))}-{kind}"
         shutil.rmtree(case_dir, ignore_errors=True)
         run = case_dir / "run"
         sim = measure(tracekit_cmd(*simulate_args(layout, steps, 7 * i + size, faults, run, fmt)))
@@ -163,6 +175,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=sorted(LAYOUTS))
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    ap.add_argument("--layouts", nargs="+", default=[], metavar="TPxCPxPPxDP",
+                    help="Layouts to run instead of --sizes' (e.g. 1x1x8x128).")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--keep", type=Path, help="Work directory (default: a temporary one).")
     ap.add_argument("--no-ray", action="store_true", help="Skip the Ray ingest.")
@@ -175,11 +189,15 @@ def main() -> None:
             import ray as _  # noqa: F401
         except ImportError:
             ray = False
+    layouts = [tuple(int(x) for x in spec.split("x")) for spec in a.layouts] or [LAYOUTS[s] for s in a.sizes]
+    if any(len(lay) != 4 or min(lay) < 1 for lay in layouts):
+        ap.error("--layouts: each is TPxCPxPPxDP, four sizes of at least 1 (e.g. 1x1x8x128)")
     rows = []
-    for size in a.sizes:
+    for layout in layouts:
         t = time.perf_counter()
-        rows.append(run_size(size, a.kinds, a.steps, work, ray))
-        print(f"# {size} ranks done in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+        rows.append(run_size(layout, a.kinds, a.steps, work, ray))
+        print(f"# {'x'.join(map(str, layout))} ({rows[-1]['size']} ranks) done in {time.perf_counter() - t:.0f} s",
+              file=sys.stderr, flush=True)
     if a.json:
         print(json.dumps(rows, indent=1))
         return
@@ -197,11 +215,11 @@ def main() -> None:
               f"{fmt('ingest')} | {fmt('ingest_ray')} | {fmt('stragglers')} | {worst['s']:.1f} s, {worst['rss_mb']} MB | "
               f"{sum(c['right'] for c in cs)}/{len(cs)} |")
     print()
-    print("| ranks | kind | right | stragglers | headline |")
-    print("|---|---|---|---|---|")
+    print("| ranks | layout | kind | right | stragglers | headline |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         for c in r["cases"]:
-            print(f"| {r['size']:,} | {c['kind']} | {'yes' if c['right'] else 'NO'} | {c['stragglers']['s']:.1f} s | "
+            print(f"| {r['size']:,} | {' '.join(map(str, r['layout']))} | {c['kind']} | {'yes' if c['right'] else 'NO'} | {c['stragglers']['s']:.1f} s | "
                   f"{c['headline'][:160]} |")
 
 
