@@ -18,7 +18,7 @@ from tracekit.cli import main
 from tracekit.demo_run import DEMO_CONFIG, FaultSpec, Scenario, SlowFault, run_scenarios
 from tracekit.ingest import ingest
 
-CFG = {**DEMO_CONFIG, "tp": 2, "pp": 1, "dp": 2, "steps": 6}
+CFG = {**DEMO_CONFIG, "tp": 2, "pp": 1, "dp": 2, "steps": 6, "micro_batches": 2}
 PP = {**CFG, "tp": 1, "pp": 2}
 CP = {**CFG, "tp": 1, "cp": 2}
 SLOW = SlowFault(rank=3, factor=1.5)
