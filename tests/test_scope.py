@@ -231,3 +231,16 @@ def test_a_replica_late_in_every_step_is_searched_before_replicas_late_in_two(tm
     assert dp_level["late_replicas"][0] == 5, dp_level
     named = _named(scoped)  # (two ranks slow in different steps read as one moving slowness)
     assert sorted(r for kind in ("transient", "moving") for r in named.get(kind, [])) == [(20,), (40,)], named
+
+
+def test_a_clean_scoped_answer_is_as_sure_as_the_whole_read_and_counts_the_whole_jobs_p2p(verdicts):
+    """The scope's links level measures every p2p link of the job; the ranks it then reads (a
+    sample's first and last stages) hold few pairs of ops. Counted on those, "p2p links were measured
+    in 0 of 5,760 p2p ops" put a clean 1,024-rank job's "no straggler" at 0.00."""
+    full, scoped, _ = verdicts["clean"]
+    assert scoped.localization.verdict == full.localization.verdict == "no_straggler"
+    assert "p2p links were measured" not in scoped.cause.summary, scoped.cause.summary
+    assert abs(scoped.localization.confidence - full.localization.confidence) <= 0.1, (
+        scoped.localization.confidence, full.localization.confidence)
+    links = next(lv for lv in scoped.scope.levels if lv["level"] == "links")
+    assert links["p2p_ops"] == links["p2p_measured"] > 0, links

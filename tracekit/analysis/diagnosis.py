@@ -29,7 +29,7 @@ from tracekit.analysis.findings import NEXT_STEP, Finding, where
 from tracekit.analysis.hangs import HangReport, rank_list
 from tracekit.analysis.hosts import slow_host_ranks, slow_hosts
 from tracekit.analysis.link_findings import link_findings, links_beside_stragglers, minor_links
-from tracekit.analysis.links import link_transfers, lone_groups, p2p_coverage
+from tracekit.analysis.links import P2PCoverage, link_transfers, lone_groups, p2p_coverage
 from tracekit.analysis.localize import Localization, localize
 from tracekit.analysis.scope import Scope
 from tracekit.analysis.rootcause import Cause, explain, rank_step_metrics
@@ -203,8 +203,9 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
                 and not set(f.ranks) <= set(damaged)]
     findings = slow_hosts(findings, tables, step_ns, hosts)
     minor = minor_links(tables, links, step_ns, tun)
-    cause = _primary_cause(findings, loc, tables, compute, minor, tun)
-    return Diagnosis(_primary(loc, findings, tables, compute, bool(minor)), cause, findings, compute, damaged, scope)
+    cause = _primary_cause(findings, loc, tables, compute, minor, tun, scope)
+    return Diagnosis(_primary(loc, findings, tables, compute, bool(minor), scope), cause, findings, compute, damaged,
+                     scope)
 
 
 def _data_or_device(tables: RunTables, loc: Localization, findings: list[Finding], tun: Tunables, work,
@@ -280,8 +281,19 @@ def _no_data_reason(tables: RunTables) -> str:
     return "; ".join(m.text() for m in missing)
 
 
+def _p2p_cover(tables: RunTables, scope: Scope | None) -> P2PCoverage:
+    """The p2p the links could be measured on: in a scope, the whole job's as its links level measured
+    it (the scope's own ranks hold few pairs of ops) or the scope's ranks' (which take peers from the
+    flight recorder where the records name none, as NCCL's do), whichever measured more."""
+    own = p2p_coverage(tables)
+    if scope is not None and scope.p2p_cover is not None and scope.p2p_cover.share > own.share:
+        return scope.p2p_cover
+    return own
+
+
 def _primary(loc: Localization, findings: list[Finding], tables: RunTables,
-             compute: ComputeCulprits | None = None, minor_link: bool = False) -> Localization:
+             compute: ComputeCulprits | None = None, minor_link: bool = False,
+             scope: Scope | None = None) -> Localization:
     """The Localization the findings amount to (the costliest rank finding leads). ``minor_link``:
     a link stands out beyond noise but costs less than the reporting floor."""
     if not findings:
@@ -294,7 +306,7 @@ def _primary(loc: Localization, findings: list[Finding], tables: RunTables,
         if verdict == "no_straggler":
             # a slow pipeline link shows only in the transfers that could be measured: on a grid draw
             # a 10 ms link went unseen at 0.95 where its ranks' recorder ring held 2 of 8 steps
-            sure = (loc.confidence if sure is None else sure) * p2p_coverage(tables).share
+            sure = (loc.confidence if sure is None else sure) * _p2p_cover(tables, scope).share
             if stages_alone(tables):
                 # no replica holds a stage twice: every rank of one stage slower (a slow host holding
                 # it) shows only against the other stages, whose work differs by design; a 1.1x host
@@ -335,7 +347,8 @@ def _primary(loc: Localization, findings: list[Finding], tables: RunTables,
 
 
 def _primary_cause(findings: list[Finding], loc: Localization, tables: RunTables,
-                   compute: ComputeCulprits | None = None, minor: str = "", tun: Tunables = Tunables()) -> Cause:
+                   compute: ComputeCulprits | None = None, minor: str = "", tun: Tunables = Tunables(),
+                   scope: Scope | None = None) -> Cause:
     if not findings:
         if loc.verdict == "no_data":
             return Cause("insufficient_data", (), _no_data_reason(tables), {})
@@ -345,7 +358,7 @@ def _primary_cause(findings: list[Finding], loc: Localization, tables: RunTables
                      "spans were recorded): a slow rank shows only in the waits, as its stage")
         evidence = {"detectable_ratio": compute.detectable_ratio,
                     "steps_for_sensitivity": compute.steps_for_sensitivity} if limit else {}
-        cover = p2p_coverage(tables)
+        cover = _p2p_cover(tables, scope)
         unseen = ""
         if cover.share < tun.p2p_coverage_note:
             who = f"ranks {rank_list(cover.ranks)}" if len(cover.ranks) <= 16 else rank_list(cover.ranks)

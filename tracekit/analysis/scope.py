@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
+from tracekit.analysis.links import P2PCoverage
 from tracekit.analysis.scope_comm import link_level, pp_level, stage_group_level
 from tracekit.analysis.standout import spread
 from tracekit.analysis.tunables import Tunables
@@ -53,6 +54,8 @@ class Scope:
     ranks: tuple[int, ...]
     world_size: int
     levels: tuple[dict, ...] = field(default_factory=tuple)
+    # the whole job's p2p as the links level measured it (None: no p2p level, pp = 1)
+    p2p_cover: P2PCoverage | None = None
 
     def ranges(self) -> list[tuple[int, int]]:
         """The ranks as inclusive contiguous ranges (cells are contiguous: TP, CP innermost)."""
@@ -218,7 +221,7 @@ def narrow(con, run_id: str, lay: Layout, tun: Tunables = Tunables()) -> Scope:
     levels.append(ev)
     late, slow_group, ev = _dp_level(con, run_id, lay, tun, step_ns)
     levels.append(ev)
-    pairs, ev = link_level(con, run_id, lay, tun)
+    pairs, ev, cover = link_level(con, run_id, lay, tun)
     levels.append(ev)
     cells: set[tuple[int, int]] = {(lay.coords(r).dp, lay.coords(r).pp) for r in candidates}
     link_cells = {(lay.coords(r).dp, lay.coords(r).pp) for pair in pairs for r in pair}
@@ -251,4 +254,4 @@ def narrow(con, run_id: str, lay: Layout, tun: Tunables = Tunables()) -> Scope:
     ranks = {r for d, p in cells for r in _cell(lay, d, p)} | set(slow_group)
     if slow_group:  # its peers: another DP group of the same kind (the next position)
         ranks |= {r + 1 if (r + 1) % (lay.world_size // lay.dp) else r - 1 for r in slow_group}
-    return Scope(tuple(sorted(ranks)), lay.world_size, tuple(levels))
+    return Scope(tuple(sorted(ranks)), lay.world_size, tuple(levels), cover)
