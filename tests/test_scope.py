@@ -244,3 +244,19 @@ def test_a_clean_scoped_answer_is_as_sure_as_the_whole_read_and_counts_the_whole
         scoped.localization.confidence, full.localization.confidence)
     links = next(lv for lv in scoped.scope.levels if lv["level"] == "links")
     assert links["p2p_ops"] == links["p2p_measured"] > 0, links
+
+
+def test_a_slow_host_is_read_and_named_whole_though_more_of_its_ranks_stand_out_than_are_picked(tmp_path):
+    """Every rank of host 5 (ranks 40-47: a whole pipeline of tp 1 x pp 8) at 1.1x: the compute
+    level picks at most ``scope_candidates`` ranks per score, so some of the host's ranks are left
+    out; read in part, the host was named with "each of its 5 ranks" (1,024 ranks, tp 1 x pp 8 x dp 128)."""
+    faults = tuple(f"slow:rank={r},factor=1.1" for r in range(40, 48))
+    path = tmp_path / "host.duckdb"
+    write_duckdb(SimConfig(**{**BASE, "tp": 1, "cp": 1, "pp": 8, "dp": 16}, seed=6, ranks_per_host=8, faults=faults),
+                 path, "host")
+    with tracekit.open(path) as s:
+        scoped = s.diagnose(tunables=SCOPED)
+    compute = scoped.scope.levels[0]
+    assert len(compute["candidates"]) < 8 and compute["host_mates"], compute  # the case the rule is for
+    assert [f.ranks for f in scoped.findings] == [tuple(range(40, 48))], scoped.headline
+    assert "host" in scoped.findings[0].where and "each of its 8 ranks" in scoped.findings[0].summary

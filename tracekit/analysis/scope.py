@@ -74,7 +74,9 @@ class Scope:
         for lv in self.levels:
             picked = lv.get("candidates") or lv.get("late_replicas") or lv.get("stages") or lv.get("heavy")
             if lv["level"] == "compute":
-                said.append(f"compute of every rank: {len(picked or [])} stand out")
+                said.append(f"compute of every rank: {len(picked or [])} stand out"
+                            + (f", with {len(lv['host_mates'])} more ranks of their hosts" if lv.get("host_mates")
+                               else ""))
             elif lv["level"] == "dp" and "rows" in lv:
                 said.append(f"DP collectives of every rank: late replicas {picked or 'none'}"
                             + (f", slow DP group {lv['slow_group']['pg_name']}" if lv.get("slow_group") else ""))
@@ -137,6 +139,23 @@ def _compute_level(con, run_id: str, lay: Layout, tun: Tunables) -> tuple[list[i
     return sorted(pick), {"level": "compute", "read": "events: compute per rank and step, summed in place",
                           "rows": compute.height, "sigma": sigma, "candidates": sorted(pick),
                           "steps": int(steps.max())}, compute
+
+
+def _host_mates(con, run_id: str, candidates: list[int], tun: Tunables) -> list[int]:
+    """The other ranks of each host that holds two candidates or more: a slow host's ranks stand out
+    together, more of them than the compute level lets through (``scope_candidates`` per score), and
+    a host read in part was named with "each of its 5 ranks" of 8 (1,024 ranks, tp 1 x pp 8 x dp 128,
+    a host of 8 at 1.1x). Hosts come from the ranks table (the profiler's file names)."""
+    if len(candidates) < 2:
+        return []
+    hosts = con.sql("SELECT rank, host FROM ranks WHERE run_id = $r AND host IS NOT NULL",
+                    params={"r": run_id}).pl()
+    if not hosts.height or hosts["host"].n_unique() < 2:  # one host: nothing to set it against
+        return []
+    held = hosts.filter(pl.col("rank").is_in(candidates)).group_by("host").len().filter(pl.col("len") >= 2)
+    busiest = held.sort("len", descending=True)["host"].head(tun.scope_candidates).to_list()
+    mates = hosts.filter(pl.col("host").is_in(busiest) & ~pl.col("rank").is_in(candidates))["rank"]
+    return sorted(int(r) for r in mates)
 
 
 def _dp_level(con, run_id: str, lay: Layout, tun: Tunables, step_ns: float) -> tuple[list[int], list[int], dict]:
@@ -223,7 +242,10 @@ def narrow(con, run_id: str, lay: Layout, tun: Tunables = Tunables()) -> Scope:
     levels.append(ev)
     pairs, ev, cover = link_level(con, run_id, lay, tun)
     levels.append(ev)
-    cells: set[tuple[int, int]] = {(lay.coords(r).dp, lay.coords(r).pp) for r in candidates}
+    mates = _host_mates(con, run_id, candidates, tun)
+    if mates:
+        levels[0] = {**levels[0], "host_mates": mates}
+    cells: set[tuple[int, int]] = {(lay.coords(r).dp, lay.coords(r).pp) for r in [*candidates, *mates]}
     link_cells = {(lay.coords(r).dp, lay.coords(r).pp) for pair in pairs for r in pair}
     if lay.dp == 1:  # no replica to hold a late one against: the stage's groups against each other
         slow_stages, ev = stage_group_level(con, run_id, lay, tun, step_ns)
