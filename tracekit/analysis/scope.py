@@ -28,7 +28,7 @@ import numpy as np
 import polars as pl
 
 from tracekit.analysis.links import P2PCoverage
-from tracekit.analysis.scope_comm import link_level, pp_level, stage_group_level
+from tracekit.analysis.scope_comm import group_level, link_level, pp_level, stage_group_level
 from tracekit.analysis.standout import spread
 from tracekit.analysis.tunables import Tunables
 from tracekit.topology import Layout
@@ -85,6 +85,9 @@ class Scope:
             elif lv["level"] == "pp":
                 said.append(f"{lv['waits']} of replica {lv['replica']} against replica {lv['ref']}: "
                             f"stages {picked or 'none'}")
+            elif lv["level"] == "tp_cp" and "rows" in lv:
+                said.append(f"TP and CP groups of every replica ({len(lv['steps'])} steps): "
+                            f"{len(lv['slow_groups'])} slow")
             elif lv["level"] == "groups":
                 said.append(f"TP and CP groups and sends of the one replica: stages {picked or 'none'}")
             elif lv["level"] == "stage" and picked:
@@ -251,6 +254,10 @@ def narrow(con, run_id: str, lay: Layout, tun: Tunables = Tunables()) -> Scope:
         slow_stages, ev = stage_group_level(con, run_id, lay, tun, step_ns)
         levels.append(ev)
         link_cells |= {(0, q) for q in slow_stages}
+    else:  # slow TP and CP groups anywhere, whether or not their replica stands out as late
+        group_cells, ev = group_level(con, run_id, lay, tun, step_ns)
+        levels.append(ev)
+        link_cells |= group_cells
     busy = {d for d, _ in cells} | set(late)
     # reference replicas: quiet ones first; where too few are quiet (two replicas, both with a
     # candidate), busy ones too: any other replica's cell is a peer of the same position
