@@ -260,3 +260,17 @@ def test_a_slow_host_is_read_and_named_whole_though_more_of_its_ranks_stand_out_
     assert len(compute["candidates"]) < 8 and compute["host_mates"], compute  # the case the rule is for
     assert [f.ranks for f in scoped.findings] == [tuple(range(40, 48))], scoped.headline
     assert "host" in scoped.findings[0].where and "each of its 8 ranks" in scoped.findings[0].summary
+
+
+def test_a_slow_cp_link_is_in_the_scope_where_noise_hides_its_replicas_lateness(tmp_path):
+    """At 15% kernel noise a CP link 10 ms late (a third of a step) leaves its replica no later than
+    noise lets the others be: the DP level names no late replica, and the link was read by no level
+    (a 512-rank job: "no straggler" at 0.95). The TP and CP groups are compared across the job."""
+    cfg = {**BASE, "tp": 4, "cp": 2, "noise": 0.15, "spikes": 0.002}
+    path = tmp_path / "noisy.duckdb"
+    write_duckdb(SimConfig(**cfg, seed=0, faults=("link:a=42,b=46,delay_ms=10",)), path, "noisy")
+    with tracekit.open(path) as s:
+        scoped = s.diagnose(tunables=SCOPED)
+    assert _named(scoped) == {"slow_link": [(42, 46)]}, scoped.headline
+    levels = {lv["level"]: lv for lv in scoped.scope.levels}
+    assert levels["dp"]["late_replicas"] == [] and levels["tp_cp"]["slow_groups"], levels
