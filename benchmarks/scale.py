@@ -96,10 +96,14 @@ def fault(kind: str, layout: tuple[int, int, int, int], rng: random.Random) -> t
     raise ValueError(kind)
 
 
-def simulate_args(layout, steps: int, seed: int, faults, out: Path, fmt: str) -> list[str]:
+NOISE, SPIKES = 0.05, 0.0005  # kernel noise (lognormal sigma) and deschedule spikes per span (--noise, --spikes)
+
+
+def simulate_args(layout, steps: int, seed: int, faults, out: Path, fmt: str,
+                  noise: float = NOISE, spikes: float = SPIKES) -> list[str]:
     tp, cp, pp, dp = layout
     args = ["simulate", "--tp", str(tp), "--cp", str(cp), "--pp", str(pp), "--dp", str(dp), "--steps", str(steps),
-            "--seed", str(seed), "--noise", "0.05", "--spikes", "0.0005", "--skew-ms", "2000", "--drift-ppm", "20",
+            "--seed", str(seed), "--noise", str(noise), "--spikes", str(spikes), "--skew-ms", "2000", "--drift-ppm", "20",
             "--attn-ms", "4.8", "--mlp-ms", "7.2", "--format", fmt, "--out", str(out)]
     for f in faults:
         args += ["--fault", f]
@@ -114,19 +118,22 @@ def fits(kind: str, layout: tuple[int, int, int, int]) -> bool:
     return needs.get(kind, True)
 
 
-def run_size(layout: tuple[int, int, int, int], kinds: list[str], steps: int, work: Path, ray: bool) -> dict:
+def run_size(layout: tuple[int, int, int, int], kinds: list[str], steps: int, work: Path, ray: bool,
+             noise: float = NOISE, spikes: float = SPIKES, seed: int = 0) -> dict:
     from diagnosis_grid import Case, judge
 
     size = layout[0] * layout[1] * layout[2] * layout[3]
     fmt = "kineto" if size <= KINETO_UP_TO else "parquet"
-    rng = random.Random(size if layout == LAYOUTS.get(size) else "x".join(map(str, layout)))
+    rng = random.Random((size if layout == LAYOUTS.get(size) else "x".join(map(str, layout))) if not seed
+                        else f"{'x'.join(map(str, layout))}/{seed}")
     row: dict = {"size": size, "layout": layout, "format": fmt, "cases": []}
     for i, kind in enumerate(k for k in kinds if fits(k, layout)):
         faults, truth = fault(kind, layout, rng)
         case_dir = work / f"{'x'.join(map(str, layout))}-{kind}"
         shutil.rmtree(case_dir, ignore_errors=True)
         run = case_dir / "run"
-        sim = measure(tracekit_cmd(*simulate_args(layout, steps, 7 * i + size, faults, run, fmt)))
+        sim = measure(tracekit_cmd(*simulate_args(layout, steps, 7 * i + size + 1000 * seed, faults, run, fmt,
+                                                  noise, spikes)))
         if sim["rc"]:
             raise SystemExit(f"simulate failed ({size} {kind}): {sim['err']}")
         target = run
@@ -146,7 +153,7 @@ def run_size(layout: tuple[int, int, int, int], kinds: list[str], steps: int, wo
         ok = False
         if res is not None:
             manifest = _manifest(run)
-            case = Case(kind, layout, 0, faults, "mesh", 0.05, 0.0005, 2000.0, 20.0, truth)
+            case = Case(kind, layout, 0, faults, "mesh", noise, spikes, 2000.0, 20.0, truth)
             hang = res["stragglers"]["cause"].get("ranks", [])
             ok, _ = judge(case, {"diagnosis": res["stragglers"], "layout": list(layout), "layout_note": None,
                                  "hang_culprits": list(hang), "truth": manifest.get("faults", [])})
@@ -178,6 +185,9 @@ def main() -> None:
     ap.add_argument("--layouts", nargs="+", default=[], metavar="TPxCPxPPxDP",
                     help="Layouts to run instead of --sizes' (e.g. 1x1x8x128).")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--noise", type=float, default=NOISE, help="Kernel noise, lognormal sigma (default 0.05).")
+    ap.add_argument("--spikes", type=float, default=SPIKES, help="Deschedule spikes per span (default 0.0005).")
+    ap.add_argument("--seed", type=int, default=0, help="Another draw of faults and noise (default 0: the published one).")
     ap.add_argument("--keep", type=Path, help="Work directory (default: a temporary one).")
     ap.add_argument("--no-ray", action="store_true", help="Skip the Ray ingest.")
     ap.add_argument("--json", action="store_true")
@@ -195,7 +205,7 @@ def main() -> None:
     rows = []
     for layout in layouts:
         t = time.perf_counter()
-        rows.append(run_size(layout, a.kinds, a.steps, work, ray))
+        rows.append(run_size(layout, a.kinds, a.steps, work, ray, a.noise, a.spikes, a.seed))
         print(f"# {'x'.join(map(str, layout))} ({rows[-1]['size']} ranks) done in {time.perf_counter() - t:.0f} s",
               file=sys.stderr, flush=True)
     if a.json:
