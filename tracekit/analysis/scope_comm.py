@@ -21,7 +21,7 @@ from tracekit.topology import Layout
 
 # What a job-wide look at the TP and CP groups reads (group_level): a slow link is slow in every step
 # and collective, so two steps and each eighth collective of a group tell it. At 16,384 ranks (63M
-# collective records) that costs about 1.0 s, most of it the scan; four steps of every collective, 2.0-2.5 s
+# collective records) that costs 1.1-1.2 s, most of it the scan; four steps of every collective, 2.0-2.5 s
 SCOPE_GROUP_STEPS = 2
 SCOPE_GROUP_EVERY = 8
 
