@@ -274,3 +274,17 @@ def test_a_slow_cp_link_is_in_the_scope_where_noise_hides_its_replicas_lateness(
     assert _named(scoped) == {"slow_link": [(42, 46)]}, scoped.headline
     levels = {lv["level"]: lv for lv in scoped.scope.levels}
     assert levels["dp"]["late_replicas"] == [] and levels["tp_cp"]["slow_groups"], levels
+
+
+def test_a_pipeline_alone_is_scoped_without_error_and_answers_as_the_whole_read(tmp_path):
+    """tp = cp = dp = 1: no rank shares its stage, so the compute level has nothing to compare (it
+    crashed on an empty matrix); the scope then answers what reading the whole job answers."""
+    path = tmp_path / "pipeline.duckdb"
+    write_duckdb(SimConfig(tp=1, cp=1, pp=4, dp=1, steps=8, seed=1, noise=0.05, layers=2,
+                           faults=("slow:rank=2,factor=1.5",)), path, "pipeline")
+    with tracekit.open(path) as s:
+        scoped = s.diagnose(tunables=SCOPED)
+        full = s.diagnose(tunables=Tunables(scope_above_ranks=10**9))
+    assert scoped.scope.levels[0]["candidates"] == []
+    assert _named(scoped) == _named(full) and scoped.localization.verdict == full.localization.verdict, (
+        scoped.headline, full.headline)

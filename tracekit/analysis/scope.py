@@ -9,10 +9,12 @@ stage shows in a few numbers per (rank, step). ``narrow`` computes those where t
    the DP group whose transfers (the fastest member's time, one clock) are slow;
 3. PP (only the late replica's ranks and a reference replica's): the stage whose pipeline and
    in-stage communication waits grew against the same stage of the reference;
-and the stage whose compute exceeds the others in every replica. Where fewer than three replicas
-(or DP groups) compare, a level judges by effect or ratio alone, and with one replica the stage's
-TP and CP groups are held against each other instead. The levels that read communication records
-(links, PP, one replica's groups) are in scope_comm.py; docs/scale.md has each level and how the
+beside them, every pipeline link's fastest message and a sample of every TP and CP group's
+transfers, against the same kind at the same stages; the other ranks of a host holding several
+compute candidates; and the stage whose compute exceeds the others in every replica. Where fewer
+than three replicas (or DP groups) compare, a level judges by effect or ratio alone, and with one
+replica the stage's TP and CP groups are held against each other instead. The levels that read
+communication records (links, PP, TP and CP groups) are in scope_comm.py; docs/scale.md has each level and how the
 scope fares on the fault grid. The scope is those ranks' cells
 (a replica's stage: its CP x TP ranks) with the same cells of reference replicas as their peers,
 and the diagnosis runs on it unchanged (``Store.diagnose``), told how many ranks the candidates
@@ -120,6 +122,9 @@ def _compute_level(con, run_id: str, lay: Layout, tun: Tunables) -> tuple[list[i
     ref = (pl.col("trimmed_ns").sum().over(peers) - pl.col("trimmed_ns")) / (n - 1)
     ratios = compute.filter(n > 1).with_columns((pl.col("trimmed_ns") / ref).log().alias("lr")).filter(
         pl.col("lr").is_finite())
+    if not ratios.height:  # one rank per stage (tp = cp = dp = 1): no rank has a peer to stand out against
+        return [], {"level": "compute", "read": "events: no rank shares its stage", "rows": compute.height,
+                    "candidates": []}, compute
     wide = ratios.pivot(on="step", index="rank", values="lr").sort("rank")
     ranks = wide["rank"].to_numpy()
     mat = wide.drop("rank").to_numpy().astype(float)

@@ -171,8 +171,6 @@ def slow_groups(con, run_id: str, lay: Layout, tun: Tunables, step_ns: float, st
         "AND size >= 2) SELECT t.pg_name, any_value(g.dim) AS dim, any_value(g.first) AS first, "
         f"({int(every)} * sum(t.t) / count(DISTINCT t.step))::DOUBLE AS per_step FROM t JOIN g USING (pg_name) "
         "GROUP BY t.pg_name", params={"r": run_id}).pl()
-    if not rows.height:
-        return rows, 0
     rows = rows.with_columns((pl.col("first") // (lay.tp * lay.cp) % lay.pp).alias("pp"))
     ref = ((pl.col("per_step").sum().over("dim", "pp") - pl.col("per_step")) / (pl.len().over("dim", "pp") - 1))
     measured = rows.filter(pl.len().over("dim", "pp") >= 2).with_columns(ref.alias("ref")).with_columns(
@@ -186,22 +184,22 @@ def slow_groups(con, run_id: str, lay: Layout, tun: Tunables, step_ns: float, st
 def group_level(con, run_id: str, lay: Layout, tun: Tunables, step_ns: float
                 ) -> tuple[set[tuple[int, int]], dict]:
     """The cells (replica, stage) of slow TP and CP groups anywhere in the job (``slow_groups``), from
-    a sample of their collectives (``SCOPE_GROUP_STEPS``, ``SCOPE_GROUP_EVERY``). Otherwise such a link is found only through its
-    replica's lateness, which kernel noise hides: at 15% noise a CP link 20 ms late (a quarter of a
-    step) left its replica about 1 noise unit late, and a 512-rank job read "no straggler" at 0.95."""
+    a sample of their collectives (``SCOPE_GROUP_STEPS``, ``SCOPE_GROUP_EVERY``). Otherwise such a
+    link is found only through its replica's lateness, which kernel noise hides: at 15% noise a CP
+    link 20 ms late (a quarter of a step) left its replica about 1 noise unit late, and a 512-rank
+    job read "no straggler" at 0.95."""
     if lay.tp * lay.cp < 2:
         return set(), {"level": "tp_cp", "read": "nothing (tp = cp = 1)"}
-    every = [int(x) for x, in con.sql("SELECT DISTINCT step FROM steps WHERE run_id = $r AND step IS NOT NULL "
-                                       "ORDER BY step", params={"r": run_id}).fetchall()]
+    run_steps = [int(x) for x, in con.sql("SELECT DISTINCT step FROM steps WHERE run_id = $r AND step IS NOT NULL "
+                                           "ORDER BY step", params={"r": run_id}).fetchall()]
     # steps spread over the run, neither end (the first warms up; a run that hung ends inside its last)
-    steps = sorted({every[(i + 1) * len(every) // (SCOPE_GROUP_STEPS + 1)] for i in range(SCOPE_GROUP_STEPS)}
-                   ) if every else []
+    steps = sorted({run_steps[(i + 1) * len(run_steps) // (SCOPE_GROUP_STEPS + 1)]
+                    for i in range(SCOPE_GROUP_STEPS)}) if run_steps else []
     slow, n = slow_groups(con, run_id, lay, tun, step_ns, steps or None, SCOPE_GROUP_EVERY)
     replica = lay.world_size // lay.dp
-    cells = {(int(f) // replica, int(q)) for f, q in slow.select("first", "pp").iter_rows()} if slow.height else set()
+    cells = {(int(f) // replica, int(q)) for f, q in slow.select("first", "pp").iter_rows()}
     return cells, {"level": "tp_cp", "read": f"each {SCOPE_GROUP_EVERY}th TP and CP collective of {len(steps)} steps",
-                   "rows": n,
-                   "steps": steps, "slow_groups": slow["pg_name"].to_list() if slow.height else []}
+                   "rows": n, "steps": steps, "slow_groups": slow["pg_name"].to_list()}
 
 
 def stage_group_level(con, run_id: str, lay: Layout, tun: Tunables, step_ns: float) -> tuple[list[int], dict]:
@@ -210,9 +208,9 @@ def stage_group_level(con, run_id: str, lay: Layout, tun: Tunables, step_ns: flo
     its stage's most (as ``peerless_link``, its stage standing in for a reference replica). Reads
     every TP and CP collective and every send: affordable where a single replica is the whole job."""
     slow, n = slow_groups(con, run_id, lay, tun, step_ns)
-    evidence: dict = {"level": "groups", "read": "TP and CP collectives, sends (one replica)", "rows": n}
-    stages = {int(q) for q in slow["pp"].to_list()} if slow.height else set()
-    evidence["slow_groups"] = slow["pg_name"].to_list() if slow.height else []
+    evidence: dict = {"level": "groups", "read": "TP and CP collectives, sends (one replica)", "rows": n,
+                      "slow_groups": slow["pg_name"].to_list()}
+    stages = {int(q) for q in slow["pp"].to_list()}
     if lay.pp > 1:  # pipeline links whose records name no peer: the rank whose sends exceed its stage's most
         sends = con.sql("SELECT rank, (sum(end_ns - start_ns) / count(DISTINCT step))::DOUBLE AS ns FROM p2p "
                         "WHERE run_id = $r AND source <> 'fr' AND direction = 'send' AND step IS NOT NULL "
