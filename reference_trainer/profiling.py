@@ -30,6 +30,7 @@ import gzip
 import json
 import os
 import pickle
+import shutil
 from bisect import bisect_right
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -57,6 +58,9 @@ def parse_steps(text: str, n_steps: int) -> tuple[int, int] | None:
     if not 0 <= first <= last or first >= n_steps:
         raise ProfilingError(f"profile_steps {text!r}: need 0 <= a <= b and a < steps ({n_steps})")
     return first, min(last, n_steps - 1)
+
+
+TRACE_GZIP_LEVEL = 6
 
 
 def trace_path(run: Path, rank: int) -> Path:
@@ -241,7 +245,16 @@ class RankProfiler:
         self.state_after = state_categories(self.trainer)  # the recording ends here
         path = trace_path(self.run, self.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(path))
+        # torch gzips a .gz export line by line at level 9: 3.2 CPU-s for a 17.6 MB trace, a third
+        # of a 4-rank test run's CPU on 2 cores. Exported plain and gzipped whole at zlib's default
+        # level: 0.1 s, a 10% larger file
+        plain = path.with_name(f".{path.name}.{os.getpid()}.json")
+        try:
+            prof.export_chrome_trace(str(plain))
+            with open(plain, "rb") as fin, gzip.open(path, "wb", compresslevel=TRACE_GZIP_LEVEL) as fout:
+                shutil.copyfileobj(fin, fout, 1 << 20)
+        finally:
+            plain.unlink(missing_ok=True)
         self.exported = path
 
     def finish(self) -> dict[str, Any]:
