@@ -275,10 +275,12 @@ def run(args: argparse.Namespace) -> dict:
     world = args.dp * args.pp * args.tp
     if args.slow_rank is not None and not 0 <= args.slow_rank < world:
         raise SystemExit(f"--slow-rank {args.slow_rank} outside the world of {world}")
+    from reference_trainer.launch import start_method  # forks where it can, as the trainer's worlds do
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ctx = mp.start_processes(_worker, args=(world, args, _free_port()), nprocs=world, join=False,
-                             start_method="spawn")
+                             start_method=start_method("gloo"))
     pids = list(ctx.pids())
     while not ctx.join():
         pass

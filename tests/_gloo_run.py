@@ -114,10 +114,13 @@ def make_run(out: Path) -> Path:
     """Spawn the 4-rank run writing into ``out``; returns ``out``."""
     import torch.multiprocessing as mp
 
+    from reference_trainer.launch import start_method
+
     attempts = 4
     for attempt in range(1, attempts + 1):
         try:
-            mp.spawn(_rank_main, args=(str(out), _free_port()), nprocs=WORLD, join=True)
+            mp.start_processes(_rank_main, args=(str(out), _free_port()), nprocs=WORLD,
+                               start_method=start_method("gloo"))
             return out
         except mp.ProcessRaisedException as e:
             # torch's _profile_to_snapshot sometimes fails its own data-flow check ("version

@@ -12,6 +12,7 @@ import polars as pl
 import pytest
 
 import tracekit
+from reference_trainer.launch import start_method
 from tracekit.analysis.hangs import diagnose_hang
 from tracekit.analysis.tables import conform
 from tracekit.ingest import ingest
@@ -51,7 +52,7 @@ def hang_store(tmp_path_factory) -> Path:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_hang_main, args=(port, str(out)), nprocs=3, join=True)
+    mp.start_processes(_hang_main, args=(port, str(out)), nprocs=3, start_method=start_method("gloo"))
     db = out.parent / "s.duckdb"
     assert not ingest([out], db).failed
     return db

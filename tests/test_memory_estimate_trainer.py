@@ -31,7 +31,7 @@ from click.testing import CliRunner  # noqa: E402
 
 from reference_trainer.comm import Comm  # noqa: E402
 from reference_trainer.config import TrainConfig  # noqa: E402
-from reference_trainer.launch import free_port, run_world, write_manifest  # noqa: E402
+from reference_trainer.launch import free_port, run_world, start_method, write_manifest  # noqa: E402
 from reference_trainer.observe import observed_training  # noqa: E402
 from reference_trainer.train import Trainer  # noqa: E402
 from tracekit.cli import main as cli_main  # noqa: E402
@@ -98,7 +98,8 @@ def run(tmp_path_factory):
     manifests = {name: write_manifest(_config(dict(ch)), out / name, "gloo", []) for name, ch in CONFIGS.items()}
     manifests["profiled"] = write_manifest(_config(dict(PROFILED), **PROFILED_RUN), out / "profiled", "gloo", [])
     jobs = {**CONFIGS, "profiled": PROFILED}
-    run_world(_worker, WORLD, (jobs, f"tcp://127.0.0.1:{free_port()}", str(out)), timeout_s=300)
+    run_world(_worker, WORLD, (jobs, f"tcp://127.0.0.1:{free_port()}", str(out)), timeout_s=300,
+              method=start_method("gloo"))
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     return manifests, reports, out / "profiled"
 

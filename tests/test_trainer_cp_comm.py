@@ -20,7 +20,7 @@ from reference_trainer.comm import Comm
 from reference_trainer.context_parallel import (attention, batch_shard_positions, document_causal_mask,
                                                 gather_kv, shard_positions)
 from reference_trainer.data import document_ids
-from reference_trainer.launch import free_port, run_world
+from reference_trainer.launch import free_port, run_world, start_method
 from reference_trainer.parallel_state import build_context
 from tracekit.conventions import parse_comm
 from tracekit.topology import Layout
@@ -100,7 +100,7 @@ def _worker(rank: int, world: int, out_dir: str, init_method: str) -> None:
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     out = tmp_path_factory.mktemp("cp")
-    run_world(_worker, CP, (str(out), f"tcp://127.0.0.1:{free_port()}"), timeout_s=600)
+    run_world(_worker, CP, (str(out), f"tcp://127.0.0.1:{free_port()}"), timeout_s=600, method=start_method("gloo"))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(CP)]
 
 

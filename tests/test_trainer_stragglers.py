@@ -88,8 +88,9 @@ def test_clean_run_blames_no_rank(runs) -> None:
     if loc.verdict == "no_straggler":
         assert loc.culprit_ranks == () and d.cause.kind == "none", d.headline
         # the rank nearest a finding (on 2 cores, rank 0 is about 1% slower in every step: above the
-        # bar in noise units, half the effect floor away) does not make "no straggler" unsure
-        assert loc.confidence > 0.5, d.headline
+        # bar in noise units, half the effect floor away) does not make "no straggler" unsure (a
+        # link measurably slower below the cost floor may, at 0.5: that caps the answer, not this)
+        assert d.compute.none_confidence() > 0.5, d.headline
     else:
         # four processes share two cores: a CI run had replica 1's TP group 1.22x slower than replica
         # 0's, 2% of a step. A "link" between two processes of one host is that host's cores, said

@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from reference_trainer.comm import Comm
 from reference_trainer.config import TrainConfig
-from reference_trainer.launch import free_port, run_world
+from reference_trainer.launch import free_port, run_world, start_method
 from reference_trainer.train import Trainer
 from tracekit.conventions import parse_comm, parse_compute
 
@@ -36,7 +36,7 @@ def _worker(rank: int, world: int, out: str, init_method: str) -> None:
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
     out = tmp_path_factory.mktemp("trace")
-    run_world(_worker, 4, (str(out), f"tcp://127.0.0.1:{free_port()}"), timeout_s=600)
+    run_world(_worker, 4, (str(out), f"tcp://127.0.0.1:{free_port()}"), timeout_s=600, method=start_method("gloo"))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
 
