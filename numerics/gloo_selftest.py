@@ -28,7 +28,6 @@ import torch.multiprocessing as mp
 from numerics.canonical_comm import canonical_all_reduce_, canonical_reduce_scatter
 from numerics.compare import bit_mismatches
 from numerics.reduction_order import ORDERS, ring_plan
-from reference_trainer.launch import start_method
 
 DEFAULT_GROUPS: tuple[tuple[int, ...], ...] = ((0, 1), (2, 5, 7), (0, 2, 4, 6), tuple(range(8)))
 # Element counts: a single element, fewer elements than segments, an odd size spanning segments, and
@@ -194,8 +193,7 @@ def run_gloo_selftest(
     cases = make_cases(groups, DEFAULT_SIZES if sizes is None else sizes)
     with tempfile.TemporaryDirectory(prefix="numerics-selftest-") as tmp:
         try:
-            mp.start_processes(_worker, args=(world_size, str(Path(tmp, "store")), cases, tmp, timeout_s),
-                               nprocs=world_size, start_method=start_method("gloo"))
+            mp.spawn(_worker, args=(world_size, str(Path(tmp, "store")), cases, tmp, timeout_s), nprocs=world_size)
         except Exception as exc:  # a crashed or hung rank: surface what happened, with context
             raise RuntimeError(f"gloo self-test ranks failed ({world_size} ranks): {exc}") from exc
         results = [CaseResult(**r) for rank in range(world_size) for r in json.loads(Path(tmp, f"rank{rank}.json").read_text())]
