@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from reference_trainer.cli import train_command
 from reference_trainer.config import ConfigError, TrainConfig
 from reference_trainer.data import Corpus, document_ids, document_lengths
-from reference_trainer.launch import LaunchError, free_port, run_world
+from reference_trainer.launch import LaunchError, free_port, run_world, start_method
 from reference_trainer.model import stage_layers
 
 PKG = Path(__file__).resolve().parents[1] / "reference_trainer"
@@ -105,9 +105,19 @@ def _failing_worker(rank: int, world: int) -> None:
         raise RuntimeError("rank one exploded")
 
 
-def test_launch_reports_the_failing_rank():
+def test_gloo_worlds_fork_from_a_forkserver_and_nccl_worlds_spawn():
+    assert start_method("nccl") == "spawn"
+    assert start_method("gloo") in ("forkserver", "spawn")
+    import multiprocessing
+
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        assert start_method("gloo") == "forkserver"
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])  # how either's world starts (spawn, forkserver)
+def test_launch_reports_the_failing_rank(backend):
     with pytest.raises(LaunchError, match=r"rank 1 failed(.|\n)*rank one exploded"):
-        run_world(_failing_worker, 2, (), timeout_s=300)
+        run_world(_failing_worker, 2, (), timeout_s=300, method=start_method(backend))
     assert free_port() > 0
 
 
@@ -117,12 +127,13 @@ def _sleeping_worker(rank: int, world: int) -> None:
     time.sleep(60)
 
 
-def test_launch_times_out_and_terminates_the_world():
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_launch_times_out_and_terminates_the_world(backend):
     import os
 
     pids: list[int] = []
     with pytest.raises(LaunchError, match="did not finish within 2 s"):
-        run_world(_sleeping_worker, 2, (), timeout_s=2, on_start=pids.extend)
+        run_world(_sleeping_worker, 2, (), timeout_s=2, on_start=pids.extend, method=start_method(backend))
     assert len(pids) == 2
     for pid in pids:  # terminated and reaped, not left sleeping
         with pytest.raises(ProcessLookupError):
