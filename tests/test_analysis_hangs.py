@@ -142,21 +142,15 @@ def test_no_hang_and_no_entries() -> None:
     assert not empty.hung and "no flight-recorder entries" in empty.headline
 
 
-def test_trainer_hang_fault_names_the_stalled_rank(tmp_path: Path) -> None:
-    """The reference trainer with ``hang:rank=2,step=1,op=all_reduce,dim=pp`` (its flight recorder
-    dumps on the watchdog): ``tracekit hangs`` on the run directory names rank 2 and the pp all-reduce."""
+def test_trainer_hang_fault_names_the_stalled_rank(trainer_hang_run: Path) -> None:
+    """The reference trainer with ``hang:rank=2,step=1,op=all_reduce,dim=pp`` (conftest; its flight
+    recorder dumps on the watchdog): ``tracekit hangs`` on the run directory names rank 2 and the pp
+    all-reduce."""
     from click.testing import CliRunner
 
-    from reference_trainer.config import TrainConfig
-    from reference_trainer.launch import LaunchError, launch
     from tracekit.cli import main
 
-    cfg = TrainConfig(tp=2, pp=2, n_layers=2, dim=32, n_heads=2, n_kv_heads=2, ffn_dim=64, seq_len=64,
-                      micro_batches=2, steps=3, timeout_s=15, fr_watchdog_s=3,
-                      faults="hang:rank=2,step=1,op=all_reduce,dim=pp")
-    run = tmp_path / "hang"
-    with pytest.raises(LaunchError):
-        launch(cfg, run)
+    run = trainer_hang_run
     res = CliRunner().invoke(main, ["hangs", str(run), "--json", "--check"])
     assert res.exit_code == 1, res.output
     blob = json.loads(res.output)["hangs"]

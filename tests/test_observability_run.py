@@ -2,8 +2,9 @@
 dumps checked by torch's own ``torchfrtrace``, memory snapshots read by ``torch.cuda._memory_viz``,
 the manifest's ground truth, and the measured effect of the injected faults.
 
-One spawned world runs two jobs: a slow rank (profiled) and a slow link. A second world runs a
-hang, which must end in a LaunchError and leave dumps naming the stalled collective.
+One world runs two jobs: a slow rank (profiled) and a slow link. A second world (conftest's, shared
+with test_analysis_hangs) runs a hang, which must end in a LaunchError and leave dumps naming the
+stalled collective.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ pytest.importorskip("reference_trainer.train", reason="needs reference_trainer")
 
 from reference_trainer.config import TrainConfig  # noqa: E402
 from reference_trainer.flight_recorder import fr_path, load_dump  # noqa: E402
-from reference_trainer.launch import LaunchError, launch, launch_many  # noqa: E402
+from reference_trainer.launch import launch_many  # noqa: E402
 from reference_trainer.profiling import memory_path, read_trace, trace_path  # noqa: E402
 from tracekit.conventions import parse_comm  # noqa: E402
 
@@ -234,13 +235,9 @@ def test_moving_straggler_truth_names_one_rank_per_step(runs):
 
 
 @pytest.fixture(scope="module")
-def hang_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hang") / "run"
-    cfg = BASE.replace(steps=3, timeout_s=15, fr_watchdog_s=3,
-                       faults="hang:rank=2,step=1,op=all_reduce,dim=pp")
-    with pytest.raises(LaunchError):
-        launch(cfg, out)
-    return out
+def hang_run(trainer_hang_run):
+    """BASE's layout, rank 2 hung in step 1's PP all-reduce (conftest: test_analysis_hangs reads it too)."""
+    return trainer_hang_run
 
 
 def test_hang_dumps_name_the_stalled_collective(hang_run):
