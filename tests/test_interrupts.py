@@ -1,4 +1,4 @@
-"""Ctrl-C (SIGINT) in ingest, the analyses and the dashboard: exit code 130, one line, no traceback,
+"""Ctrl-C (SIGINT) in ingest, the analyses, the dashboard and training: exit code 130, one line, no traceback,
 and a store that a re-run completes to the clean one.
 
 Inside ingest the signal comes at the ingest's own points (TRACEKIT_TEST_CRASH_AT with
@@ -93,6 +93,34 @@ def test_ctrl_c_in_the_dashboard(clean: dict, tmp_path: Path) -> None:
     assert done.returncode == 130, done.stdout + done.stderr
     _interrupted(done.stderr)
     assert tables(store) == clean
+
+
+def _session(sid: int) -> list[str]:
+    return subprocess.run(["pgrep", "-s", str(sid)], capture_output=True, text=True).stdout.split()
+
+
+def test_ctrl_c_in_training_leaves_no_process_behind(tmp_path: Path) -> None:
+    """`train` signalled once a step is done: 130, one line, and nothing of its world left running
+    (its ranks, the forkserver they forked from)."""
+    out, log = tmp_path / "run", tmp_path / "err.txt"
+    with open(log, "wb") as err:
+        p = subprocess.Popen([sys.executable, "-c", CLI, "train", "--tp", "2", "--dp", "2", "--steps", "500",
+                              "--out", str(out)], stdout=subprocess.PIPE, stderr=err, start_new_session=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+        deadline = time.monotonic() + 120
+        while not (out / "steps.jsonl").exists() or not (out / "steps.jsonl").read_text().strip():
+            assert p.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        assert len(_session(p.pid)) >= 5  # the command, and its 4 ranks at least
+        p.send_signal(signal.SIGINT)
+        p.communicate(timeout=60)
+    assert p.returncode == 130, log.read_text()
+    _interrupted(log.read_text())
+    deadline = time.monotonic() + 10
+    while _session(p.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _session(p.pid) == []
 
 
 def test_ctrl_c_while_the_dashboard_ingests(tmp_path: Path) -> None:
