@@ -97,7 +97,8 @@ class ComputeCulprits:
         if self.detectable_ratio is None:
             return None
         short = self.bar - self.top_margin if self.shortfall is None else self.shortfall
-        sure = float(1.0 - math.exp(-max(0.0, short)))
+        # never 1.00: a rank slower by less than the floor could always be there (findings stop at 0.99 too)
+        sure = float(min(0.99, 1.0 - math.exp(-max(0.0, short))))
         return min(sure, 0.5) if self.detectable_ratio > BLIND_RATIO else sure
 
     def sensitivity_text(self) -> str:
