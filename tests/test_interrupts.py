@@ -1,5 +1,5 @@
-"""Ctrl-C (SIGINT) in ingest, the analyses, the dashboard and training: exit code 130, one line, no traceback,
-and a store that a re-run completes to the clean one.
+"""Ctrl-C (SIGINT) in ingest, the analyses, the dashboard and training: exit code 130, one line, no
+traceback, and a store that a re-run completes to the clean one (a training run: none of its ranks left).
 
 Inside ingest the signal comes at the ingest's own points (TRACEKIT_TEST_CRASH_AT with
 TRACEKIT_TEST_CRASH_SIGNAL=INT: a worker thread signals the process, as a terminal would), so each

@@ -33,6 +33,7 @@ import numpy as np
 import polars as pl
 
 from tracekit.analysis.compute_speed import scatter_bias, step_scatter
+from tracekit.analysis.findings import CONFIDENCE_MAX
 from tracekit.analysis.standout import biweight_spread
 from tracekit.analysis.tunables import Tunables
 
@@ -97,8 +98,8 @@ class ComputeCulprits:
         if self.detectable_ratio is None:
             return None
         short = self.bar - self.top_margin if self.shortfall is None else self.shortfall
-        # never 1.00: a rank slower by less than the floor could always be there (findings stop at 0.99 too)
-        sure = float(min(0.99, 1.0 - math.exp(-max(0.0, short))))
+        # a rank slower by less than the floor could always be there
+        sure = float(min(CONFIDENCE_MAX, 1.0 - math.exp(-max(0.0, short))))
         return min(sure, 0.5) if self.detectable_ratio > BLIND_RATIO else sure
 
     def sensitivity_text(self) -> str:
@@ -150,7 +151,7 @@ def margin_confidence(margin: float, bar: float, steps_share: float) -> float:
     """A margin at the bar is a coin flip made firmer by persistence; calibrated on the fault grid
     (benchmarks/diagnosis_grid.py): it only approaches 1 well past the bar."""
     z = (margin - bar) / max(bar, 1e-9) * 4.0
-    return float(min(0.99, steps_share / (1.0 + math.exp(-z))))
+    return float(min(CONFIDENCE_MAX, steps_share / (1.0 + math.exp(-z))))
 
 
 def find_culprits(speed: pl.DataFrame, tun: Tunables = Tunables(), compared: int | None = None,

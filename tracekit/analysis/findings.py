@@ -9,6 +9,9 @@ from dataclasses import asdict, dataclass, field
 from tracekit.analysis.hangs import rank_list
 from tracekit.analysis.tables import RunTables
 
+# No answer is certain, a finding or "no straggler": a confidence stops here (and never prints 1.00)
+CONFIDENCE_MAX = 0.99
+
 LISTED_MAX = 16  # members named one by one; a longer group by its count, ranges or stride (rank_list)
 
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import polars as pl
 
-from tracekit.analysis.findings import NEXT_STEP, Finding, named_ranks, where
+from tracekit.analysis.findings import CONFIDENCE_MAX, NEXT_STEP, Finding, named_ranks, where
 from tracekit.analysis.links import CPU_TRANSPORTS
 from tracekit.analysis.rootcause import peers, ratio_to_peers
 from tracekit.analysis.tables import RunTables
@@ -37,7 +37,7 @@ def link_findings(tables: RunTables, links: pl.DataFrame, step_ns: float, metric
             place = (f"pipeline link rank {a} -> rank {b} (stage {lay.coords(a).pp} -> {lay.coords(b).pp})")
         else:
             place = where(tables, tuple(sorted(ranks)))
-        conf = float(min(0.99, 1 - 2.0 ** (-(row["z"] - row["z_bar"]) - 1)))
+        conf = float(min(CONFIDENCE_MAX, 1 - 2.0 ** (-(row["z"] - row["z_bar"]) - 1)))
         summary = (f"slow link: {place} transfers {row['ratio']:.{2 if row['ratio'] < 1.5 else 1}f}x slower "
                    "than the same kind elsewhere")
         next_step = NEXT_STEP["slow_link"].format(who=named_ranks(ranks))
