@@ -107,6 +107,20 @@ def test_a_transient_rank_is_not_made_moving_by_two_noisy_cells(tmp_path):
                   names="none", skew_ms=2000.0, noise=0.15, spikes=0.002, microbatches=1, ranks_per_host=4)
     assert [(f.kind, list(f.ranks)) for f in d.findings] == [("transient", [7])], d.headline
     assert list(d.findings[0].steps) == [2, 3]
+
+
+def test_an_episode_in_the_first_and_last_steps_is_not_a_uniform_slow_worker(tmp_path):
+    """Draw 31: rank 7 at 1.3x in steps 0 and 7 only, and by chance +1.5% in the six steps between.
+    The mean without the two extreme steps keeps one of the episode's, so the rank read "1.05x its 3
+    peers, uniformly: a slow worker ... every step" at 0.99: what persists is the quiet steps' 1.5%,
+    under the 2% floor."""
+    d = _diagnose(tmp_path, faults=("slow:rank=7,factor=1.3,steps=0+7",), tp=2, cp=2, pp=4, dp=1, seed=3101299,
+                  names="mesh", skew_ms=0.0, noise=0.05, spikes=0.01, microbatches=8, ranks_per_host=8)
+    assert [(f.kind, list(f.ranks)) for f in d.findings] == [("transient", [7])], d.headline
+    assert list(d.findings[0].steps) == [0, 7]
+    assert abs(float(re.search(r"computes (\d+\.\d+)x", d.findings[0].summary).group(1)) - 1.3) <= 0.03
+
+
 def test_a_slow_p2p_link_is_found_where_the_recorders_ring_holds_fewer_ops_than_the_profiler(tmp_path):
     """Draw 4 (schedules drawn): 8 micro-batches on 2 virtual stages, 5 ms on link 4 -> 6. Middle
     stages' profiled p2p ops name no peer (NCCL's records name the group); the flight recorder's,
