@@ -244,8 +244,28 @@ class Store:
         tun = tunables or Tunables()
         rid = self._run(run_id)
         tables, scope = self._scoped_tables(rid, tun)
-        return diagnose(tables, tun, self.attention_work(rid), self.hangs(rid, tun),
-                        self.damaged_ranks(rid, formats=("kineto",)), scope)
+        damaged = self.damaged_ranks(rid, formats=("kineto",))
+        return diagnose(tables, tun, self.attention_work(rid), self.hangs(rid, tun), damaged, scope,
+                        self._recorder(rid, damaged, tables, tun))
+
+    def _recorder(self, rid: str, damaged: dict[int, str], tables: RunTables, tun: Tunables):
+        """What the flight recorder says of the ranks without a profiler trace (None: every rank has
+        one): their groups' timed collectives, every member's, read for those groups alone."""
+        if not damaged:
+            return None
+        from tracekit.analysis.localize import step_time_ns
+        from tracekit.analysis.unprofiled import COLUMNS, ROWS_MAX, RecorderJudgement, recorder_lateness
+
+        ranks = sorted(damaged)
+        where = ("FROM fr_entries WHERE run_id = $r AND NOT coalesce(is_p2p, false) AND pg_name IN (SELECT DISTINCT "
+                 "pg_name FROM fr_entries WHERE run_id = $r AND list_contains($ranks, rank))")
+        params = {"r": rid, "ranks": ranks}
+        rows = int(self.sql(f"SELECT count(*) AS n {where}", params)["n"][0])
+        if rows > ROWS_MAX:
+            return RecorderJudgement(unjudged=tuple(ranks), why_unjudged=(
+                f"their groups' flight-recorder entries ({rows:,}) are more than the {ROWS_MAX:,} read at most"))
+        return recorder_lateness(self.sql(f"SELECT {', '.join(COLUMNS)} {where}", params), ranks,
+                                 step_time_ns(tables), tun)
 
     def cp_wait(self, run_id: str | None = None, tunables: Tunables | None = None) -> CPWait:
         """Exposed CP communication split into wait and transfer, and what the waiting is due to."""

@@ -25,7 +25,7 @@ from tracekit.analysis.compute_speed import attention_split, compute_speed, stea
 from tracekit.analysis.culprits import ComputeCulprits, RankFinding, find_culprits, measured_again
 from tracekit.analysis.data_heavy import data_heavy, heavy_findings, merge_data_imbalance, more_attention_work
 from tracekit.analysis.data_needs import missing_data
-from tracekit.analysis.findings import NEXT_STEP, Finding, where
+from tracekit.analysis.findings import NEXT_STEP, Finding, named_ranks, where
 from tracekit.analysis.hangs import HangReport, rank_list
 from tracekit.analysis.hosts import slow_host_ranks, slow_hosts
 from tracekit.analysis.link_findings import link_findings, links_beside_stragglers, minor_links
@@ -36,6 +36,7 @@ from tracekit.analysis.rootcause import Cause, explain, rank_step_metrics
 from tracekit.analysis.stage_findings import stage_findings, stages_alone
 from tracekit.analysis.tables import RunTables
 from tracekit.analysis.tunables import Tunables
+from tracekit.analysis.unprofiled import RecorderJudgement
 from tracekit.analysis.whatif import WhatIfError, saving
 
 @dataclass(frozen=True)
@@ -46,14 +47,19 @@ class Diagnosis:
     cause: Cause
     findings: list[Finding] = field(default_factory=list)
     compute: ComputeCulprits | None = None
-    damaged: dict[int, str] = field(default_factory=dict)  # ranks without data: named, never judged
+    damaged: dict[int, str] = field(default_factory=dict)  # ranks without data: named, never blamed on waits
     scope: Scope | None = None  # a large job's: the ranks read, and why (scope.py)
+    recorder: RecorderJudgement | None = None  # ranks without a trace, judged by their flight recorder
 
     @property
     def headline(self) -> str:
         text = self._verdict()
-        if self.damaged:
-            text += "; not judged (no data): " + ", ".join(f"rank {r}: {why}" for r, why in sorted(self.damaged.items()))
+        judged = set(self.recorder.judged) if self.recorder is not None else set()
+        if judged:
+            text += f"; {named_ranks(sorted(judged))} have no profiler trace: judged on their flight-recorder durations"
+        rest = {r: why for r, why in self.damaged.items() if r not in judged}
+        if rest:
+            text += "; not judged (no data): " + ", ".join(f"rank {r}: {why}" for r, why in sorted(rest.items()))
         return text
 
     def _verdict(self) -> str:
@@ -74,7 +80,10 @@ class Diagnosis:
                 "findings": [f.to_dict() for f in self.findings],
                 "damaged": {str(r): why for r, why in self.damaged.items()},
                 "compute_culprits": self.compute.to_dict() if self.compute else None,
-                "scope": self.scope.to_dict() if self.scope else None}
+                "scope": self.scope.to_dict() if self.scope else None,
+                "recorder": None if self.recorder is None else {
+                    "judged": list(self.recorder.judged), "unjudged": list(self.recorder.unjudged),
+                    "late": [x.rank for x in self.recorder.late]}}
 
 
 def _steps_text(f: Finding) -> str:
@@ -149,10 +158,12 @@ def _rank_finding(tables: RunTables, f: RankFinding, loc: Localization, tun: Tun
 
 def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFrame | None = None,
              hang: HangReport | None = None, damaged: dict[int, str] | None = None,
-             scope: Scope | None = None) -> Diagnosis:
+             scope: Scope | None = None, recorder: RecorderJudgement | None = None) -> Diagnosis:
     """Which ranks or links made this job slow, why, and what each costs. ``damaged``: ranks whose
-    data failed to ingest or is missing (``Store.damaged_ranks``): named, never blamed. ``scope``:
-    ``tables`` hold only these ranks of a large job (scope.py), picked from all of its ranks."""
+    data failed to ingest or is missing (``Store.damaged_ranks``): named, never blamed on their
+    peers' waits. ``scope``: ``tables`` hold only these ranks of a large job (scope.py), picked from
+    all of its ranks. ``recorder``: what the flight recorder says of the ranks without a profiler
+    trace (``unprofiled.recorder_lateness``): a late one is a finding."""
     tun = tunables
     damaged = dict(damaged or {})
     loc = localize(tables, tun)
@@ -202,10 +213,23 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
     findings = [f for f in findings if not set(f.ranks) & set(damaged) or f.kind == "slow_link"
                 and not set(f.ranks) <= set(damaged)]
     findings = slow_hosts(findings, tables, step_ns, hosts)
+    findings += [_late_no_trace(tables, x, step_ns) for x in (recorder.late if recorder else ())]
     minor = minor_links(tables, links, step_ns, tun)
-    cause = _primary_cause(findings, loc, tables, compute, minor, tun, scope)
-    return Diagnosis(_primary(loc, findings, tables, compute, bool(minor), scope), cause, findings, compute, damaged,
-                     scope)
+    cause = _primary_cause(findings, loc, tables, compute, minor, tun, scope, recorder)
+    return Diagnosis(_primary(loc, findings, tables, compute, bool(minor), scope, recorder), cause, findings, compute,
+                     damaged, scope, recorder)
+
+
+def _late_no_trace(tables: RunTables, x, step_ns: float) -> Finding:
+    """A rank without a profiler trace that its flight recorder shows arriving late (``unprofiled``)."""
+    place = where(tables, (x.rank,))
+    summary = (f"{place} is a straggler: it has no profiler trace, and its flight recorder says it reached its "
+               f"collectives last in {x.last_share:.0%} of {x.collectives}, {x.late_ns / 1e6:.2f} ms after the other "
+               f"members on average ({', '.join(x.groups)}); why (compute, host, data) needs its trace")
+    return Finding("straggler", (x.rank,), place, (), x.cost_ns, x.cost_ns / step_ns, x.confidence, "late_no_trace",
+                   summary, NEXT_STEP["late_no_trace"].format(who=f"rank {x.rank}"),
+                   {"late_ns": x.late_ns, "collectives": x.collectives, "last_share": x.last_share,
+                    "margin": x.margin, "bar": x.bar, "cost_from": "flight-recorder durations"})
 
 
 def _data_or_device(tables: RunTables, loc: Localization, findings: list[Finding], tun: Tunables, work,
@@ -293,7 +317,7 @@ def _p2p_cover(tables: RunTables, scope: Scope | None) -> P2PCoverage:
 
 def _primary(loc: Localization, findings: list[Finding], tables: RunTables,
              compute: ComputeCulprits | None = None, minor_link: bool = False,
-             scope: Scope | None = None) -> Localization:
+             scope: Scope | None = None, recorder: RecorderJudgement | None = None) -> Localization:
     """The Localization the findings amount to (the costliest rank finding leads). ``minor_link``:
     a link stands out beyond noise but costs less than the reporting floor."""
     if not findings:
@@ -320,6 +344,10 @@ def _primary(loc: Localization, findings: list[Finding], tables: RunTables,
             if minor_link:
                 # then "no straggler" rests on the cost floor alone: over 8 grid draws 4 of 10 such
                 # answers were right (5 slow DP links of 0.7% of a step among the wrong ones)
+                sure = min(sure, 0.5)
+            if recorder is not None and recorder.unjudged:
+                # ranks with neither a trace nor timed recorder entries: a straggler among them would
+                # not show (half of a 16-rank job unprofiled, its slow rank there: 0.97 before)
                 sure = min(sure, 0.5)
         return replace(loc, verdict=verdict, culprit_rank=None, culprit_ranks=(), coords={},
                        confidence=loc.confidence if sure is None else sure)
@@ -348,7 +376,7 @@ def _primary(loc: Localization, findings: list[Finding], tables: RunTables,
 
 def _primary_cause(findings: list[Finding], loc: Localization, tables: RunTables,
                    compute: ComputeCulprits | None = None, minor: str = "", tun: Tunables = Tunables(),
-                   scope: Scope | None = None) -> Cause:
+                   scope: Scope | None = None, recorder: RecorderJudgement | None = None) -> Cause:
     if not findings:
         if loc.verdict == "no_data":
             return Cause("insufficient_data", (), _no_data_reason(tables), {})
@@ -383,7 +411,17 @@ def _primary_cause(findings: list[Finding], loc: Localization, tables: RunTables
         head = ("no rank or stage stands out beyond noise, and no link costs "
                 f"{tun.link_effect_min_frac:.0%} of a step or more") if minor else \
             "no rank, stage or link stands out beyond noise"
-        text = "; ".join(x for x in (head, limit, unseen, minor) if x)
+        untraced = ""
+        if recorder is not None and recorder.judged:
+            untraced = (f"{named_ranks(recorder.judged)} (no profiler trace) judged on their flight-recorder "
+                        "durations alone")
+        if recorder is not None and recorder.unjudged:
+            untraced = "; ".join(x for x in (untraced, (
+                f"{named_ranks(recorder.unjudged)} have no profiler trace, and {recorder.why_unjudged}: a "
+                "straggler among them would not show (profile every rank, or set TORCH_NCCL_ENABLE_TIMING=1 "
+                "so that the flight recorder times each collective)")) if x)
+            evidence = {**evidence, "unjudged_ranks": len(recorder.unjudged)}
+        text = "; ".join(x for x in (head, limit, unseen, minor, untraced) if x)
         return Cause("none", (), text, evidence)
     lead = max(findings, key=lambda f: (f.kind == "straggler", f.cost_ns))
     return Cause(lead.cause, lead.ranks, lead.summary,

@@ -32,6 +32,8 @@ NEXT_STEP = {
                        "slow devices on every rank of a stage look the same in step times",
     "hang": "run `tracekit hangs` on this run, and dump the stack of {who} (py-spy dump) at the stuck collective",
     "unexplained": "profile {who} with more detail (CPU ops, kernels) to see where the time goes",
+    "late_no_trace": "profile {who} too (its trace is missing, so why it is late is unknown), and meanwhile test "
+                     "its node (GPU clocks and thermals, ECC/XID errors, `nvidia-smi -q`); rerun without it to confirm",
 }
 
 

@@ -1,0 +1,108 @@
+"""Ranks without a profiler trace (half of a job profiled, as real jobs often do): judged by their
+flight-recorder durations, never left out silently. Simulated NCCL jobs (skewed host clocks) through
+the real ingest and ``store.diagnose``, with the traces of ranks 8-15 removed."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+import tracekit
+from tracekit.analysis.unprofiled import recorder_lateness
+from tracekit.ingest import ingest
+from tracekit.simulate.config import SimConfig
+from tracekit.simulate.run import simulate
+
+UNPROFILED = range(8, 16)
+
+
+def _run(root: Path, faults: tuple[str, ...] = (), timed: bool = True, seed: int = 11):
+    run = simulate(SimConfig(tp=2, pp=2, dp=4, steps=6, seed=seed, faults=faults, noise=0.05, skew_ms=2000.0,
+                             layers=2), root / "run")
+    (run / "manifest.json").unlink()
+    for r in UNPROFILED:
+        (run / "traces" / f"rank{r}.json.gz").unlink()
+    if not timed:  # NCCL without TORCH_NCCL_ENABLE_TIMING: no start, completion or duration
+        for dump in (run / "fr").iterdir():
+            data = pickle.loads(dump.read_bytes())
+            for e in data["entries"]:
+                e.update(duration_ms=None, time_discovered_started_ns=None, time_discovered_completed_ns=None)
+            dump.write_bytes(pickle.dumps(data))
+    ingest([run], root / "s.duckdb", workers=1)
+    with tracekit.open(root / "s.duckdb") as s:
+        return s.diagnose()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    for name, faults, timed in (("slow9", ("slow:rank=9,factor=1.3",), True), ("slow1", ("slow:rank=1,factor=1.3",), True),
+                                ("clean", (), True), ("untimed", ("slow:rank=9,factor=1.3",), False)):
+        out[name] = _run(tmp_path_factory.mktemp(name), faults, timed)
+    return out
+
+
+def test_a_straggler_without_a_trace_is_named_from_its_flight_recorder(runs):
+    d = runs["slow9"]
+    assert [(f.kind, f.ranks, f.cause) for f in d.findings] == [("straggler", (9,), "late_no_trace")], d.headline
+    f = d.findings[0]
+    assert f.confidence >= 0.9 and "flight recorder" in f.summary and "(dp 2, pp 0, tp 1)" in f.where
+    assert 0.01 < f.cost_share < 0.5 and "profile rank 9" in f.next_step
+    assert set(d.damaged) == set(UNPROFILED)  # still named as without a trace
+
+
+def test_a_profiled_straggler_is_named_alone(runs):
+    """Rank 1 slow: the unprofiled ranks of its DP group wait for it; none of them is late."""
+    d = runs["slow1"]
+    assert [(f.kind, f.ranks) for f in d.findings] == [("straggler", (1,))], d.headline
+
+
+def test_a_clean_run_names_no_one_and_says_how_the_untraced_ranks_were_judged(runs):
+    d = runs["clean"]
+    assert not d.findings, d.headline
+    assert "flight-recorder durations" in d.cause.summary and d.localization.confidence > 0.5
+
+
+def test_without_timed_records_no_straggler_is_not_sure(runs):
+    """The recorder without durations (NCCL without TORCH_NCCL_ENABLE_TIMING): rank 9 cannot be seen,
+    and "no straggler" must not read 0.97 as it did."""
+    d = runs["untimed"]
+    assert not d.findings
+    assert d.localization.confidence <= 0.5 and "would not show" in d.cause.summary, d.headline
+
+
+def _fr(durations: dict[int, list[float]], group: str = "0") -> pl.DataFrame:
+    rows = [(r, group, "mesh_dp", seq, d, seq * 10**8, "completed", False)
+            for r, ds in durations.items() for seq, d in enumerate(ds)]
+    return pl.DataFrame(rows, schema=["rank", "pg_name", "pg_desc", "collective_seq_id", "duration_ms",
+                                      "time_created_ns", "state", "is_p2p"], orient="row")
+
+
+def test_lateness_is_the_median_member_less_its_own_duration():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    base = {r: list(10.0 + rng.normal(0, 0.05, 40)) for r in range(4)}
+    base[3] = [d - 2.0 for d in base[3]]  # reaches every collective 2 ms after the others
+    got = recorder_lateness(_fr(base), [2, 3], step_ns=10 * 10**8)
+    assert got.judged == (2, 3) and [x.rank for x in got.late] == [3]
+    assert abs(got.late[0].late_ns / 1e6 - 2.0) < 0.1 and got.late[0].last_share == 1.0
+    quiet = {r: list(10.0 + rng.normal(0, 0.05, 40)) for r in range(4)}
+    assert not recorder_lateness(_fr(quiet), [0, 1, 2, 3], step_ns=10 * 10**8).late
+    # a rank absent from the recorder, or whose entries carry no duration, is not judged
+    untimed = _fr(quiet).with_columns(pl.when(pl.col("rank") == 1).then(None).otherwise(pl.col("duration_ms"))
+                                      .alias("duration_ms"))
+    got = recorder_lateness(untimed, [1, 7], step_ns=10 * 10**8)
+    assert got.judged == () and got.unjudged == (1, 7)
+
+
+def test_past_the_rows_read_at_most_the_untraced_ranks_are_unjudged_and_say_why(tmp_path, monkeypatch):
+    import tracekit.analysis.unprofiled as unprofiled
+
+    monkeypatch.setattr(unprofiled, "ROWS_MAX", 100)
+    d = _run(tmp_path, ("slow:rank=9,factor=1.3",))
+    assert not d.findings and d.localization.confidence <= 0.5
+    assert "more than the 100 read at most" in d.cause.summary and "would not show" in d.cause.summary

@@ -1,0 +1,122 @@
+"""Ranks without a profiler trace, judged by their flight-recorder durations.
+
+Real jobs often profile some ranks only, or lose a rank's trace. Its peers' waits then say little
+(``diagnosis`` never blames a rank without data on them), and before this a straggler among such
+ranks left "no straggler" at 0.97. Their flight recorder still holds every collective with its
+duration (CUDA events on NCCL with ``TORCH_NCCL_ENABLE_TIMING``; the reference trainer's own
+records on gloo). A collective completes on all members together and each member's duration runs
+from its own arrival, so the member that arrives last has the shortest: per collective, a member's
+lateness is the other members' mean duration less its own (the whole gap, in a pair as in a group
+of 64), each measured on its own clock, so no clock skew enters. A rank late across its collectives by more than their noise, and by enough of a step
+to matter, is a finding; where the recorder has no durations, such ranks cannot be judged at all,
+and "no straggler" says so (diagnosis).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
+from typing import Iterable
+
+import numpy as np
+import polars as pl
+
+from tracekit.analysis.culprits import margin_confidence, persistent_effect
+from tracekit.analysis.standout import spread
+from tracekit.analysis.tunables import Tunables
+
+ALPHA = 0.01  # the chance that a run without a late rank names one, over all the ranks compared
+# recorder rows read at most (their groups' entries, every member's): about 60 bytes a row in memory.
+# Past it (thousands of untraced ranks of a large job), the ranks stay unjudged, and say why.
+ROWS_MAX = 4_000_000
+COLUMNS = ("rank", "pg_name", "pg_desc", "collective_seq_id", "duration_ms", "time_created_ns", "state", "is_p2p")
+
+
+@dataclass(frozen=True)
+class LateRank:
+    rank: int
+    late_ns: float  # over its collectives (the two extreme left out), the other members' mean duration less its own
+    collectives: int  # timed collectives it was compared in
+    last_share: float  # share of them it reached last
+    late_share: float  # share of them it reached after the others' mean
+    margin: float  # late_ns over its noise unit
+    bar: float  # the margin it had to clear
+    cost_ns: float  # the waits it caused in a step, in the group where they sum least
+    groups: tuple[str, ...]  # the groups it was late in (their descriptions, else names)
+    confidence: float
+
+
+@dataclass(frozen=True)
+class RecorderJudgement:
+    """What the flight recorder says of the ranks asked about."""
+
+    judged: tuple[int, ...] = ()  # ranks with timed collectives beside timed peers
+    unjudged: tuple[int, ...] = ()  # ranks without: a straggler among them would not show
+    late: tuple[LateRank, ...] = ()
+    why_unjudged: str = "no timed flight-recorder entries"  # what the unjudged ranks lack
+
+
+def recorder_lateness(fr: pl.DataFrame, ranks: Iterable[int], step_ns: float,
+                      tun: Tunables = Tunables()) -> RecorderJudgement:
+    """Judge ``ranks`` (ranks without a profiler trace) on ``fr`` (``fr_entries`` rows of the groups
+    they belong to, every member's): which of them reach their collectives persistently late.
+    ``step_ns``: the run's step time (from the profiled ranks), for the cost and its floor."""
+    asked = sorted({int(r) for r in ranks})
+    if not asked:
+        return RecorderJudgement()
+    if not fr.height or any(c not in fr.columns for c in COLUMNS):
+        return RecorderJudgement(unjudged=tuple(asked))
+    timed = fr.filter(~pl.col("is_p2p").fill_null(False) & (pl.col("state") == "completed")
+                      & pl.col("collective_seq_id").is_not_null() & pl.col("duration_ms").is_finite()
+                      & (pl.col("duration_ms") > 0))
+    key = ["pg_name", "collective_seq_id"]
+    timed = timed.unique(["rank", *key]).with_columns(
+        pl.len().over(key).alias("n"), pl.col("duration_ms").sum().over(key).alias("sum_ms"),
+        pl.col("duration_ms").min().over(key).alias("min_ms"))
+    # the others' mean: where one member is late, every other waited for it alike (a rank late in
+    # another group arrives late here too, and then reads late here: its own finding, not this one's)
+    others = (pl.col("sum_ms") - pl.col("duration_ms")) / (pl.col("n") - 1)
+    timed = timed.filter(pl.col("n") >= 2).with_columns(
+        ((others - pl.col("duration_ms")) * 1e6).alias("late_ns"),
+        (pl.col("duration_ms") == pl.col("min_ms")).alias("last"))
+    have = set(timed["rank"].unique().to_list())
+    judged = tuple(r for r in asked if r in have)
+    unjudged = tuple(r for r in asked if r not in have)
+    if not judged:
+        return RecorderJudgement(judged, unjudged)
+    by_rank = {int(r): g.sort("time_created_ns") for (r,), g in timed.group_by("rank")}
+    effects = {r: persistent_effect(g["late_ns"].to_numpy()) for r, g in by_rank.items()}
+    # the collectives' own scatter: every rank's lateness less its own mean (a late rank moves its
+    # mean, not the scatter around it)
+    resid = np.concatenate([g["late_ns"].to_numpy() - effects[r] for r, g in by_rank.items()])
+    sigma = max(spread(resid), tun.noise_floor_frac * step_ns)
+    bar = NormalDist().inv_cdf(1 - ALPHA / max(len(by_rank), 2))
+    late = []
+    for r in judged:
+        g = by_rank[r]
+        col = g["late_ns"].to_numpy()
+        kept = col.size - 2 if col.size >= 6 else col.size
+        if kept < tun.compute_min_steps:
+            continue
+        effect = effects[r]
+        margin = effect / (sigma / math.sqrt(kept))
+        # persistence: late at most of them (the gaps differ in size, by the work since each
+        # group's last collective, so a share above half the mean would miss a persistent one)
+        slower = float((col > 0).mean())
+        created = g["time_created_ns"].drop_nulls()
+        steps = max(1.0, round(float(created.max() - created.min()) / step_ns)) if created.len() >= 2 and step_ns > 1 \
+            else 1.0
+        # per group, the waits it caused summed over a step; the smallest of those sums over groups
+        # that meet at least once a step: a TP peer waits for its every slow kernel, while the
+        # pipeline hides part of that from the step (a 1.5x trainer rank: TP 553, DP 284 and the
+        # step-end PP group 261 ms per step, against 259 by the what-if replay of its trace)
+        sums = g.group_by("pg_name").agg(pl.len().alias("n"), pl.col("late_ns").clip(0, None).sum().alias("ns"))
+        regular = sums.filter(pl.col("n") >= steps)
+        cost = float((regular if regular.height else sums)["ns"].min()) / steps
+        if margin >= bar and slower >= tun.persist_min and cost >= tun.link_effect_min_frac * step_ns:
+            where = g.filter(pl.col("late_ns") > 0)
+            groups = tuple(sorted({d or n for d, n in where.select("pg_desc", "pg_name").iter_rows()}))
+            late.append(LateRank(r, float(effect), int(col.size), float(g["last"].mean()), slower, float(margin),
+                                 float(bar), cost, groups, margin_confidence(margin, bar, slower)))
+    return RecorderJudgement(judged, unjudged, tuple(late))
