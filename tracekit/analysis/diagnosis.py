@@ -411,15 +411,11 @@ def _primary_cause(findings: list[Finding], loc: Localization, tables: RunTables
         head = ("no rank or stage stands out beyond noise, and no link costs "
                 f"{tun.link_effect_min_frac:.0%} of a step or more") if minor else \
             "no rank, stage or link stands out beyond noise"
-        untraced = ""
-        if recorder is not None and recorder.judged:
-            untraced = (f"{named_ranks(recorder.judged)} (no profiler trace) judged on their flight-recorder "
-                        "durations alone")
+        untraced = ""  # (those judged on their flight recorder the headline names)
         if recorder is not None and recorder.unjudged:
-            untraced = "; ".join(x for x in (untraced, (
-                f"{named_ranks(recorder.unjudged)} have no profiler trace, and {recorder.why_unjudged}: a "
-                "straggler among them would not show (profile every rank, or set TORCH_NCCL_ENABLE_TIMING=1 "
-                "so that the flight recorder times each collective)")) if x)
+            untraced = (f"{named_ranks(recorder.unjudged)} have no profiler trace, and {recorder.why_unjudged}: a "
+                        "straggler among them would not show (profile every rank, or set TORCH_NCCL_ENABLE_TIMING=1 "
+                        "so that the flight recorder times each collective)")
             evidence = {**evidence, "unjudged_ranks": len(recorder.unjudged)}
         text = "; ".join(x for x in (head, limit, unseen, minor, untraced) if x)
         return Cause("none", (), text, evidence)
