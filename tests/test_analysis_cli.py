@@ -136,6 +136,24 @@ def test_run_directory_is_ingested_into_a_sibling_store(tmp_path: Path) -> None:
     assert _cli("steps", str(run), "--json")[1] == out  # second call reuses the store (files skipped)
 
 
+def test_a_run_directory_that_lost_a_file_is_not_read_from_its_old_rows(tmp_path: Path) -> None:
+    """An ingest adds and replaces files, never drops one: the directory's own store kept a removed
+    rank's rows, and the analyses went on reading them (and, truncated, its older good version)."""
+    run = tmp_path / "runC"
+    for r in range(3):
+        write_trace(run / f"rank{r}.json.gz", nccl_trace(r))
+    assert {r["rank"] for r in json.loads(_cli("steps", str(run), "--json")[1])["steps"]["per_rank"]} == {0, 1, 2}
+    (run / "rank2.json.gz").unlink()
+    code, out = _cli("steps", str(run), "--json")
+    assert code == 0, out
+    assert "making runC.tracekit.duckdb again" in out
+    blob = json.loads(out[out.index("{"):])
+    assert {r["rank"] for r in blob["steps"]["per_rank"]} == {0, 1}
+    (run / "rank1.json.gz").write_bytes((run / "rank1.json.gz").read_bytes()[:200])  # cut short
+    blob = json.loads((out := _cli("stragglers", str(run), "--json")[1])[out.index("{"):])
+    assert set(blob["damaged"]) == {"1"}, blob["damaged"]
+
+
 def test_store_flag_and_the_one_place_a_run_directory_is_stored(tmp_path: Path, monkeypatch) -> None:
     from tracekit.ingest.cached import store_for
 

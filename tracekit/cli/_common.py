@@ -71,7 +71,7 @@ def store_of(source: Path, run_id: str | None = None, quiet: bool = False, store
     or a read-only cached one) gives way to a temporary store, said through ``warn``. Files that
     failed are said through ``warn``; nothing ingested at all is an error (exit 2)."""
     from tracekit.ingest import ingest
-    from tracekit.ingest.cached import is_store, store_for, temporary_store
+    from tracekit.ingest.cached import is_store, outdated, store_for, temporary_store
     from tracekit.ingest.common import IngestError
     from tracekit.store import StoreError
 
@@ -89,6 +89,13 @@ def store_of(source: Path, run_id: str | None = None, quiet: bool = False, store
                 if warn is not None:
                     warn(f"{e}; using a temporary store, {fallback}")
                 store_path = fallback
+                report = ingest([source], store_path, run_id=run_id, progress=progress)
+            if store is None and store_path.exists() and outdated(store_path, report):
+                # the directory lost or broke files since its store was made: make it again
+                if warn is not None:
+                    warn(f"{source}: files ingested before are gone or now fail; making {store_path.name} again")
+                for stale in (store_path, store_path.with_name(store_path.name + ".wal")):
+                    stale.unlink(missing_ok=True)
                 report = ingest([source], store_path, run_id=run_id, progress=progress)
         except (IngestError, StoreError) as e:
             fail(str(e))
