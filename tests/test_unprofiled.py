@@ -4,6 +4,7 @@ the real ingest and ``store.diagnose``, with the traces of ranks 8-15 removed.""
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 
@@ -52,6 +53,8 @@ def test_a_straggler_without_a_trace_is_named_from_its_flight_recorder(runs):
     assert f.confidence >= 0.9 and "flight recorder" in f.summary and "(dp 2, pp 0, tp 1)" in f.where
     assert 0.01 < f.cost_share < 0.5 and "profile rank 9" in f.next_step
     assert set(d.damaged) == set(UNPROFILED)  # still named as without a trace
+    blob = json.loads(json.dumps(d.to_dict()))  # what --json prints (a cause without a category crashed it)
+    assert blob["cause"]["category"] == "worker" and blob["recorder"]["late"] == [9]
 
 
 def test_a_profiled_straggler_is_named_alone(runs):
@@ -107,3 +110,13 @@ def test_past_the_rows_read_at_most_the_untraced_ranks_are_unjudged_and_say_why(
     d = _run(tmp_path, ("slow:rank=9,factor=1.3",))
     assert not d.findings and d.localization.confidence <= 0.5
     assert "more than the 100 read at most" in d.cause.summary and "would not show" in d.cause.summary
+
+
+def test_every_cause_a_finding_can_name_has_a_category_and_a_next_step():
+    """A finding's cause becomes the primary Cause, whose --json carries its category: a cause added
+    without one (late_no_trace) turned every --json of such a run into a crash."""
+    from tracekit.analysis.findings import NEXT_STEP
+    from tracekit.analysis.rootcause import CATEGORY
+
+    causes = set(NEXT_STEP) - {"host_transfer"}  # a next step only (a CPU link's), never a cause
+    assert causes <= set(CATEGORY), causes - set(CATEGORY)

@@ -25,14 +25,15 @@ from tracekit.analysis.localize import Localization
 from tracekit.analysis.tables import RunTables, compute_events, per_tables
 from tracekit.analysis.tunables import Tunables
 
-CATEGORY = {"slow_compute": "worker", "cpu_bound": "worker", "slow_link": "link", "data_imbalance": "data",
+CATEGORY = {"slow_compute": "worker", "cpu_bound": "worker", "late_no_trace": "worker", "slow_link": "link",
+            "data_imbalance": "data",
             "stage_imbalance": "pipeline", "hang": "hang", "unexplained": "unknown", "none": "none", "insufficient_data": "none"}
 
 
 @dataclass(frozen=True)
 class Cause:
-    # slow_compute | cpu_bound | slow_link | data_imbalance | stage_imbalance | unexplained | none |
-    # insufficient_data
+    # slow_compute | cpu_bound | late_no_trace | slow_link | data_imbalance | stage_imbalance | unexplained |
+    # none | insufficient_data
     kind: str
     ranks: tuple[int, ...]  # the rank(s) or link end points the cause is about
     summary: str
