@@ -15,7 +15,9 @@ steps), moving, slow collective link, slow p2p link, CP data imbalance, stage im
 clean runs; apart from those, clean runs whose healthy chips differ (``chips``: each rank's compute
 off by a lognormal factor of sd 0.5% or 1% for the whole run, as real fleets' chips are), which is
 what any lower bar for a 3% rank would cost; and slow hosts (``host``: every rank of one host
-1.1-1.5x, in layouts of two hosts or more); with ``--native``, torch-native jobs too
+1.1-1.5x, in layouts of two hosts or more); half of the job profiled (``untraced``: the traces of
+the first or second half of the ranks removed, their flight recorder kept; a 1.1-1.5x rank among
+them, or nothing); with ``--native``, torch-native jobs too
 (benchmarks/native_accuracy.py), reported apart. Judged (rank and coordinates both right):
 - slow: a straggler finding names the rank, and the store's layout is the true one (so its
   coordinates are right); two: both ranks are named as stragglers;
@@ -25,7 +27,8 @@ what any lower bar for a 3% rank would cost; and slow hosts (``host``: every ran
 - hang: no performance verdict, and ``hangs`` names the stuck rank alone;
 - clean and chips: no finding at all (anything else is a false alarm; for chips, each named rank's
   own chip is printed in sds of the spread, since a chip 3 sd out is a slower chip);
-- host: one finding, a straggler naming every rank of the host, and nothing else; in every kind, a finding beside the
+- host: one finding, a straggler naming every rank of the host, and nothing else; untraced: one
+  straggler finding naming the slow rank alone (nothing on a clean run); in every kind, a finding beside the
   fault's own (a bystander named slow) makes the answer wrong.
 Printed: accuracy per kind (with a 95% Wilson lower bound), the false-alarm rate on clean runs, a
 calibration table (confidence bucket: findings, share right), time and peak memory. Holistic Trace
@@ -106,6 +109,8 @@ def run_case(case: Case, work: Path, cache: Path | None, hta_python: Path | None
                         # set aside): the slow-host cases are named so, the published cases as they were
                         trace_names="profiler" if case.kind == "host" or case.profiler_names else "rank")
         simulate(cfg, out)
+        for r in case.untraced:  # profiled ranks only: the others keep their flight recorder
+            (out / "traces" / f"rank{r}.json.gz").unlink()
         pending = keep / "truth.pending"  # judge from the traces alone, not the manifest
         (out / "manifest.json").rename(pending)
         store.unlink(missing_ok=True)
@@ -146,6 +151,10 @@ def judge(case: Case, res: dict) -> tuple[bool, list[tuple[float, bool]]]:
         return len(fs) == 1 and ok[0], [(f["confidence"], x) for f, x in zip(fs, ok)]
     if case.kind == "hang":
         return verdict == "hang" and res["hang_culprits"] == t["ranks"], []
+    if case.kind == "untraced":  # the slow rank alone, by whatever evidence; a clean run, nothing
+        ok = [f["kind"] == "straggler" and f["ranks"] == t.get("ranks") and layout_ok for f in fs]
+        right = all(ok) and len(fs) == (1 if t else 0) and verdict != "hang"
+        return right, [(f["confidence"], x) for f, x in zip(fs, ok)]
     for i, f in enumerate(fs):
         rs = set(f["ranks"])
         if case.kind in ("slow", "slow3", "two"):

@@ -16,8 +16,8 @@ LAYOUTS = [  # (tp, cp, pp, dp): every dimension at 1 and above 1, TP to 8, CP t
     (1, 1, 2, 8), (2, 2, 4, 1), (1, 1, 8, 2), (2, 4, 1, 1), (1, 2, 1, 8),
 ]
 KINDS = ("slow", "slow3", "two", "transient", "moving", "link_coll", "link_p2p", "cp_imbalance", "stage", "hang",
-         "clean", "chips", "host")
-LATER_KINDS = ("chips", "host")  # added after the grid was published: random streams of their own
+         "clean", "chips", "host", "untraced")
+LATER_KINDS = ("chips", "host", "untraced")  # added after the grid was published: random streams of their own
 # clean runs whose healthy chips differ (each rank's compute off by a lognormal factor of this sigma
 # for the whole run), as real fleets' do: what a lower bar would cost. Reported apart from the
 # issue's clean runs (which have identical chips) and drawn from a random stream of their own, so
@@ -42,6 +42,7 @@ class Case:
     schedule: tuple[int, ...] = ()
     chips: float = 0.0  # sigma of the ranks' own compute factors (chips that differ); 0: identical chips
     profiler_names: bool = False  # traces named host_pid.ns.pt.trace.json.gz: the hosts known, as in a real job
+    untraced: tuple[int, ...] = ()  # ranks whose profiler traces are removed (profiled ranks only, as jobs do)
 
     @property
     def label(self) -> str:
@@ -49,6 +50,7 @@ class Case:
         sched = " mb{} v{} L{} h{}".format(*self.schedule) if self.schedule else ""
         sched += f" chips {self.chips:.3f}" if self.chips else ""
         sched += " profiler-names" if self.profiler_names and self.kind != "host" else ""
+        sched += f" untraced {self.untraced[0]}-{self.untraced[-1]}" if self.untraced else ""
         return (f"{self.kind:12s} tp{tp} cp{cp} pp{pp} dp{dp} {self.names:5s} noise {self.noise:.2f} "
                 f"skew {self.skew_ms:.0f}ms seed {self.seed}{sched} {' '.join(self.faults)}")
 
@@ -142,6 +144,8 @@ def make_cases(kinds, seeds: int, quick: bool, draw: int = 0, schedules: bool = 
         cases += _chip_cases(seeds, quick, draw, schedules)
     if "host" in kinds:
         cases += _host_cases(seeds, quick, draw, schedules)
+    if "untraced" in kinds:
+        cases += _untraced_cases(seeds, quick, draw, schedules)
     return cases
 
 
@@ -177,6 +181,36 @@ def _host_cases(seeds: int, quick: bool, draw: int, schedules: bool) -> list[Cas
             if case.names == "plain" and s % 3 == 2:
                 case.seed += 1
             out.append(case)
+    return out
+
+
+def _untraced_cases(seeds: int, quick: bool, draw: int, schedules: bool) -> list[Case]:
+    """Half of the job profiled (the first or the second half of the ranks: whole hosts, as jobs
+    profile some), per seed and layout: a rank 1.1-1.5x among the untraced half, and a clean run.
+    The untraced ranks keep their flight-recorder dumps."""
+    rng = random.Random(20261126 + 7919 * draw + 155_921)  # not the grid's stream: its cases stay
+    out = []
+    for seed in range(seeds):
+        for li, (tp, cp, pp, dp) in enumerate(LAYOUTS):
+            world = tp * cp * pp * dp
+            for v in range(2):
+                if quick and (li + seed + v) % 4:
+                    continue
+                half = world // 2
+                untraced = tuple(range(half, world)) if rng.random() < 0.5 else tuple(range(half))
+                faults, truth = (), {}
+                if v == 0:
+                    r, f = rng.choice(untraced), rng.choice([1.1, 1.3, 1.5])
+                    faults, truth = (f"slow:rank={r},factor={f}",), {"ranks": [r], "factor": f}
+                s = seed * 1000 + li * 37 + 40 + 100 * v + 100_000 * draw
+                names, noise, spikes, skew, drift = _conditions(rng)
+                case = Case("untraced", (tp, cp, pp, dp), s, faults, names, noise, spikes, skew, drift, truth,
+                            untraced=untraced)
+                if case.names == "plain" and s % 3 == 2:  # as above: plain flavour 2 names nothing
+                    case.seed += 1
+                if schedules:
+                    case.schedule = _schedule(rng, pp)
+                out.append(case)
     return out
 
 

@@ -79,13 +79,13 @@ def test_without_timed_records_no_straggler_is_not_sure(runs):
 
 
 def _fr(durations: dict[int, list[float]], group: str = "0") -> pl.DataFrame:
-    rows = [(r, group, "mesh_dp", seq, d, seq * 10**8, "completed", False)
+    rows = [(r, group, "mesh_dp", seq, d, seq * 10**8, "completed", False, "nccl:all_reduce")
             for r, ds in durations.items() for seq, d in enumerate(ds)]
     return pl.DataFrame(rows, schema=["rank", "pg_name", "pg_desc", "collective_seq_id", "duration_ms",
-                                      "time_created_ns", "state", "is_p2p"], orient="row")
+                                      "time_created_ns", "state", "is_p2p", "profiling_name"], orient="row")
 
 
-def test_lateness_is_the_median_member_less_its_own_duration():
+def test_lateness_is_the_other_members_mean_less_its_own_duration():
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -120,3 +120,23 @@ def test_every_cause_a_finding_can_name_has_a_category_and_a_next_step():
 
     causes = set(NEXT_STEP) - {"host_transfer"}  # a next step only (a CPU link's), never a cause
     assert causes <= set(CATEGORY), causes - set(CATEGORY)
+
+
+def test_a_rank_late_by_waiting_on_its_pipeline_neighbour_is_its_victim():
+    """Two replicas of two stages: rank 3 (stage 1) is slow; rank 2 (stage 0 of the same replica)
+    waits on its receives from rank 3 and reaches its own DP collective as late. Only rank 3 is named."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    n = 24
+    dp0 = {0: list(10.0 + rng.normal(0, 0.05, n)), 2: list(7.0 + rng.normal(0, 0.05, n))}
+    dp1 = {1: list(10.0 + rng.normal(0, 0.05, n)), 3: list(7.0 + rng.normal(0, 0.05, n))}
+    recv = [(r, "pp", "pp", None, d, i * 10**8, "completed", True, "nccl:recv 0<-1")
+            for r, base in ((0, 1.0), (1, 1.0), (2, 4.0), (3, 1.0)) for i, d in enumerate(base + rng.normal(0, 0.05, n))]
+    fr = pl.concat([_fr(dp0, "dp0"), _fr(dp1, "dp1"),
+                    pl.DataFrame(recv, schema=_fr(dp0).schema, orient="row")])
+    got = recorder_lateness(fr, [2, 3], step_ns=10 * 10**8)
+    assert [x.rank for x in got.late] == [3] and got.waited == (2,)
+    # without the receives, both read late: the rule is what tells them apart
+    both = recorder_lateness(fr.filter(~pl.col("is_p2p")), [2, 3], step_ns=10 * 10**8)
+    assert [x.rank for x in both.late] == [2, 3]

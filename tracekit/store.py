@@ -257,8 +257,12 @@ class Store:
         from tracekit.analysis.unprofiled import COLUMNS, ROWS_MAX, RecorderJudgement, recorder_lateness
 
         ranks = sorted(damaged)
-        where = ("FROM fr_entries WHERE run_id = $r AND NOT coalesce(is_p2p, false) AND pg_name IN (SELECT DISTINCT "
-                 "pg_name FROM fr_entries WHERE run_id = $r AND list_contains($ranks, rank))")
+        # their collective groups' entries, and the p2p entries of those groups' members
+        groups = ("SELECT DISTINCT pg_name FROM fr_entries WHERE run_id = $r AND NOT coalesce(is_p2p, false) "
+                  "AND list_contains($ranks, rank)")
+        members = f"SELECT DISTINCT rank FROM fr_entries WHERE run_id = $r AND pg_name IN ({groups})"
+        where = (f"FROM fr_entries WHERE run_id = $r AND (NOT coalesce(is_p2p, false) AND pg_name IN ({groups}) "
+                 f"OR coalesce(is_p2p, false) AND rank IN ({members}))")
         params = {"r": rid, "ranks": ranks}
         rows = int(self.sql(f"SELECT count(*) AS n {where}", params)["n"][0])
         if rows > ROWS_MAX:

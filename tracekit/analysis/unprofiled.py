@@ -30,7 +30,11 @@ ALPHA = 0.01  # the chance that a run without a late rank names one, over all th
 # recorder rows read at most (their groups' entries, every member's): about 60 bytes a row in memory.
 # Past it (thousands of untraced ranks of a large job), the ranks stay unjudged, and say why.
 ROWS_MAX = 4_000_000
-COLUMNS = ("rank", "pg_name", "pg_desc", "collective_seq_id", "duration_ms", "time_created_ns", "state", "is_p2p")
+COLUMNS = ("rank", "pg_name", "pg_desc", "collective_seq_id", "duration_ms", "time_created_ns", "state", "is_p2p",
+           "profiling_name")
+# a late rank whose extra p2p receive waits (over its group peers') make up this share of its
+# lateness is late because it waited for a pipeline neighbour: the neighbour is the straggler
+WAITED_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -55,12 +59,14 @@ class RecorderJudgement:
     unjudged: tuple[int, ...] = ()  # ranks without: a straggler among them would not show
     late: tuple[LateRank, ...] = ()
     why_unjudged: str = "no timed flight-recorder entries"  # what the unjudged ranks lack
+    waited: tuple[int, ...] = ()  # late, but by waiting on p2p receives (a slow neighbour's victims)
 
 
 def recorder_lateness(fr: pl.DataFrame, ranks: Iterable[int], step_ns: float,
                       tun: Tunables = Tunables()) -> RecorderJudgement:
-    """Judge ``ranks`` (ranks without a profiler trace) on ``fr`` (``fr_entries`` rows of the groups
-    they belong to, every member's): which of them reach their collectives persistently late.
+    """Judge ``ranks`` (ranks without a profiler trace) on ``fr`` (``fr_entries`` rows of the
+    collective groups they belong to, every member's, and those members' p2p entries): which of them
+    reach their collectives persistently late, not by waiting for a pipeline neighbour.
     ``step_ns``: the run's step time (from the profiled ranks), for the cost and its floor."""
     asked = sorted({int(r) for r in ranks})
     if not asked:
@@ -80,6 +86,7 @@ def recorder_lateness(fr: pl.DataFrame, ranks: Iterable[int], step_ns: float,
     timed = timed.filter(pl.col("n") >= 2).with_columns(
         ((others - pl.col("duration_ms")) * 1e6).alias("late_ns"),
         (pl.col("duration_ms") == pl.col("min_ms")).alias("last"))
+    recv = _recv_ns(fr)
     have = set(timed["rank"].unique().to_list())
     judged = tuple(r for r in asked if r in have)
     unjudged = tuple(r for r in asked if r not in have)
@@ -92,7 +99,8 @@ def recorder_lateness(fr: pl.DataFrame, ranks: Iterable[int], step_ns: float,
     resid = np.concatenate([g["late_ns"].to_numpy() - effects[r] for r, g in by_rank.items()])
     sigma = max(spread(resid), tun.noise_floor_frac * step_ns)
     bar = NormalDist().inv_cdf(1 - ALPHA / max(len(by_rank), 2))
-    late = []
+    steps_of = {r: _steps(g, step_ns) for r, g in by_rank.items()}
+    late, waited = [], []
     for r in judged:
         g = by_rank[r]
         col = g["late_ns"].to_numpy()
@@ -104,9 +112,7 @@ def recorder_lateness(fr: pl.DataFrame, ranks: Iterable[int], step_ns: float,
         # persistence: late at most of them (the gaps differ in size, by the work since each
         # group's last collective, so a share above half the mean would miss a persistent one)
         slower = float((col > 0).mean())
-        created = g["time_created_ns"].drop_nulls()
-        steps = max(1.0, round(float(created.max() - created.min()) / step_ns)) if created.len() >= 2 and step_ns > 1 \
-            else 1.0
+        steps = steps_of[r]
         # per group, the waits it caused summed over a step; the smallest of those sums over groups
         # that meet at least once a step: a TP peer waits for its every slow kernel, while the
         # pipeline hides part of that from the step (a 1.5x trainer rank: TP 553, DP 284 and the
@@ -116,7 +122,34 @@ def recorder_lateness(fr: pl.DataFrame, ranks: Iterable[int], step_ns: float,
         cost = float((regular if regular.height else sums)["ns"].min()) / steps
         if margin >= bar and slower >= tun.persist_min and cost >= tun.link_effect_min_frac * step_ns:
             where = g.filter(pl.col("late_ns") > 0)
+            # its stage peers in other replicas (the other members of the groups it was late in):
+            # a rank that waited longer than they did on its p2p receives is a slow neighbour's
+            # victim, late to the next collective by that wait (a 1.3x stage-1 rank made its stage-0
+            # neighbour late at 0.73 on a grid draw)
+            peers = timed.filter(pl.col("pg_name").is_in(where["pg_name"].unique().implode())
+                                 & (pl.col("rank") != r))["rank"].unique().to_list()
+            waits = [recv[p] / steps_of[p] for p in peers if p in recv and p in steps_of]
+            if r in recv and waits and recv[r] / steps - float(np.median(waits)) >= WAITED_SHARE * cost:
+                waited.append(r)
+                continue
             groups = tuple(sorted({d or n for d, n in where.select("pg_desc", "pg_name").iter_rows()}))
             late.append(LateRank(r, float(effect), int(col.size), float(g["last"].mean()), slower, float(margin),
                                  float(bar), cost, groups, margin_confidence(margin, bar, slower)))
-    return RecorderJudgement(judged, unjudged, tuple(late))
+    return RecorderJudgement(judged, unjudged, tuple(late), waited=tuple(waited))
+
+
+def _steps(rows: pl.DataFrame, step_ns: float) -> float:
+    """How many steps a rank's recorder entries span (at least 1)."""
+    created = rows["time_created_ns"].drop_nulls()
+    if created.len() < 2 or step_ns <= 1:
+        return 1.0
+    return max(1.0, round(float(created.max() - created.min()) / step_ns))
+
+
+def _recv_ns(fr: pl.DataFrame) -> dict[int, float]:
+    """Each rank's timed p2p receives, summed (ns): how long it waited for its pipeline neighbours."""
+    p2p = fr.filter(pl.col("is_p2p").fill_null(False) & (pl.col("state") == "completed")
+                    & pl.col("profiling_name").str.contains("recv") & pl.col("duration_ms").is_finite())
+    if not p2p.height:
+        return {}
+    return {int(r): float(v) * 1e6 for r, v in p2p.group_by("rank").agg(pl.col("duration_ms").sum()).iter_rows()}
