@@ -55,11 +55,10 @@ class Diagnosis:
     def headline(self) -> str:
         text = self._verdict()
         judged = set(self.recorder.judged) if self.recorder is not None else set()
-        if judged:
-            text += f"; {named_ranks(sorted(judged))} have no profiler trace: judged on their flight-recorder durations"
-        rest = {r: why for r, why in self.damaged.items() if r not in judged}
-        if rest:
-            text += "; not judged (no data): " + ", ".join(f"rank {r}: {why}" for r, why in sorted(rest.items()))
+        for title, ranks in (("judged on their flight-recorder durations alone", judged),
+                             ("not judged (no data)", set(self.damaged) - judged)):
+            if ranks:
+                text += f"; {title}: " + ", ".join(f"rank {r}: {self.damaged.get(r, 'no data')}" for r in sorted(ranks))
         return text
 
     def _verdict(self) -> str:

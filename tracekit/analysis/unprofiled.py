@@ -7,9 +7,10 @@ duration (CUDA events on NCCL with ``TORCH_NCCL_ENABLE_TIMING``; the reference t
 records on gloo). A collective completes on all members together and each member's duration runs
 from its own arrival, so the member that arrives last has the shortest: per collective, a member's
 lateness is the other members' mean duration less its own (the whole gap, in a pair as in a group
-of 64), each measured on its own clock, so no clock skew enters. A rank late across its collectives by more than their noise, and by enough of a step
-to matter, is a finding; where the recorder has no durations, such ranks cannot be judged at all,
-and "no straggler" says so (diagnosis).
+of 64), each measured on its own clock, so no clock skew enters. A rank late across its
+collectives by more than their noise, and by enough of a step to matter, is a finding, unless its
+own p2p receives waited that long (a slow pipeline neighbour's victim); where the recorder has no
+durations, such ranks cannot be judged at all, and "no straggler" says so (diagnosis).
 """
 
 from __future__ import annotations
