@@ -140,3 +140,17 @@ def test_a_rank_late_by_waiting_on_its_pipeline_neighbour_is_its_victim():
     # without the receives, both read late: the rule is what tells them apart
     both = recorder_lateness(fr.filter(~pl.col("is_p2p")), [2, 3], step_ns=10 * 10**8)
     assert [x.rank for x in both.late] == [2, 3]
+
+
+def test_no_late_rank_is_only_as_sure_as_the_recorder_could_see():
+    """Durations that scatter by a fifth of a step hide a rank late by a tenth of one (a grid draw's
+    reduce-scatters of 100-250 ms hid a 1.3x rank, and "no straggler" read 0.99): at most 0.5."""
+    import numpy as np
+
+    rng = np.random.default_rng(2)
+    quiet = {r: list(10.0 + rng.normal(0, 0.05, 40)) for r in range(4)}
+    sure = recorder_lateness(_fr(quiet), [2, 3], step_ns=10 * 10**8)
+    assert not sure.late and sure.detectable_frac < 0.01 and sure.none_confidence() > 0.9
+    noisy = {r: list(100.0 + rng.normal(0, 80.0, 40)) for r in range(4)}
+    blind = recorder_lateness(_fr(noisy), [2, 3], step_ns=10 * 10**8)
+    assert not blind.late and blind.detectable_frac > 0.1 and blind.none_confidence() <= 0.5

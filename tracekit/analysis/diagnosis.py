@@ -36,7 +36,7 @@ from tracekit.analysis.rootcause import Cause, explain, rank_step_metrics
 from tracekit.analysis.stage_findings import stage_findings, stages_alone
 from tracekit.analysis.tables import RunTables
 from tracekit.analysis.tunables import Tunables
-from tracekit.analysis.unprofiled import RecorderJudgement
+from tracekit.analysis.unprofiled import BLIND_FRAC, RecorderJudgement
 from tracekit.analysis.whatif import WhatIfError, saving
 
 @dataclass(frozen=True)
@@ -359,6 +359,9 @@ def _primary(loc: Localization, findings: list[Finding], tables: RunTables,
                 # ranks with neither a trace nor timed recorder entries: a straggler among them would
                 # not show (half of a 16-rank job unprofiled, its slow rank there: 0.97 before)
                 sure = min(sure, 0.5)
+            if recorder is not None and recorder.none_confidence() is not None:
+                # the untraced ranks' verdict is only as sure as their recorder's test
+                sure = min(sure, recorder.none_confidence())
         return replace(loc, verdict=verdict, culprit_rank=None, culprit_ranks=(), coords={},
                        confidence=loc.confidence if sure is None else sure)
     ranked = [f for f in findings if f.kind in ("straggler", "transient", "moving")]
@@ -427,6 +430,10 @@ def _primary_cause(findings: list[Finding], loc: Localization, tables: RunTables
                         "straggler among them would not show (profile every rank, or set TORCH_NCCL_ENABLE_TIMING=1 "
                         "so that the flight recorder times each collective)")
             evidence = {**evidence, "unjudged_ranks": len(recorder.unjudged)}
+        if recorder is not None and recorder.judged and (recorder.detectable_frac or 0.0) > BLIND_FRAC:
+            untraced = "; ".join(x for x in (untraced, (
+                f"the flight recorder shows a rank without a trace only when it is late by about "
+                f"{recorder.detectable_frac:.0%} of a step (its collectives' durations scatter that much)")) if x)
         text = "; ".join(x for x in (head, limit, unseen, minor, untraced) if x)
         return Cause("none", (), text, evidence)
     lead = max(findings, key=lambda f: (f.kind == "straggler", f.cost_ns))

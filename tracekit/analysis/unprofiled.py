@@ -23,11 +23,15 @@ from typing import Iterable
 import numpy as np
 import polars as pl
 
-from tracekit.analysis.culprits import margin_confidence, persistent_effect
+from tracekit.analysis.culprits import SENSITIVITY_POWER, margin_confidence, persistent_effect
+from tracekit.analysis.findings import CONFIDENCE_MAX
 from tracekit.analysis.standout import spread
 from tracekit.analysis.tunables import Tunables
 
 ALPHA = 0.01  # the chance that a run without a late rank names one, over all the ranks compared
+# a rank 1.2x slower (culprits.BLIND_RATIO) whose compute is half of a step or more is late by a
+# tenth of a step: a test that could miss that much says nothing sure
+BLIND_FRAC = 0.1
 # recorder rows read at most (their groups' entries, every member's): about 60 bytes a row in memory.
 # Past it (thousands of untraced ranks of a large job), the ranks stay unjudged, and say why.
 ROWS_MAX = 4_000_000
@@ -61,6 +65,21 @@ class RecorderJudgement:
     late: tuple[LateRank, ...] = ()
     why_unjudged: str = "no timed flight-recorder entries"  # what the unjudged ranks lack
     waited: tuple[int, ...] = ()  # late, but by waiting on p2p receives (a slow neighbour's victims)
+    # how far the judged rank nearest to a finding stays from one, in noise units (None: none measured)
+    shortfall: float | None = None
+    # the lateness a judged rank would need, per step and as a share of it, to stand out in
+    # SENSITIVITY_POWER of runs: its noisiest one's (None: none measured)
+    detectable_frac: float | None = None
+
+    def none_confidence(self) -> float | None:
+        """How sure "none of the judged ranks is late" is, as ``ComputeCulprits.none_confidence``:
+        from the nearest rank's distance to a finding, and 0.5 at most where a rank late by
+        BLIND_FRAC of a step could have gone unseen (reduce-scatters of 100-250 ms that scatter by
+        as much hid a 1.3x rank on a grid draw, and "no straggler" read 0.99)."""
+        if self.shortfall is None:
+            return None
+        sure = float(min(CONFIDENCE_MAX, 1.0 - math.exp(-max(0.0, self.shortfall))))
+        return min(sure, 0.5) if (self.detectable_frac or 0.0) > BLIND_FRAC else sure
 
 
 def recorder_lateness(fr: pl.DataFrame, ranks: Iterable[int], step_ns: float,
@@ -101,7 +120,8 @@ def recorder_lateness(fr: pl.DataFrame, ranks: Iterable[int], step_ns: float,
     sigma = max(spread(resid), tun.noise_floor_frac * step_ns)
     bar = NormalDist().inv_cdf(1 - ALPHA / max(len(by_rank), 2))
     steps_of = {r: _steps(g, step_ns) for r, g in by_rank.items()}
-    late, waited = [], []
+    late, waited, shorts, detectable = [], [], [], []
+    reach = bar + NormalDist().inv_cdf(SENSITIVITY_POWER)
     for r in judged:
         g = by_rank[r]
         col = g["late_ns"].to_numpy()
@@ -121,7 +141,19 @@ def recorder_lateness(fr: pl.DataFrame, ranks: Iterable[int], step_ns: float,
         sums = g.group_by("pg_name").agg(pl.len().alias("n"), pl.col("late_ns").clip(0, None).sum().alias("ns"))
         regular = sums.filter(pl.col("n") >= steps)
         cost = float((regular if regular.height else sums)["ns"].min()) / steps
-        if margin >= bar and slower >= tun.persist_min and cost >= tun.link_effect_min_frac * step_ns:
+        # whether it matters, though, by the group where it makes its peers wait most: where the
+        # whole replica runs late behind it (a pipeline), its DP lateness is its replica's, and a
+        # 1.1x rank's 40 ms of TP waits a step fell under the floor in its DP group (grid draw 33)
+        waits = float(sums["ns"].max()) / steps
+        # a rank late by `reach` units at each collective of its densest group, per step
+        per_step = float(sums["n"].max()) / steps
+        unit = sigma / math.sqrt(kept)
+        detectable.append(reach * unit * per_step / step_ns if step_ns > 1 else float("inf"))
+        floor = tun.link_effect_min_frac * step_ns
+        # its distance from a finding: the clipped waits of a punctual rank are positive by half
+        # its collectives' noise, so the floor is measured against its mean lateness
+        shorts.append(max(bar - margin, (floor - effect * per_step) / max(unit * per_step, 1.0)))
+        if margin >= bar and slower >= tun.persist_min and waits >= floor:
             where = g.filter(pl.col("late_ns") > 0)
             # its stage peers in other replicas (the other members of the groups it was late in):
             # a rank that waited longer than they did on its p2p receives is a slow neighbour's
@@ -136,7 +168,9 @@ def recorder_lateness(fr: pl.DataFrame, ranks: Iterable[int], step_ns: float,
             groups = tuple(sorted({d or n for d, n in where.select("pg_desc", "pg_name").iter_rows()}))
             late.append(LateRank(r, float(effect), int(col.size), float(g["last"].mean()), slower, float(margin),
                                  float(bar), cost, groups, margin_confidence(margin, bar, slower)))
-    return RecorderJudgement(judged, unjudged, tuple(late), waited=tuple(waited))
+    return RecorderJudgement(judged, unjudged, tuple(late), waited=tuple(waited),
+                             shortfall=min(shorts) if shorts else None,
+                             detectable_frac=max(detectable) if detectable else None)
 
 
 def _steps(rows: pl.DataFrame, step_ns: float) -> float:
