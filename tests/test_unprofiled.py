@@ -154,3 +154,15 @@ def test_no_late_rank_is_only_as_sure_as_the_recorder_could_see():
     noisy = {r: list(100.0 + rng.normal(0, 80.0, 40)) for r in range(4)}
     blind = recorder_lateness(_fr(noisy), [2, 3], step_ns=10 * 10**8)
     assert not blind.late and blind.detectable_frac > 0.1 and blind.none_confidence() <= 0.5
+
+
+def test_a_rank_late_on_average_but_in_under_persist_min_of_its_collectives_is_not_near_a_finding():
+    """On a busy 2-core gloo run a punctual rank ran late on average, far past the bar, but in about
+    half of its collectives: "no straggler" read 0.00 on three clean trainer runs."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    ds = {r: list(10.0 + rng.normal(0, 0.05, 60)) for r in range(4)}
+    ds[3] = [d - (3.0 if i % 20 < 9 else -0.1) for i, d in enumerate(ds[3])]  # late in 45% of them
+    got = recorder_lateness(_fr(ds), [3], step_ns=10**8)  # a step per collective: past the 1% floor
+    assert not got.late and got.none_confidence() > 0.5, (got.shortfall, got.none_confidence())

@@ -152,7 +152,11 @@ def recorder_lateness(fr: pl.DataFrame, ranks: Iterable[int], step_ns: float,
         floor = tun.link_effect_min_frac * step_ns
         # its distance from a finding: the clipped waits of a punctual rank are positive by half
         # its collectives' noise, so the floor is measured against its mean lateness
-        shorts.append(max(bar - margin, (floor - effect * per_step) / max(unit * per_step, 1.0)))
+        # ... and from being late in persist_min of its collectives (a binomial share's z): on a
+        # busy 2-core gloo run a punctual rank ran a little late on average, far past the bar, in
+        # about half of its collectives, and "no straggler" read 0.00 on three clean trainer runs
+        persist = (tun.persist_min - slower) * math.sqrt(col.size) / 0.5
+        shorts.append(max(bar - margin, (floor - effect * per_step) / max(unit * per_step, 1.0), persist))
         if margin >= bar and slower >= tun.persist_min and waits >= floor:
             where = g.filter(pl.col("late_ns") > 0)
             # its stage peers in other replicas (the other members of the groups it was late in):
