@@ -204,14 +204,19 @@ def _untraced_cases(seeds: int, quick: bool, draw: int, schedules: bool) -> list
                     faults, truth = (f"slow:rank={r},factor={f}",), {"ranks": [r], "factor": f}
                 s = seed * 1000 + li * 37 + 40 + 100 * v + 100_000 * draw
                 names, noise, spikes, skew, drift = _conditions(rng)
-                case = Case("untraced", (tp, cp, pp, dp), s, faults, names, noise, spikes, skew, drift, truth,
-                            untraced=untraced)
-                if case.names == "plain" and s % 3 == 2:  # as above: plain flavour 2 names nothing
-                    case.seed += 1
-                if schedules:
-                    case.schedule = _schedule(rng, pp)
-                out.append(case)
+                out.append(_finished(Case("untraced", (tp, cp, pp, dp), s, faults, names, noise, spikes, skew, drift,
+                                           truth, untraced=untraced), rng, schedules))
     return out
+
+
+def _finished(case: Case, rng: random.Random, schedules: bool) -> Case:
+    """A later kind's case, its seed moved off the plain flavour that names nothing (as above) and
+    its schedule drawn last, so that the stream gives the same cases as before this helper."""
+    if case.names == "plain" and case.seed % 3 == 2:
+        case.seed += 1
+    if schedules:
+        case.schedule = _schedule(rng, case.layout[2])
+    return case
 
 
 def _chip_cases(seeds: int, quick: bool, draw: int, schedules: bool) -> list[Case]:
@@ -225,10 +230,6 @@ def _chip_cases(seeds: int, quick: bool, draw: int, schedules: bool) -> list[Cas
                     continue
                 s = seed * 1000 + li * 37 + 20 + 100 * v + 100_000 * draw
                 names, noise, spikes, skew, drift = _conditions(rng)
-                case = Case("chips", (tp, cp, pp, dp), s, (), names, noise, spikes, skew, drift, {}, chips=spread)
-                if case.names == "plain" and s % 3 == 2:  # as above: plain flavour 2 names nothing
-                    case.seed += 1
-                if schedules:
-                    case.schedule = _schedule(rng, pp)
-                out.append(case)
+                out.append(_finished(Case("chips", (tp, cp, pp, dp), s, (), names, noise, spikes, skew, drift, {},
+                                           chips=spread), rng, schedules))
     return out
