@@ -25,7 +25,7 @@ from tracekit.analysis.compute_speed import attention_split, compute_speed, stea
 from tracekit.analysis.culprits import ComputeCulprits, RankFinding, find_culprits, measured_again
 from tracekit.analysis.data_heavy import data_heavy, heavy_findings, merge_data_imbalance, more_attention_work
 from tracekit.analysis.data_needs import missing_data
-from tracekit.analysis.findings import NEXT_STEP, Finding, named_ranks, where
+from tracekit.analysis.findings import NEXT_STEP, Finding, where
 from tracekit.analysis.hangs import HangReport, rank_list
 from tracekit.analysis.hosts import slow_host_ranks, slow_hosts
 from tracekit.analysis.link_findings import link_findings, links_beside_stragglers, minor_links
@@ -36,7 +36,7 @@ from tracekit.analysis.rootcause import Cause, explain, rank_step_metrics
 from tracekit.analysis.stage_findings import stage_findings, stages_alone
 from tracekit.analysis.tables import RunTables
 from tracekit.analysis.tunables import Tunables
-from tracekit.analysis.unprofiled import BLIND_FRAC, RecorderJudgement
+from tracekit.analysis.unprofiled import RecorderJudgement, recorder_findings
 from tracekit.analysis.whatif import WhatIfError, saving
 
 @dataclass(frozen=True)
@@ -212,34 +212,12 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
     findings = [f for f in findings if not set(f.ranks) & set(damaged) or f.kind == "slow_link"
                 and not set(f.ranks) <= set(damaged)]
     findings = slow_hosts(findings, tables, step_ns, hosts)
-    if recorder is not None and recorder.late:
-        findings = _explained_by_late(tables, findings, {x.rank for x in recorder.late}, set(damaged))
-        findings += [_late_no_trace(tables, x, step_ns) for x in recorder.late]
+    if recorder is not None:
+        findings = recorder_findings(tables, recorder, findings, set(damaged), step_ns)
     minor = minor_links(tables, links, step_ns, tun)
     cause = _primary_cause(findings, loc, tables, compute, minor, tun, scope, recorder)
     return Diagnosis(_primary(loc, findings, tables, compute, bool(minor), scope, recorder), cause, findings, compute,
                      damaged, scope, recorder)
-
-
-def _explained_by_late(tables: RunTables, findings: list[Finding], late: set[int], damaged: set[int]
-                       ) -> list[Finding]:
-    """Without the slow links of the groups a late untraced rank belongs to: its traced members'
-    transfers wait for a member whose arrival no trace shows (a DP group's traced half of a grid
-    draw read 'transfers 1.07x slower' beside the untraced 1.1x rank that was its cause)."""
-    traced_parts = [set(rs) - damaged for rs in tables.groups["ranks"].to_list() if rs and set(rs) & late]
-    return [f for f in findings if not (f.kind == "slow_link" and set(f.ranks) in traced_parts)]
-
-
-def _late_no_trace(tables: RunTables, x, step_ns: float) -> Finding:
-    """A rank without a profiler trace that its flight recorder shows arriving late (``unprofiled``)."""
-    place = where(tables, (x.rank,))
-    summary = (f"{place} is a straggler: it has no profiler trace, and its flight recorder says it reached its "
-               f"collectives last in {x.last_share:.0%} of {x.collectives}, {x.late_ns / 1e6:.2f} ms after the other "
-               f"members on average ({', '.join(x.groups)}); why (compute, host, data) needs its trace")
-    return Finding("straggler", (x.rank,), place, (), x.cost_ns, x.cost_ns / step_ns, x.confidence, "late_no_trace",
-                   summary, NEXT_STEP["late_no_trace"].format(who=f"rank {x.rank}"),
-                   {"late_ns": x.late_ns, "collectives": x.collectives, "last_share": x.last_share,
-                    "margin": x.margin, "bar": x.bar, "cost_from": "flight-recorder durations"})
 
 
 def _data_or_device(tables: RunTables, loc: Localization, findings: list[Finding], tun: Tunables, work,
@@ -355,12 +333,7 @@ def _primary(loc: Localization, findings: list[Finding], tables: RunTables,
                 # then "no straggler" rests on the cost floor alone: over 8 grid draws 4 of 10 such
                 # answers were right (5 slow DP links of 0.7% of a step among the wrong ones)
                 sure = min(sure, 0.5)
-            if recorder is not None and recorder.unjudged:
-                # ranks with neither a trace nor timed recorder entries: a straggler among them would
-                # not show (half of a 16-rank job unprofiled, its slow rank there: 0.97 before)
-                sure = min(sure, 0.5)
-            if recorder is not None and recorder.none_confidence() is not None:
-                # the untraced ranks' verdict is only as sure as their recorder's test
+            if recorder is not None:  # the untraced ranks' verdict is only as sure as their recorder's
                 sure = min(sure, recorder.none_confidence())
         return replace(loc, verdict=verdict, culprit_rank=None, culprit_ranks=(), coords={},
                        confidence=loc.confidence if sure is None else sure)
@@ -424,16 +397,9 @@ def _primary_cause(findings: list[Finding], loc: Localization, tables: RunTables
         head = ("no rank or stage stands out beyond noise, and no link costs "
                 f"{tun.link_effect_min_frac:.0%} of a step or more") if minor else \
             "no rank, stage or link stands out beyond noise"
-        untraced = ""  # (those judged on their flight recorder the headline names)
+        untraced = recorder.limits_text() if recorder is not None else ""
         if recorder is not None and recorder.unjudged:
-            untraced = (f"{named_ranks(recorder.unjudged)} have no profiler trace, and {recorder.why_unjudged}: a "
-                        "straggler among them would not show (profile every rank, or set TORCH_NCCL_ENABLE_TIMING=1 "
-                        "so that the flight recorder times each collective)")
             evidence = {**evidence, "unjudged_ranks": len(recorder.unjudged)}
-        if recorder is not None and recorder.judged and (recorder.detectable_frac or 0.0) > BLIND_FRAC:
-            untraced = "; ".join(x for x in (untraced, (
-                f"the flight recorder shows a rank without a trace only when it is late by about "
-                f"{recorder.detectable_frac:.0%} of a step (its collectives' durations scatter that much)")) if x)
         text = "; ".join(x for x in (head, limit, unseen, minor, untraced) if x)
         return Cause("none", (), text, evidence)
     lead = max(findings, key=lambda f: (f.kind == "straggler", f.cost_ns))

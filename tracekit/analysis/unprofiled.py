@@ -24,7 +24,8 @@ import numpy as np
 import polars as pl
 
 from tracekit.analysis.culprits import SENSITIVITY_POWER, margin_confidence, persistent_effect
-from tracekit.analysis.findings import CONFIDENCE_MAX
+from tracekit.analysis.findings import CONFIDENCE_MAX, NEXT_STEP, Finding, named_ranks, where
+from tracekit.analysis.tables import RunTables
 from tracekit.analysis.standout import spread
 from tracekit.analysis.tunables import Tunables
 
@@ -71,15 +72,29 @@ class RecorderJudgement:
     # SENSITIVITY_POWER of runs: its noisiest one's (None: none measured)
     detectable_frac: float | None = None
 
-    def none_confidence(self) -> float | None:
-        """How sure "none of the judged ranks is late" is, as ``ComputeCulprits.none_confidence``:
-        from the nearest rank's distance to a finding, and 0.5 at most where a rank late by
+    def none_confidence(self) -> float:
+        """How sure "none of the untraced ranks is late" is, as ``ComputeCulprits.none_confidence``:
+        from the nearest judged rank's distance to a finding; 0.5 at most where a rank late by
         BLIND_FRAC of a step could have gone unseen (reduce-scatters of 100-250 ms that scatter by
-        as much hid a 1.3x rank on a grid draw, and "no straggler" read 0.99)."""
-        if self.shortfall is None:
-            return None
-        sure = float(min(CONFIDENCE_MAX, 1.0 - math.exp(-max(0.0, self.shortfall))))
-        return min(sure, 0.5) if (self.detectable_frac or 0.0) > BLIND_FRAC else sure
+        as much hid a 1.3x rank on a grid draw, and "no straggler" read 0.99), or where ranks could
+        not be judged at all (half of a 16-rank job unprofiled, its slow rank there: 0.97 before)."""
+        sure = CONFIDENCE_MAX if self.shortfall is None else \
+            float(min(CONFIDENCE_MAX, 1.0 - math.exp(-max(0.0, self.shortfall))))
+        blind = (self.detectable_frac or 0.0) > BLIND_FRAC or bool(self.unjudged)
+        return min(sure, 0.5) if blind else sure
+
+    def limits_text(self) -> str:
+        """What "no straggler" cannot say of the untraced ranks ('' where nothing); those judged on
+        their recorder the headline names."""
+        parts = []
+        if self.unjudged:
+            parts.append(f"{named_ranks(self.unjudged)} have no profiler trace, and {self.why_unjudged}: a straggler "
+                         "among them would not show (profile every rank, or set TORCH_NCCL_ENABLE_TIMING=1 so that "
+                         "the flight recorder times each collective)")
+        if self.judged and (self.detectable_frac or 0.0) > BLIND_FRAC:
+            parts.append(f"the flight recorder shows a rank without a trace only when it is late by about "
+                         f"{self.detectable_frac:.0%} of a step (its collectives' durations scatter that much)")
+        return "; ".join(parts)
 
 
 def recorder_lateness(fr: pl.DataFrame, ranks: Iterable[int], step_ns: float,
@@ -165,8 +180,8 @@ def recorder_lateness(fr: pl.DataFrame, ranks: Iterable[int], step_ns: float,
             # neighbour late at 0.73 on a grid draw)
             peers = timed.filter(pl.col("pg_name").is_in(where["pg_name"].unique().implode())
                                  & (pl.col("rank") != r))["rank"].unique().to_list()
-            waits = [recv[p] / steps_of[p] for p in peers if p in recv and p in steps_of]
-            if r in recv and waits and recv[r] / steps - float(np.median(waits)) >= WAITED_SHARE * cost:
+            peer_waits = [recv[p] / steps_of[p] for p in peers if p in recv and p in steps_of]
+            if r in recv and peer_waits and recv[r] / steps - float(np.median(peer_waits)) >= WAITED_SHARE * cost:
                 waited.append(r)
                 continue
             groups = tuple(sorted({d or n for d, n in where.select("pg_desc", "pg_name").iter_rows()}))
@@ -175,6 +190,31 @@ def recorder_lateness(fr: pl.DataFrame, ranks: Iterable[int], step_ns: float,
     return RecorderJudgement(judged, unjudged, tuple(late), waited=tuple(waited),
                              shortfall=min(shorts) if shorts else None,
                              detectable_frac=max(detectable) if detectable else None)
+
+
+def recorder_findings(tables: RunTables, recorder: RecorderJudgement, findings: list[Finding], damaged: set[int],
+                      step_ns: float) -> list[Finding]:
+    """``findings`` with a straggler finding per late untraced rank, and without the slow links of
+    the groups such a rank belongs to: their traced members' transfers wait for a member whose
+    arrival no trace shows (a DP group's traced half of a grid draw read 'transfers 1.07x slower'
+    beside the untraced 1.1x rank that was its cause)."""
+    if not recorder.late:
+        return findings
+    late = {x.rank for x in recorder.late}
+    traced_parts = [set(rs) - damaged for rs in tables.groups["ranks"].to_list() if rs and set(rs) & late]
+    kept = [f for f in findings if not (f.kind == "slow_link" and set(f.ranks) in traced_parts)]
+    return kept + [_late_finding(tables, x, step_ns) for x in recorder.late]
+
+
+def _late_finding(tables: RunTables, x: LateRank, step_ns: float) -> Finding:
+    place = where(tables, (x.rank,))
+    summary = (f"{place} is a straggler: it has no profiler trace, and its flight recorder says it reached its "
+               f"collectives last in {x.last_share:.0%} of {x.collectives}, {x.late_ns / 1e6:.2f} ms after the other "
+               f"members on average ({', '.join(x.groups)}); why (compute, host, data) needs its trace")
+    return Finding("straggler", (x.rank,), place, (), x.cost_ns, x.cost_ns / step_ns, x.confidence, "late_no_trace",
+                   summary, NEXT_STEP["late_no_trace"].format(who=f"rank {x.rank}"),
+                   {"late_ns": x.late_ns, "collectives": x.collectives, "last_share": x.last_share,
+                    "margin": x.margin, "bar": x.bar, "cost_from": "flight-recorder durations"})
 
 
 def _steps(rows: pl.DataFrame, step_ns: float) -> float:

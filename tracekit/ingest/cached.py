@@ -60,12 +60,12 @@ def outdated(store_path: Path, report) -> bool:
     removed (or cut short) would still be analysed from its old rows."""
     import duckdb
 
+    if not report.files:
+        return False
     current: dict[str, set[tuple[str, int]]] = {}
     for f in report.files:
         if f.status in ("ok", "skipped") and f.rank is not None and f.format is not None:
             current.setdefault(f.run_id, set()).add((f.format, int(f.rank)))
-    if not report.files:
-        return False
     con = duckdb.connect(str(store_path), read_only=True)
     try:
         for rid in {f.run_id for f in report.files}:
