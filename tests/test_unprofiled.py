@@ -166,3 +166,24 @@ def test_a_rank_late_on_average_but_in_under_persist_min_of_its_collectives_is_n
     ds[3] = [d - (3.0 if i % 20 < 9 else -0.1) for i, d in enumerate(ds[3])]  # late in 45% of them
     got = recorder_lateness(_fr(ds), [3], step_ns=10**8)  # a step per collective: past the 1% floor
     assert not got.late and got.none_confidence() > 0.5, (got.shortfall, got.none_confidence())
+
+
+@pytest.mark.parametrize("cfg, slow, factor", [
+    # the traced half of rank 7's DP group, [9, 11, 13, 15], read 'transfers 1.07x slower' (0.79)
+    # beside it: their transfers wait for a member whose arrival no trace shows
+    ({"seed": 1299, "names": "none", "noise": 0.1, "skew_ms": 0.0, "drift_ppm": 0.0}, 7, 1.1),
+    # rank 4, stage 0 of rank 5's replica, was named too (0.73): it reached its DP collectives late
+    # by the time it waited on its receives from rank 5
+    ({"seed": 300, "names": "plain", "noise": 0.15, "skew_ms": 50.0, "drift_ppm": 20.0}, 5, 1.3),
+])
+def test_only_the_late_untraced_rank_is_named_not_what_it_delays(tmp_path, cfg, slow, factor):
+    """Grid draw 0 of the untraced kind: ranks 0-7 of pp 2 x dp 8 without traces, one of them slow."""
+    sim = simulate(SimConfig(tp=1, cp=1, pp=2, dp=8, steps=8, faults=(f"slow:rank={slow},factor={factor}",),
+                             spikes=0.01, layers=4, **cfg), tmp_path / "run")
+    (sim / "manifest.json").unlink()
+    for r in range(8):
+        (sim / "traces" / f"rank{r}.json.gz").unlink()
+    ingest([sim], tmp_path / "s.duckdb", workers=1)
+    with tracekit.open(tmp_path / "s.duckdb") as s:
+        d = s.diagnose()
+    assert [(f.kind, f.ranks, f.cause) for f in d.findings] == [("straggler", (slow,), "late_no_trace")], d.headline
