@@ -1,7 +1,7 @@
 """The cause kinds of the straggler analysis that no other test pinned (hang, unexplained), on a
 modelled 16-rank job (tests/synthetic_job.py: dp2 x pp2 x cp2 x tp2, in-process); the confidence
-stays below 1 and falls with a weaker fault; a finding's cost is the slow rank's extra compute,
-hand-computed from the fault model, and its share of the step within [0, 1].
+stays below 1 and falls with a weaker fault; a finding's cost is how much the step grows (against
+the same job without the fault), and its share of the step within [0, 1].
 
 Where the other kinds are pinned: slow_compute, slow_link, cpu_bound, stage_imbalance,
 data_imbalance, insufficient_data, none: test_analysis_localize.py; CP-wait's
@@ -73,14 +73,21 @@ def test_confidence_is_below_1_and_falls_with_a_weaker_fault() -> None:
 
 
 @pytest.mark.parametrize("factor", [1.5, 1.1])
-def test_a_slow_rank_costs_its_extra_compute(factor: float) -> None:
-    """Rank 5 computes ``factor`` times as long: per step it costs about (1 - 1/factor) of its own
-    compute (the spans in the modelled trace), and that over the median step is the share."""
+def test_a_slow_rank_costs_what_the_step_grows_by(factor: float) -> None:
+    """Rank 5 computes ``factor`` times as long. The step grows by less than its extra compute
+    (the spans in the modelled trace, times 1 - 1/factor): the slowest of the other ranks' noisy
+    kernels already set part of the pace (1.1x: 7.3 ms of extra compute, the step 2.4 ms longer).
+    Its cost is how long its peers waited on it: nearer the step's growth, within 2% of a step, and
+    never above the extra compute; its share is of the median step."""
     job, d = _diagnose(Faults(slow_rank=5, slow_factor=factor), seed=5, noise=0.05)
+    clean = make_job(LAYOUT, faults=Faults(), seed=5, noise=0.05)  # the same noise, no fault
+    step = lambda j: j["steps"].group_by("step").agg((pl.col("end_ns") - pl.col("start_ns")).mean())["end_ns"].mean()
+    grew = step(job) - step(clean)
     ev = job["events"].filter((pl.col("rank") == 5) & pl.col("name").str.starts_with("tk.compute"))
-    compute_per_step = ev["dur_ns"].sum() / job["steps"]["step"].n_unique()
+    extra = ev["dur_ns"].sum() / job["steps"]["step"].n_unique() * (1 - 1 / factor)
     (f,) = d.findings
-    assert f.cost_ns == pytest.approx(compute_per_step * (1 - 1 / factor), rel=0.15)
+    assert abs(f.cost_ns - grew) < abs(extra - grew) and abs(f.cost_ns - grew) <= 0.02 * d.localization.step_time_ns
+    assert f.cost_ns <= f.evidence["extra_compute_ns"] and f.evidence["extra_compute_ns"] == pytest.approx(extra, rel=0.15)
     assert f.cost_share == pytest.approx(f.cost_ns / d.localization.step_time_ns)
     assert 0.0 < f.cost_share < 1.0
 

@@ -92,7 +92,8 @@ def markdown(f: Findings) -> str:
             lines += [f"_{f.diagnosis.scope.summary}_", ""]
         if f.diagnosis.findings:
             lines += ["| finding | where | ms/step | of step | steps | confidence | next step |", "|---|---|---|---|---|---|---|"]
-            lines += [f"| {x.kind} ({x.cause}) | {x.where} | {x.cost_ns / 1e6:.1f} | {x.cost_share:.1%} | "
+            lines += [f"| {x.kind} ({x.cause}) | {x.where} | {'<= ' if x.cost_upper_bound else ''}{x.cost_ns / 1e6:.1f} | "
+                      f"{x.cost_share:.1%} | "
                       f"{','.join(map(str, x.steps)) if x.kind in ('transient', 'moving') else 'all'} | "
                       f"{x.confidence:.2f} | {x.next_step} |" for x in f.diagnosis.findings]
             lines.append("")

@@ -47,7 +47,8 @@ def config_md(info: dict, layout: Layout) -> str:
 def findings_frame(diagnosis) -> pd.DataFrame:
     """The diagnosis' findings, one row each, with the fields `tracekit report --json` gives."""
     return pd.DataFrame([{"kind": f.kind, "where": f.where, "ranks": ", ".join(map(str, f.ranks)),
-                          "ms/step": round(f.cost_ns / 1e6, 1), "share": f"{f.cost_share:.1%}",
+                          "ms/step": round(f.cost_ns / 1e6, 1),
+                          "share": f"{'at most ' if f.cost_upper_bound else ''}{f.cost_share:.1%}",
                           "confidence": round(f.confidence, 2), "cause": f.cause, "next step": f.next_step}
                          for f in diagnosis.findings],
                         columns=["kind", "where", "ranks", "ms/step", "share", "confidence", "cause", "next step"])

@@ -17,6 +17,7 @@ Each finding carries its cost (ms per step and share of the step, over which ste
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import polars as pl
@@ -37,6 +38,7 @@ from tracekit.analysis.stage_findings import stage_findings, stages_alone
 from tracekit.analysis.tables import RunTables
 from tracekit.analysis.tunables import Tunables
 from tracekit.analysis.unprofiled import RecorderJudgement, recorder_findings
+from tracekit.analysis.wait_cost import wait_cost
 from tracekit.analysis.whatif import WhatIfError, saving
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ class Diagnosis:
             if loc.verdict == "no_data":
                 return f"not enough cross-rank records to localize: {self.cause.summary}"
             return f"no straggler (confidence {loc.confidence:.2f}): {self.cause.summary}"
-        parts = [f"{f.summary}; costs {f.cost_ns / 1e6:.1f} ms per step ({f.cost_share:.1%})"
+        parts = [f"{f.summary}; costs {f.cost_text()}"
                  f"{_steps_text(f)} (cause {f.cause}, confidence {f.confidence:.2f})" for f in self.findings]
         lead = f"{len(self.findings)} findings: " if len(self.findings) > 1 else ""
         return lead + " | ".join(parts)
@@ -117,7 +119,7 @@ def _hung(hang: HangReport | None, tables: RunTables, damaged: dict[int, str], s
 
 
 def _rank_finding(tables: RunTables, f: RankFinding, loc: Localization, tun: Tunables, work,
-                  step_ns: float, device_only: bool = False) -> Finding:
+                  step_ns: float, device_only: bool = False, others: Sequence[RankFinding] = ()) -> Finding:
     kind = {"persistent": "straggler", "transient": "transient", "moving": "moving"}[f.kind]
     one = replace(loc, verdict="transient" if f.kind != "persistent" else "straggler", culprit_rank=f.rank,
                   culprit_ranks=(f.rank,), coords=tables.layout.coords(f.rank).as_dict(),
@@ -143,16 +145,34 @@ def _rank_finding(tables: RunTables, f: RankFinding, loc: Localization, tun: Tun
     what = {"straggler": "is a straggler", "transient": "is a transient straggler",
             "moving": "is slow in some steps (the slowness moves)"}[kind]
     summary = f"{where(tables, (f.rank,))} {what}: {cause.summary}" + (f"; in doubt: {f.doubt}" if f.doubt else "")
-    cost, share, how = max(f.cost_ns, 0.0), max(f.cost_ns, 0.0) / step_ns, "extra compute"
-    try:  # what the step would be with this rank at its peers' speed (the what-if replay), where it replays
-        saved, saved_share = saving(tables, [f.rank], list(f.steps) if kind != "straggler" else None)
-        cost, share, how = max(saved, 0.0), max(saved_share, 0.0), "what-if replay"
-    except WhatIfError:
-        pass
-    return Finding(kind, (f.rank,), where(tables, (f.rank,)), f.steps, cost, share, f.confidence, cause.kind,
+    cost, how, bound = _rank_cost(tables, f, kind, others)
+    return Finding(kind, (f.rank,), where(tables, (f.rank,)), f.steps, cost, cost / step_ns, f.confidence, cause.kind,
                    summary, NEXT_STEP.get(cause.kind, NEXT_STEP["unexplained"]).format(who=f"rank {f.rank}"),
                    {"compute_ratio": f.ratio, **cause.evidence, "span_ratio": f.ratio, "margin": f.margin,
-                    "extra_compute_ns": max(f.cost_ns, 0.0), "cost_from": how})
+                    "extra_compute_ns": max(f.cost_ns, 0.0), "cost_from": how}, cost_upper_bound=bound)
+
+
+def _rank_cost(tables: RunTables, f: RankFinding, kind: str, others: Sequence[RankFinding] = ()
+               ) -> tuple[float, str, bool]:
+    """(ns per step, how it was measured, whether it is an upper bound only) of a rank finding:
+    the what-if replay where the run replays (the trainer's program-order calls); else how long its
+    peers waited on it (``wait_cost``; ``others``, the other rank findings, are not its peers where
+    they are late), never above its extra compute; else its extra compute, which
+    the step's slack and overlap may absorb (an upper bound)."""
+    steps = list(f.steps) if kind != "straggler" else None
+    extra = max(f.cost_ns, 0.0)
+    try:  # what the step would be with this rank at its peers' speed
+        saved, _ = saving(tables, [f.rank], steps)
+        return max(saved, 0.0), "what-if replay", False
+    except WhatIfError:
+        pass
+    waited = wait_cost(tables, f.rank, steps, [(o.rank, None if o.kind == "persistent" else o.steps)
+                                               for o in others if o.rank != f.rank])
+    if waited is None:
+        return extra, "extra compute", True
+    if waited.cost_ns >= extra:
+        return extra, "extra compute", waited.upper_bound
+    return waited.cost_ns, f"waits in its {waited.dim.upper()} groups", waited.upper_bound
 
 
 def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFrame | None = None,
@@ -187,7 +207,8 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
     if slow:  # their ratios and costs measured with them out of every other rank's reference
         compute = measured_again(compute, compute_speed(tables, slow, device_only=bool(heavy)))
     metrics = rank_step_metrics(tables)
-    findings: list[Finding] = [_rank_finding(tables, f, loc, tun, work, step_ns, bool(heavy)) for f in compute.findings]
+    findings: list[Finding] = [_rank_finding(tables, f, loc, tun, work, step_ns, bool(heavy), compute.findings)
+                               for f in compute.findings]
     findings += heavy_findings(tables, heavy, step_ns)
     steady = steady_compute(tables)  # descheduled spans are not a stage's work
     findings += stage_findings(tables, steady if steady.height else metrics, tun, step_ns)

@@ -50,6 +50,13 @@ class Finding:
     summary: str
     next_step: str
     evidence: dict = field(default_factory=dict)  # the cause's measurements (ratios, links, work)
+    # the cost is what the finding adds at most (its extra compute, or waits the pipeline's slack
+    # may absorb): the step grows by that much or less
+    cost_upper_bound: bool = False
+
+    def cost_text(self) -> str:
+        """'15.4 ms per step (13.8%)', or 'at most ...' where the cost is an upper bound."""
+        return f"{'at most ' if self.cost_upper_bound else ''}{self.cost_ns / 1e6:.1f} ms per step ({self.cost_share:.1%})"
 
     def to_dict(self) -> dict:
         evidence = {k: None if isinstance(v, float) and v != v else v for k, v in self.evidence.items()}

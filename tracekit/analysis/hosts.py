@@ -148,10 +148,12 @@ def _host_finding(tables: RunTables, host: str, kind: str, fs: list[Finding], ra
     by_rank = {f.ranks[0]: float(f.evidence.get("compute_ratio", float("nan"))) for f in fs}
     ratios = list(by_rank.values())
     steps = fs[0].steps
-    cost, share, how = max(f.cost_ns for f in fs), max(f.cost_ns for f in fs) / step_ns, "the costliest rank"
+    costliest = max(fs, key=lambda f: f.cost_ns)
+    cost, share, how, bound = costliest.cost_ns, costliest.cost_ns / step_ns, "the costliest rank", \
+        costliest.cost_upper_bound
     try:  # all of them at their peers' speed at once: their costs overlap, they do not add
         saved, saved_share = saving(tables, ranks, list(steps) if kind == "transient" else None)
-        cost, share, how = max(saved, 0.0), max(saved_share, 0.0), "what-if replay"
+        cost, share, how, bound = max(saved, 0.0), max(saved_share, 0.0), "what-if replay", False
     except WhatIfError:
         pass
     lo, hi = min(ratios), max(ratios)
@@ -166,4 +168,5 @@ def _host_finding(tables: RunTables, host: str, kind: str, fs: list[Finding], ra
     return Finding(kind, tuple(ranks), place, steps, cost, share, confidence, "slow_compute",
                    summary, NEXT_STEP_HOST.format(host=host),
                    {"host": host, "host_ranks": held, "compute_ratio": hi, "compute_ratios": by_rank,
-                    "cost_from": how, "members": [f.to_dict() for f in sorted(fs, key=lambda f: f.ranks)]})
+                    "cost_from": how, "members": [f.to_dict() for f in sorted(fs, key=lambda f: f.ranks)]},
+                   cost_upper_bound=bound)

@@ -28,6 +28,7 @@ from tracekit.analysis.findings import CONFIDENCE_MAX, NEXT_STEP, Finding, named
 from tracekit.analysis.tables import RunTables
 from tracekit.analysis.standout import spread
 from tracekit.analysis.tunables import Tunables
+from tracekit.analysis.wait_cost import slack_unseen
 
 ALPHA = 0.01  # the chance that a run without a late rank names one, over all the ranks compared
 # a rank 1.2x slower (culprits.BLIND_RATIO) whose compute is half of a step or more is late by a
@@ -214,7 +215,8 @@ def _late_finding(tables: RunTables, x: LateRank, step_ns: float) -> Finding:
     return Finding("straggler", (x.rank,), place, (), x.cost_ns, x.cost_ns / step_ns, x.confidence, "late_no_trace",
                    summary, NEXT_STEP["late_no_trace"].format(who=f"rank {x.rank}"),
                    {"late_ns": x.late_ns, "collectives": x.collectives, "last_share": x.last_share,
-                    "margin": x.margin, "bar": x.bar, "cost_from": "flight-recorder durations"})
+                    "margin": x.margin, "bar": x.bar, "cost_from": "flight-recorder durations"},
+                   cost_upper_bound=slack_unseen(tables.layout, ("dp",) if tables.layout.dp > 1 else ()))
 
 
 def _steps(rows: pl.DataFrame, step_ns: float) -> float:

@@ -184,8 +184,8 @@ def render_terminal(f: Findings) -> None:
             out.print(f"[yellow]note:[/] {escape(f.diagnosis.scope.summary)}", highlight=False)
         for i, x in enumerate(f.diagnosis.findings, 1):
             steps = ",".join(map(str, x.steps)) if x.kind in ("transient", "moving") else "every step"
-            out.print(f"  {i}. [bold]{x.kind}[/] ({x.cause}) at {escape(x.where)}: {x.cost_ns / 1e6:.1f} ms per step "
-                      f"({x.cost_share:.1%} of the step), {steps}, confidence {x.confidence:.2f}", highlight=False)
+            out.print(f"  {i}. [bold]{x.kind}[/] ({x.cause}) at {escape(x.where)}: "
+                      f"{x.cost_text()}, {steps}, confidence {x.confidence:.2f}", highlight=False)
             out.print(f"     next: {escape(x.next_step)}", highlight=False)
         t = Table(title="top-down localization (waits)")
         for c in ("level", "verdict", "chosen", "margin", "steps agree", "effect ms", "noise ms"):
