@@ -22,6 +22,14 @@ CASES = {
     "moving": (2, 1, 2, 2, ("moving:ranks=1+6+3,factor=1.5",), {}),
     "p2p_link_pp4": (1, 1, 4, 2, ("link:a=1,b=2,delay_ms=20",), {"skew_ms": 1000.0}),
     "tp_link": (2, 1, 2, 2, ("link:a=4,b=5,delay_ms=10",), {"skew_ms": 1000.0}),
+    # one pipeline and nothing else: no other pipeline has a link between the same stages
+    # (the profiler's file names, <host>_<pid>.<ns>.pt.trace.json.gz: which ranks share a host)
+    "p2p_link_one_pipeline": (1, 1, 4, 1, ("link:a=1,b=2,delay_ms=20",), {"trace_names": "profiler"}),
+    # ... and its only cross-host link (2 ranks a host) slower than its NVLink-like ones
+    "cross_host_one_pipeline": (1, 1, 4, 1, ("link:a=1,b=2,delay_ms=20",), {"ranks_per_host": 2,
+                                                                           "trace_names": "profiler"}),
+    # ... and with its hosts unknown (rank<R>.json.gz names, no manifest): every link may cross one
+    "unknown_hosts_one_pipeline": (1, 1, 4, 1, ("link:a=1,b=2,delay_ms=20",), {"ranks_per_host": 2}),
     "hang": (2, 1, 2, 2, ("hang:rank=3,step=3",), {}),
     "damaged": (2, 1, 2, 2, (), {}),  # rank 3's trace cut short before ingest
     # a slow TP link (ranks 4, 5) whose end 5 is also a slow worker; and a slow link elsewhere
@@ -108,6 +116,27 @@ def test_slow_p2p_link_names_both_ends_and_the_pipeline_despite_skew(diagnosed):
     assert len(links) == 1 and set(links[0].ranks) == {1, 2}, d.headline
     assert "pipeline link" in links[0].where and links[0].cost_ns > 0
     assert not [f for f in d.findings if f.kind != "slow_link"], d.headline
+
+
+def test_a_slow_link_of_one_pipeline_is_found_against_its_other_stage_pairs(diagnosed):
+    """tp = cp = dp = 1: each stage pair's link is the only one of its kind. A 20 ms delay on
+    1 <-> 2, half of every step, went unseen, and rank 1 was named 'unexplained'."""
+    d = diagnosed["p2p_link_one_pipeline"]["d"]
+    links = [f for f in d.findings if f.kind == "slow_link"]
+    assert len(links) == 1 and set(links[0].ranks) == {1, 2} and links[0].confidence >= 0.9, d.headline
+    assert links[0].cost_share > 0.3
+    assert not [f for f in d.findings if f.kind in ("straggler", "transient", "moving")], d.headline
+
+
+def test_one_pipelines_cross_host_link_is_not_held_against_its_links_within_a_host(diagnosed):
+    """A link between hosts moves data over the network, the others over NVLink: an order of
+    magnitude apart in a healthy job. With one cross-host pair it has nothing to be compared with,
+    and "no straggler" says what it could not see; nor where the hosts are unknown."""
+    for case in ("cross_host_one_pipeline", "unknown_hosts_one_pipeline"):
+        d = diagnosed[case]["d"]
+        assert not [f for f in d.findings if f.kind == "slow_link"], d.headline
+        if not d.findings:
+            assert "one pipeline holds every rank" in d.cause.summary and d.localization.confidence <= 0.5
 
 
 def test_slow_collective_link_names_the_group_by_members_and_dimension(diagnosed):

@@ -30,7 +30,7 @@ from tracekit.analysis.findings import NEXT_STEP, Finding, where
 from tracekit.analysis.hangs import HangReport, rank_list
 from tracekit.analysis.hosts import slow_host_ranks, slow_hosts
 from tracekit.analysis.link_findings import link_findings, links_beside_stragglers, minor_links
-from tracekit.analysis.links import P2PCoverage, link_transfers, lone_groups, p2p_coverage
+from tracekit.analysis.links import P2PCoverage, link_transfers, lone_groups, one_pipeline, p2p_coverage
 from tracekit.analysis.localize import Localization, localize
 from tracekit.analysis.scope import Scope
 from tracekit.analysis.rootcause import Cause, explain, rank_step_metrics
@@ -221,8 +221,11 @@ def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFr
         waits = _waits_finding(tables, loc, cause, step_ns)
         # a lateness no level measured beyond its noise costs nothing: not a finding (a moving top
         # stage at 0.48 noise units cost '0.0 ms per step' on a clean torch-native dp 1 x pp 2 job)
+        # a link already found is the finding: the ranks waiting on it are not one more
+        known = cause.kind == "slow_link" and any(f.kind == "slow_link" and set(f.ranks) == set(cause.ranks)
+                                                  for f in findings)
         if (cause.kind not in ("none", "unexplained") or loc.confidence >= 0.5) and \
-                waits.cost_share >= tun.effect_min_frac:
+                waits.cost_share >= tun.effect_min_frac and not known:
             findings.append(waits)
     elif scope is None and compute.has_data and not findings and loc.verdict in ("straggler", "group", "transient"):
         cause = explain(tables, loc, tun, work)
@@ -415,6 +418,13 @@ def _primary_cause(findings: list[Finding], loc: Localization, tables: RunTables
                 f"one {names} group holds every rank, so its transfers have no other group to be compared "
                 "with: a slow link there slows every transfer alike and would not stand out (measure its bus "
                 "bandwidth against the fabric's, e.g. with nccl-tests, or compare with an earlier run)")) if x)
+        if one_pipeline(tables):
+            unseen_link = ("a slow link between its two stages slows both directions alike and would not stand "
+                           "out" if tables.layout.pp == 2 else
+                           f"a link under {tun.link_broken_ratio:g}x slower would not stand out")
+            limit = "; ".join(x for x in (limit, (
+                "one pipeline holds every rank, so each p2p link is compared with the other stage pairs' "
+                f"(whose place in the schedule shapes their transfers): {unseen_link}")) if x)
         head = ("no rank or stage stands out beyond noise, and no link costs "
                 f"{tun.link_effect_min_frac:.0%} of a step or more") if minor else \
             "no rank, stage or link stands out beyond noise"

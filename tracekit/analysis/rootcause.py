@@ -227,6 +227,11 @@ def _explain_rank(tables, loc, metrics, links, tun: Tunables, step_ns: float, wo
         steps = list(loc.episode_steps)
     same = peers(tables, r)
     if not same:  # one rank per position (e.g. dp 1 x pp 2): nothing to compare its compute or gaps with
+        link = slowest_link(links, {r})
+        if link:  # but its link's transfers can be (a pipeline's other stage pairs)
+            return Cause("slow_link", tuple(link["ranks"]), f"rank {r} waits on its link {link['name']}, which "
+                         f"transfers {link['ratio']:.1f}x slower than the same kind elsewhere",
+                         {"peers": 0, "worst_link": link["name"], "worst_link_ratio": link["ratio"]})
         return Cause("unexplained", (r,), f"rank {r} has no peer doing the same work (it alone holds its "
                      "position), so whether it is slow or its stage is heavy cannot be told", {"peers": 0})
     step_ratio = ratio_to_peers(metrics, r, same, "compute_ns", steps)
