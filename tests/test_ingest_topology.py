@@ -65,3 +65,27 @@ def test_a_group_described_differently_keeps_one_description_whatever_the_order(
     ingest([files[2]], db, run_id="job")
     with tracekit.open(db) as s:
         assert s.sql("SELECT pg_desc FROM groups WHERE pg_name = '7'").item() == "dp"
+
+
+def test_a_pure_dp_job_without_a_layout_is_compared_across_its_world_group(tmp_path: Path) -> None:
+    """Eight replicas on one group that names no dimension (gloo's 'undefined'; seed 2 of the plain
+    names): no layout is inferred, the ranks are compared as DP replicas, and their group is the
+    one that holds every rank. A clean run read "not enough cross-rank records: no collectives
+    across ranks" over 128 recorded collectives."""
+    from tracekit.simulate.config import SimConfig
+    from tracekit.simulate.run import simulate
+
+    found = {}
+    for name, faults in (("clean", ()), ("slow", ("slow:rank=3,factor=1.2",))):
+        run = simulate(SimConfig(dp=8, steps=8, seed=2, names="plain", noise=0.05, faults=faults), tmp_path / name)
+        (run / "manifest.json").unlink()
+        ingest([run], tmp_path / f"{name}.duckdb", workers=1)
+        with tracekit.open(tmp_path / f"{name}.duckdb") as s:
+            assert s.layout_source() == "assumed-dp"
+            assert set(s.sql("SELECT DISTINCT pg_desc FROM groups")["pg_desc"]) == {"default_pg", "undefined"}
+            found[name] = s.diagnose()
+    clean, slow = found["clean"], found["slow"]
+    assert clean.localization.verdict == "no_straggler" and not clean.findings, clean.headline
+    assert [(f.kind, f.ranks) for f in slow.findings] == [("straggler", (3,))], slow.headline
+    dp = [lv for lv in slow.localization.levels if lv.level == "dp"][0]
+    assert dp.verdict == "culprit" and dp.chosen == 3  # the waits in the world group name it too

@@ -193,7 +193,11 @@ class Store:
             world = row["world_size"] or tables.ranks["rank"].n_unique()
             tables = replace(tables, runs=tables.runs.with_columns(
                 pl.lit(1, pl.Int32).alias("tp"), pl.lit(1, pl.Int32).alias("cp"), pl.lit(1, pl.Int32).alias("pp"),
-                pl.lit(int(world), pl.Int32).alias("dp"), pl.lit("assumed-dp").alias("layout_source")))
+                pl.lit(int(world), pl.Int32).alias("dp"), pl.lit("assumed-dp").alias("layout_source")),
+                # ... whose group is then the one that holds every rank (a pure DP job on gloo's
+                # 'undefined' group read "no collectives across ranks: nothing to compare")
+                groups=tables.groups.with_columns(pl.when(pl.col("dim") == "world").then(pl.lit("dp"))
+                                                  .otherwise(pl.col("dim")).alias("dim")))
         return tables
 
     def layout_source(self, run_id: str | None = None) -> str:
