@@ -89,3 +89,22 @@ def test_a_pure_dp_job_without_a_layout_is_compared_across_its_world_group(tmp_p
     assert [(f.kind, f.ranks) for f in slow.findings] == [("straggler", (3,))], slow.headline
     dp = [lv for lv in slow.localization.levels if lv.level == "dp"][0]
     assert dp.verdict == "culprit" and dp.chosen == 3  # the waits in the world group name it too
+
+
+def test_a_pure_pipeline_without_a_layout_is_taken_as_one_pipeline(tmp_path: Path) -> None:
+    """Two ranks on one 'undefined' group whose p2p ops chain them: a pipeline, not two replicas.
+    Taken as replicas, stage 0 (made 1.3x heavier) read "rank 0 (dp 0) computes 1.31x its 1 peer
+    at the same position: a slow worker" at 0.99, against a stage whose work differs by design."""
+    from tracekit.simulate.config import SimConfig
+    from tracekit.simulate.run import simulate
+
+    run = simulate(SimConfig(pp=2, steps=8, seed=2, names="plain", faults=("stage:pp=0,factor=1.3",)), tmp_path / "r")
+    (run / "manifest.json").unlink()
+    ingest([run], tmp_path / "s.duckdb", workers=1)
+    with tracekit.open(tmp_path / "s.duckdb") as s:
+        assert s.layout_source() == "assumed-pp"
+        t = s.run_tables()
+        assert (t.layout.pp, t.layout.dp) == (2, 1) and set(t.groups["dim"]) == {"pp"}
+        d = s.diagnose()
+    assert not [f for f in d.findings if f.confidence >= 0.9 and f.kind == "straggler"], d.headline
+    assert "dp 0" not in d.headline

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tracekit.store import ASSUMED_LAYOUTS
+
 if TYPE_CHECKING:
     from tracekit.analysis.cp_wait import CPWait
     from tracekit.analysis.hangs import HangReport
@@ -25,7 +27,7 @@ class Findings:
     steps: StepReport | None = None
     cp_wait: CPWait | None = None
     hangs: HangReport | None = None
-    layout_source: str | None = None  # "assumed-dp" when the run had no layout
+    layout_source: str | None = None  # "assumed-dp" / "assumed-pp" when the run had no layout
     skipped: dict[str, str] | None = None  # part -> why it could not be analysed
     layout_note: str | None = None  # why the inferred layout may be wrong (ingest's warning)
     damaged: dict[int, str] | None = None  # ranks without data: named by every analysis, never judged
@@ -80,9 +82,8 @@ def markdown(f: Findings) -> str:
     if f.damaged:
         lines += ["_not judged (no data): " + "; ".join(f"rank {r}: {why}" for r, why in sorted(f.damaged.items()))
                   + "_", ""]
-    if f.layout_source == "assumed-dp":
-        lines += ["_No parallel layout recorded: every rank is compared with every other as a data-parallel "
-                  "replica._", ""]
+    if f.layout_source in ASSUMED_LAYOUTS:
+        lines += [f"_{ASSUMED_LAYOUTS[f.layout_source][0].upper()}{ASSUMED_LAYOUTS[f.layout_source][1:]}._", ""]
     for part, why in (f.skipped or {}).items():
         lines += [f"_{part}: not analysed: {why}_", ""]
     if f.diagnosis is not None:

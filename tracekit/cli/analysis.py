@@ -22,6 +22,7 @@ import click
 
 from tracekit.cli._common import EXIT_FINDING, EXIT_OK, fail, store_of
 from tracekit.report import Findings, gather, markdown
+from tracekit.store import ASSUMED_LAYOUTS
 
 # The run `tracekit demo --no-train` reports on (sample_traces/README.md).
 BUNDLED_SAMPLE = Path(__file__).resolve().parents[2] / "sample_traces" / "slow_rank_8"
@@ -167,8 +168,8 @@ def render_terminal(f: Findings) -> None:
     from rich.markup import escape
 
     out = Console()
-    if f.layout_source == "assumed-dp":
-        out.print("[yellow]note:[/] no parallel layout recorded: ranks compared as data-parallel replicas")
+    if f.layout_source in ASSUMED_LAYOUTS:
+        out.print(f"[yellow]note:[/] {ASSUMED_LAYOUTS[f.layout_source]}", highlight=False)
     if f.layout_note:
         out.print(f"[yellow]warning:[/] {escape(f.layout_note)}", highlight=False)
     if f.damaged:  # every analysis names the ranks it could not judge
