@@ -4,7 +4,6 @@ clocks, DeviceMesh names, p2p records without peers): what the verdict must say,
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
