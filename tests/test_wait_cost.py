@@ -71,6 +71,10 @@ def test_with_one_replica_the_cost_is_said_to_be_an_upper_bound(runs):
     with tracekit.open(runs["one_replica"]["store"]) as s:
         report = markdown(gather(s))
     assert f"| <= {f.cost_ns / 1e6:.1f} |" in report
+    from apps.views.overview import findings_frame  # the dashboard's table says it as well
+
+    table = findings_frame(d)
+    assert table.loc[table["ranks"] == "5", "share"].item() == f"at most {f.cost_share:.1%}"
 
 
 def test_a_second_culprit_is_not_a_peer_the_first_is_measured_against(runs):
