@@ -53,8 +53,19 @@ def _worker(rank: int, port: int, out: str) -> None:
             g = mesh.get_group(name)
             groups.append({"desc": g.group_desc, "ranks": dist.get_process_group_ranks(g)})
         found.append({"shape": shape, "groups": groups})
+    # torchtitan's HSDP mesh (parallel_dims.py): DP split in a replicate and a shard part, flattened
+    # back into "dp" (data loading), "dp_shard_cp" (FSDP) and "dp_cp" (the loss) groups of their own
+    titan = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    titan["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
+    titan["dp_shard"]._flatten(mesh_dim_name="dp_shard_cp")
+    titan["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp_cp")
+    mine = [(titan[n].get_group().group_desc, dist.get_process_group_ranks(titan[n].get_group()))
+            for n in ("dp_replicate", "dp_shard", "tp", "dp", "dp_shard_cp", "dp_cp")]
+    every = [None] * WORLD
+    dist.all_gather_object(every, mine)
     if rank == 0:
         Path(out, "groups.json").write_text(json.dumps(found))
+        Path(out, "titan_groups.json").write_text(json.dumps([g for gs in every for g in gs]))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -116,6 +127,20 @@ def test_unnamed_groups_give_the_strides_and_say_when_names_were_guessed(mesh_ru
             sorted(sorted(g) for d in NAMES for g in lay.groups(d) if len(g) > 1), lay
         if got != lay:
             assert guess.ambiguity and "guessed" in guess.ambiguity, lay
+
+
+def test_torchtitans_hsdp_mesh_gives_dp_as_its_two_parts(mesh_run):
+    """dp_replicate 2 x dp_shard 2 x tp 2, as torch records torchtitan's mesh: DP is 4, named so
+    (the flattened 'mesh_dp' and the parts agree). 'mesh_dp_shard' used to read as DP of 2, against
+    'mesh_dp' of 4: 'groups named alike have different sizes', and the layout fell to the structure."""
+    groups = [("default_pg", tuple(range(WORLD)))] + [
+        (desc, tuple(ranks)) for desc, ranks in json.loads((mesh_run / "titan_groups.json").read_text())]
+    assert {d for d, _ in groups} >= {"mesh_dp_replicate", "mesh_dp_shard", "mesh_dp", "mesh_dp_shard_cp"}
+    guess = infer_layout(WORLD, groups)
+    assert (guess.layout, guess.source, guess.ambiguity) == (Layout(tp=2, dp=4), "group-names", None)
+    # without the flattened groups the parts alone say as much
+    parts = [(d, r) for d, r in groups if d in ("default_pg", "mesh_dp_replicate", "mesh_dp_shard", "mesh_tp")]
+    assert infer_layout(WORLD, parts).layout == Layout(tp=2, dp=4)
 
 
 def test_p2p_groups_name_the_pipeline(mesh_run):

@@ -15,14 +15,19 @@ Three sources, most trusted first; ``LayoutGuess.source`` says which one decided
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from tracekit.topology import DIMS, Layout, LayoutError
 
 # Descriptions that name a dimension: ours and torch DeviceMesh's ("mesh_" + the dim name).
-ALIASES = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "sp": "cp", "fsdp": "dp", "dp_shard": "dp",
+ALIASES = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "sp": "cp", "fsdp": "dp",
            "ddp": "dp", "pipe": "pp", "pipeline": "pp", "tensor": "tp", "context": "cp", "data": "dp"}
+# torchtitan's HSDP mesh splits DP in two ("dp_replicate" outer, "dp_shard" inner) and flattens them
+# into "dp": the parts' product is DP where no "dp" group was recorded, and the parts name no group
+# of the layout (before, "dp_shard" read as DP and conflicted with the flattened "dp", twice its size)
+DP_PARTS = ("dp_replicate", "dp_shard")
 
 
 # Words in longer descriptions (Megatron's 'tensor_model_parallel', 'pipeline_model_parallel', ...).
@@ -49,12 +54,25 @@ class LayoutGuess:
     ambiguity: str | None = None  # why another layout would explain the groups as well
 
 
+def _dp_part(desc: str | None) -> str | None:
+    """'dp_replicate' or 'dp_shard' where ``desc`` names that part of DP ('mesh_dp_shard'), else None."""
+    d = (desc or "").strip().lower()
+    d = d[5:] if d.startswith("mesh_") else d
+    return d if d in DP_PARTS else None
+
+
 def _named_sizes(world: int, groups: list[tuple[str | None, tuple[int, ...]]]) -> tuple[dict[str, int], str | None]:
     sizes: dict[str, set[int]] = {}
+    parts: dict[str, int] = {}
     for desc, ranks in groups:
         dim = dim_of_desc(desc)
         if dim is not None and ranks:
             sizes.setdefault(dim, set()).add(len(set(ranks)))
+        part = _dp_part(desc)
+        if part and ranks:
+            parts[part] = max(parts.get(part, 1), len(set(ranks)))
+    if parts and "dp" not in sizes:
+        sizes["dp"] = {math.prod(parts.values())}
     bad = {d: sorted(v) for d, v in sizes.items() if len(v) > 1}
     if bad:
         return {}, f"groups named alike have different sizes: {bad}"
