@@ -21,6 +21,11 @@ CASES = {
     "moving": (2, 1, 2, 2, ("moving:ranks=1+6+3,factor=1.5",), {}),
     "p2p_link_pp4": (1, 1, 4, 2, ("link:a=1,b=2,delay_ms=20",), {"skew_ms": 1000.0}),
     "tp_link": (2, 1, 2, 2, ("link:a=4,b=5,delay_ms=10",), {"skew_ms": 1000.0}),
+    "hang": (2, 1, 2, 2, ("hang:rank=3,step=3",), {}),
+    "damaged": (2, 1, 2, 2, (), {}),  # rank 3's trace cut short before ingest
+    # a slow TP link (ranks 4, 5) whose end 5 is also a slow worker; and a slow link elsewhere
+    "link_beside_slow": (2, 1, 2, 2, ("slow:rank=5,factor=1.5", "link:a=4,b=5,delay_ms=20",
+                                      "link:a=2,b=3,delay_ms=20"), {}),
     # one pipeline and nothing else: no other pipeline has a link between the same stages
     # (the profiler's file names, <host>_<pid>.<ns>.pt.trace.json.gz: which ranks share a host)
     "p2p_link_one_pipeline": (1, 1, 4, 1, ("link:a=1,b=2,delay_ms=20",), {"trace_names": "profiler"}),
@@ -29,11 +34,8 @@ CASES = {
                                                                            "trace_names": "profiler"}),
     # ... and with its hosts unknown (rank<R>.json.gz names, no manifest): every link may cross one
     "unknown_hosts_one_pipeline": (1, 1, 4, 1, ("link:a=1,b=2,delay_ms=20",), {"ranks_per_host": 2}),
-    "hang": (2, 1, 2, 2, ("hang:rank=3,step=3",), {}),
-    "damaged": (2, 1, 2, 2, (), {}),  # rank 3's trace cut short before ingest
-    # a slow TP link (ranks 4, 5) whose end 5 is also a slow worker; and a slow link elsewhere
-    "link_beside_slow": (2, 1, 2, 2, ("slow:rank=5,factor=1.5", "link:a=4,b=5,delay_ms=20",
-                                      "link:a=2,b=3,delay_ms=20"), {}),
+    # torchtitan's rank order, PP outermost: rank 5 of tp 2 x dp 2 x pp 2 is (pp 1, dp 0, tp 1)
+    "pp_outermost": (2, 1, 2, 2, ("slow:rank=5,factor=1.3",), {"order": ("tp", "cp", "dp", "pp")}),
 }
 
 
@@ -69,6 +71,15 @@ def test_device_mesh_names_with_a_size_one_dimension_give_the_right_coordinates(
     assert _kinds(d) == [("straggler", (6,))]
     assert d.localization.coords == {"dp": 1, "pp": 0, "cp": 2, "tp": 0}
     assert "rank 6 (dp 1, cp 2)" in d.headline
+
+
+def test_a_mesh_with_pp_outermost_gives_the_right_coordinates(diagnosed):
+    case = diagnosed["pp_outermost"]
+    assert (case["runs"]["layout_source"], case["runs"]["pp"], case["runs"]["dp"]) == ("group-names", 2, 2)
+    d = case["d"]
+    assert _kinds(d) == [("straggler", (5,))], d.headline
+    assert d.localization.coords == {"dp": 0, "pp": 1, "cp": 0, "tp": 1} and "rank 5 (dp 0, pp 1, tp 1)" in d.headline
+    assert d.findings[0].evidence["cost_from"] == "waits in its DP groups"  # its DP peer is rank 7, not rank 1
 
 
 def test_clean_run_with_skewed_drifting_clocks_has_no_finding(diagnosed):

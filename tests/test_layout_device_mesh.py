@@ -63,9 +63,18 @@ def _worker(rank: int, port: int, out: str) -> None:
             for n in ("dp_replicate", "dp_shard", "tp", "dp", "dp_shard_cp", "dp_cp")]
     every = [None] * WORLD
     dist.all_gather_object(every, mine)
+    # ... and with PP, outermost as torchtitan puts it (Megatron-LM too: "tp-cp-ep-dp-pp")
+    titan_pp = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp_shard", "tp"))
+    titan_pp["dp_shard"]._flatten(mesh_dim_name="dp")
+    titan_pp["dp_shard"]._flatten(mesh_dim_name="dp_shard_cp")
+    mine_pp = [(titan_pp[n].get_group().group_desc, dist.get_process_group_ranks(titan_pp[n].get_group()))
+               for n in ("pp", "dp_shard", "tp", "dp", "dp_shard_cp")]
+    every_pp = [None] * WORLD
+    dist.all_gather_object(every_pp, mine_pp)
     if rank == 0:
         Path(out, "groups.json").write_text(json.dumps(found))
         Path(out, "titan_groups.json").write_text(json.dumps([g for gs in every for g in gs]))
+        Path(out, "titan_pp_groups.json").write_text(json.dumps([g for gs in every_pp for g in gs]))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -141,6 +150,26 @@ def test_torchtitans_hsdp_mesh_gives_dp_as_its_two_parts(mesh_run):
     # without the flattened groups the parts alone say as much
     parts = [(d, r) for d, r in groups if d in ("default_pg", "mesh_dp_replicate", "mesh_dp_shard", "mesh_tp")]
     assert infer_layout(WORLD, parts).layout == Layout(tp=2, dp=4)
+
+
+def test_torchtitans_mesh_with_pp_outermost_gives_that_order(mesh_run):
+    """pp 2 x dp_shard 2 x tp 2 as torch records torchtitan's mesh: rank = tp + 2 * (dp + 2 * pp).
+    Held against the [TP, CP, PP, DP] order alone, the names did not fit and the structure read
+    dp 4 x tp 2: PP lost, every pipeline group called DP."""
+    from tracekit.topology import PP_OUTERMOST
+
+    groups = [("default_pg", tuple(range(WORLD)))] + [
+        (desc, tuple(ranks)) for desc, ranks in json.loads((mesh_run / "titan_pp_groups.json").read_text())]
+    want = Layout(tp=2, pp=2, dp=2, order=PP_OUTERMOST)
+    assert ("mesh_pp", want.group(0, "pp")) in groups and ("mesh_dp_shard", want.group(0, "dp")) in groups
+    guess = infer_layout(WORLD, groups)
+    assert (guess.layout, guess.source, guess.ambiguity) == (want, "group-names", None)
+    # Megatron-LM's names in that order; and no names at all, the groups that carried p2p the pipeline's
+    megatron = {"mesh_pp": "pipeline_model_parallel", "mesh_dp_shard": "data_parallel", "mesh_tp": "tensor_model_parallel"}
+    plain = [(megatron.get(d, d), r) for d, r in groups if d in megatron]
+    assert infer_layout(WORLD, plain).layout == want
+    unnamed = [(None, r) for d, r in groups if d in megatron]
+    assert infer_layout(WORLD, unnamed, p2p_groups=want.groups("pp")).layout == want
 
 
 def test_p2p_groups_name_the_pipeline(mesh_run):

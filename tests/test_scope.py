@@ -288,3 +288,28 @@ def test_a_pipeline_alone_is_scoped_without_error_and_answers_as_the_whole_read(
     assert scoped.scope.levels[0]["candidates"] == []
     assert _named(scoped) == _named(full) and scoped.localization.verdict == full.localization.verdict, (
         scoped.headline, full.headline)
+
+
+@pytest.mark.parametrize("faults, want", [
+    (("slow:rank=13,factor=1.3",), {"straggler": [(13,)]}),
+    (("link:a=9,b=17,delay_ms=20",), {"slow_link": [(9, 17)]}),  # stages 1 -> 2 of replica 1 (tp 1)
+])
+def test_with_pp_outermost_the_scope_reads_whole_replicas_and_finds_the_same(tmp_path, faults, want):
+    """torchtitan's and Megatron-LM's rank order puts PP outermost: a replica is one TP x CP cell per
+    stage, not a range of ranks. The scope read replicas as ranges (and took a rank's replica as
+    rank // (world / dp)), which there are other replicas' stages."""
+    from tracekit.ingest import ingest
+    from tracekit.simulate.run import simulate
+    from tracekit.topology import PP_OUTERMOST
+
+    run = simulate(SimConfig(tp=2, cp=1, pp=4, dp=4, steps=8, seed=9, noise=0.05, skew_ms=500, drift_ppm=20,
+                             layers=2, order=PP_OUTERMOST, faults=faults), tmp_path / "run")
+    (run / "manifest.json").unlink()  # the order from the mesh names alone
+    ingest([run], tmp_path / "s.duckdb", workers=1)
+    with tracekit.open(tmp_path / "s.duckdb") as s:
+        assert s.run_tables().layout.order == PP_OUTERMOST
+        full = s.diagnose(tunables=Tunables(scope_above_ranks=10**9))
+        scoped = s.diagnose(tunables=SCOPED)
+    assert _named(full) == want, full.headline
+    assert _named(scoped) == want, scoped.headline
+    assert len(scoped.scope.ranks) < scoped.scope.world_size, scoped.scope.summary

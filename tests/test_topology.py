@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from tracekit.topology import Layout, LayoutError, dims_label
+from tracekit.topology import DIMS, Layout, LayoutError, dims_label
 
 
 def test_rank_formula_matches_view_order():
@@ -65,3 +65,24 @@ def test_infer_uses_hints_to_break_ties():
     assert Layout.infer(8, groups, hints) == lay
     with pytest.raises(LayoutError):
         Layout.infer(4, [[0, 7]])
+
+
+def test_a_layout_with_pp_outermost_numbers_ranks_as_torchtitan_and_megatron_do():
+    """init_device_mesh(("pp", "dp", "tp")) of 2 x 2 x 2: rank = tp + 2 * (dp + 2 * pp)."""
+    from tracekit.topology import PP_OUTERMOST, order_from_coords
+
+    lay = Layout(tp=2, pp=2, dp=2, order=PP_OUTERMOST)
+    assert [tuple(lay.coords(r).as_dict().values()) for r in (1, 2, 5, 6)] == \
+        [(0, 0, 0, 1), (1, 0, 0, 0), (0, 1, 0, 1), (1, 1, 0, 0)]  # (dp, pp, cp, tp)
+    assert all(lay.rank_of(**lay.coords(r).as_dict()) == r for r in range(8))
+    assert lay.groups("pp") == [(0, 4), (1, 5), (2, 6), (3, 7)] and lay.groups("dp") == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert lay.dim_of((0, 2)) == "dp" and lay.dim_of((0, 4)) == "pp" and str(lay) == "pp2xdp2xcp1xtp2"
+    assert lay != Layout(tp=2, pp=2, dp=2)
+    # an order matters only among dimensions above 1: with pp = 1 it numbers ranks as DIMS does
+    assert Layout(tp=2, dp=4, order=PP_OUTERMOST) == Layout(tp=2, dp=4)
+    with pytest.raises(LayoutError):
+        Layout(tp=2, order=("tp", "cp", "pp"))
+    # the order is recovered from the ranks' coordinates (what the store keeps)
+    rows = [(r, *lay.coords(r).as_dict().values()) for r in range(8)]
+    assert order_from_coords(lay.as_dict(), rows) == PP_OUTERMOST
+    assert order_from_coords(lay.as_dict(), []) == DIMS

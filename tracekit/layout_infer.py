@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from tracekit.topology import DIMS, Layout, LayoutError
+from tracekit.topology import DIMS, PP_OUTERMOST, Layout, LayoutError
 
 # Descriptions that name a dimension: ours and torch DeviceMesh's ("mesh_" + the dim name).
 ALIASES = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "sp": "cp", "fsdp": "dp",
@@ -79,6 +79,21 @@ def _named_sizes(world: int, groups: list[tuple[str | None, tuple[int, ...]]]) -
     return {d: v.pop() for d, v in sizes.items()}, None
 
 
+def _named_order(groups: list[tuple[str | None, tuple[int, ...]]], sizes: dict[str, int]) -> tuple[str, ...]:
+    """Dimensions innermost first by the stride of their named groups (the smallest gap between a
+    group's ranks), the unnamed or size-1 ones where DIMS has them."""
+    stride: dict[str, int] = {}
+    for desc, ranks in groups:
+        dim = dim_of_desc(desc) or ("dp" if _dp_part(desc) else None)  # DP's inner part sets its stride
+        members = sorted(set(ranks))
+        if dim is None or len(members) < 2 or sizes.get(dim, 1) < 2:
+            continue
+        gap = min(b - a for a, b in zip(members, members[1:]))
+        stride[dim] = min(stride.get(dim, gap), gap)
+    ranked = iter(sorted(stride, key=stride.get))
+    return tuple(next(ranked) if d in stride else d for d in DIMS)
+
+
 def _fits(lay: Layout, groups: list[tuple[str | None, tuple[int, ...]]]) -> bool:
     """Every named group of size > 1 is a group of its dimension in the [TP, CP, PP, DP] order."""
     for desc, ranks in groups:
@@ -118,8 +133,13 @@ def infer_layout(world: int, groups: Iterable[tuple[str | None, Sequence[int]]],
             lay = Layout(**sizes)
             if _fits(lay, recorded):
                 return LayoutGuess(lay, "group-names", note)
-            note = (f"named groups do not follow the [tp, cp, pp, dp] rank order of {lay} "
-                    "(mesh dims in another order?); layout taken from the group structure")
+            # the mesh may order its dimensions otherwise (torchtitan, Megatron-LM: PP outermost):
+            # the order the named groups' strides give
+            ordered = Layout(**sizes, order=_named_order(recorded, sizes))
+            if _fits(ordered, recorded):
+                return LayoutGuess(ordered, "group-names", note)
+            note = (f"named groups follow neither the [tp, cp, pp, dp] rank order of {lay} nor the order "
+                    "of their own strides; layout taken from the group structure")
     structural = [r for _, r in recorded if 1 < len(set(r)) < world]
     if not structural:
         return LayoutGuess(None, "unknown", note)
@@ -137,8 +157,8 @@ def _ambiguity(lay: Layout, groups: list[tuple[int, ...]], hints: dict) -> str |
     (the names of dimensions no description or p2p fixed are then a guess)."""
     explained = {g for g in groups if lay.dim_of(g)}
     sizes = [getattr(lay, d) for d in DIMS]
-    for perm in set(itertools.permutations(sizes)):
-        other = Layout(**dict(zip(DIMS, perm)))
+    for perm, order in itertools.product(set(itertools.permutations(sizes)), (DIMS, PP_OUTERMOST)):
+        other = Layout(**dict(zip(DIMS, perm)), order=order)
         if other == lay:
             continue
         if all(other.dim_of(g) for g in explained) and not any(

@@ -239,9 +239,12 @@ class Store:
             scope = None
             if (row["world_size"] or 0) >= tun.scope_above_ranks and all(row[d] for d in ("tp", "cp", "pp", "dp")):
                 from tracekit.analysis.scope import narrow
-                from tracekit.topology import Layout
+                from tracekit.topology import Layout, order_from_coords
 
-                lay = Layout(tp=row["tp"], cp=row["cp"], pp=row["pp"], dp=row["dp"])
+                sizes = {d: int(row[d]) for d in ("tp", "cp", "pp", "dp")}
+                known = self.sql("SELECT rank, dp, pp, cp, tp FROM ranks WHERE run_id = ? AND dp IS NOT NULL "
+                                 "ORDER BY rank LIMIT 4096", [rid]).rows()
+                lay = Layout(**sizes, order=order_from_coords(sizes, known))
                 scope = narrow(self._con, rid, lay, tun)
             self._scopes[key] = scope
         return self._scopes[key]

@@ -1,9 +1,10 @@
 """The 4D rank layout, shared by the trainer, ingest and every analysis.
 
-Dimensions are ordered innermost to outermost as [TP, CP, PP, DP]:
-``rank = tp + TP*(cp + CP*(pp + PP*dp))``, i.e. ``arange(world).view(DP, PP, CP, TP)``.
-A "TP group" is the set of ranks that differ only in their tp coordinate, and so on; combined
-groups (e.g. DP x CP, over which ZeRO shards) differ only in the named dimensions.
+Dimensions are ordered innermost to outermost as [TP, CP, PP, DP] by default (Llama 3's order, and
+the trainer's): ``rank = tp + TP*(cp + CP*(pp + PP*dp))``, i.e. ``arange(world).view(DP, PP, CP, TP)``.
+A job may order them otherwise (``Layout.order``): torchtitan and Megatron-LM put PP outermost,
+[TP, CP, DP, PP]. A "TP group" is the set of ranks that differ only in their tp coordinate, and so
+on; combined groups (e.g. DP x CP, over which ZeRO shards) differ only in the named dimensions.
 """
 
 from __future__ import annotations
@@ -49,18 +50,38 @@ def dims_label(dims: str | Sequence[str]) -> str:
     return "_".join(x for x in OUTER_TO_INNER if x in d)
 
 
+# PP outermost (torchtitan's mesh ("pp", "dp_replicate", "dp_shard", "cp", "tp"), Megatron-LM's
+# default order "tp-cp-ep-dp-pp"): the other order real jobs use
+PP_OUTERMOST: tuple[str, ...] = ("tp", "cp", "dp", "pp")
+
+
 @dataclass(frozen=True)
 class Layout:
     tp: int = 1
     cp: int = 1
     pp: int = 1
     dp: int = 1
+    # innermost to outermost; only the dimensions above 1 matter, so an order that places them as
+    # DIMS does is stored as DIMS (layouts that number ranks alike compare equal)
+    order: tuple[str, ...] = DIMS
 
     def __post_init__(self) -> None:
         for d in DIMS:
             v = getattr(self, d)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise LayoutError(f"{d} must be a positive integer, got {v!r}")
+        order = tuple(self.order)
+        if sorted(order) != sorted(DIMS):
+            raise LayoutError(f"order must hold each of {DIMS} once, got {order!r}")
+        used = [d for d in order if getattr(self, d) > 1]
+        if used == [d for d in DIMS if getattr(self, d) > 1]:
+            order = DIMS
+        object.__setattr__(self, "order", order)
+        strides, s = {}, 1
+        for d in order:
+            strides[d] = s
+            s *= getattr(self, d)
+        object.__setattr__(self, "_strides", strides)  # not a field: equality and hash stay the sizes' and order's
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
@@ -75,37 +96,32 @@ class Layout:
 
     def stride(self, dim: str) -> int:
         """Rank distance between neighbours along one dimension."""
+        if dim in self._strides:
+            return self._strides[dim]
         (dim,) = _normalize_dims(dim)
-        s = 1
-        for d in DIMS:
-            if d == dim:
-                return s
-            s *= getattr(self, d)
-        raise AssertionError  # unreachable
+        return self._strides[dim]
 
     def as_dict(self) -> dict[str, int]:
         return {d: getattr(self, d) for d in DIMS}
 
     def __str__(self) -> str:
-        return "x".join(f"{d}{getattr(self, d)}" for d in OUTER_TO_INNER)
+        return "x".join(f"{d}{getattr(self, d)}" for d in reversed(self.order))
 
     # -- rank <-> coordinates --------------------------------------------------------------------
     def coords(self, rank: int) -> Coords:
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {rank} outside world of size {self.world_size}")
-        tp = rank % self.tp
-        rest = rank // self.tp
-        cp = rest % self.cp
-        rest //= self.cp
-        pp = rest % self.pp
-        dp = rest // self.pp
-        return Coords(dp=dp, pp=pp, cp=cp, tp=tp)
+        st = self._strides
+        return Coords(dp=rank // st["dp"] % self.dp, pp=rank // st["pp"] % self.pp, cp=rank // st["cp"] % self.cp,
+                      tp=rank // st["tp"] % self.tp)
 
     def rank_of(self, dp: int = 0, pp: int = 0, cp: int = 0, tp: int = 0) -> int:
-        for name, v in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp)):
+        at = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
+        for name, v in at.items():
             if not 0 <= v < getattr(self, name):
                 raise LayoutError(f"{name}={v} outside size {getattr(self, name)}")
-        return tp + self.tp * (cp + self.cp * (pp + self.pp * dp))
+        st = self._strides
+        return dp * st["dp"] + pp * st["pp"] + cp * st["cp"] + tp * st["tp"]
 
     # -- groups ----------------------------------------------------------------------------------
     def group(self, rank: int, dims: str | Sequence[str]) -> tuple[int, ...]:
@@ -116,9 +132,10 @@ class Layout:
         """
         d = _normalize_dims(dims)
         base = self.coords(rank).as_dict()
-        ranges = [range(getattr(self, x)) if x in d else (base[x],) for x in OUTER_TO_INNER]
+        outer_first = tuple(reversed(self.order))
+        ranges = [range(getattr(self, x)) if x in d else (base[x],) for x in outer_first]
         return tuple(
-            self.rank_of(**dict(zip(OUTER_TO_INNER, combo))) for combo in itertools.product(*ranges)
+            self.rank_of(**dict(zip(outer_first, combo))) for combo in itertools.product(*ranges)
         )
 
     def groups(self, dims: str | Sequence[str]) -> list[tuple[int, ...]]:
@@ -180,25 +197,44 @@ class Layout:
         for tp, cp, pp in itertools.product(_divisors(world_size), repeat=3):
             if world_size % (tp * cp * pp):
                 continue
-            lay = cls(tp=tp, cp=cp, pp=pp, dp=world_size // (tp * cp * pp))
-            explained = contradicted = 0
-            for g in recorded:
-                dim = lay.dim_of(g)
-                if dim is None:
-                    continue
-                explained += 1
-                hint = hints.get(g)
-                if hint is not None and hint in DIMS and hint != dim:
-                    contradicted += 1
-            # Unused inner dimensions cost: prefer the layout with the fewest non-trivial
-            # dims that no recorded group shows (then the largest dp).
-            used = {lay.dim_of(g) for g in recorded}
-            idle = sum(1 for d in ("tp", "cp", "pp") if getattr(lay, d) > 1 and d not in used)
-            score = (explained - 2 * contradicted, -idle, lay.tp, lay.dp, lay.pp)
-            if best is None or score > best[0]:
-                best = (score, lay)
+            for order in (DIMS, PP_OUTERMOST):  # ties go to DIMS, tried first
+                lay = cls(tp=tp, cp=cp, pp=pp, dp=world_size // (tp * cp * pp), order=order)
+                if order != DIMS and lay.order == DIMS:
+                    continue  # the same numbering
+                explained = contradicted = 0
+                for g in recorded:
+                    dim = lay.dim_of(g)
+                    if dim is None:
+                        continue
+                    explained += 1
+                    hint = hints.get(g)
+                    if hint is not None and hint in DIMS and hint != dim:
+                        contradicted += 1
+                # Unused inner dimensions cost: prefer the layout with the fewest non-trivial
+                # dims that no recorded group shows (then the largest dp).
+                used = {lay.dim_of(g) for g in recorded}
+                idle = sum(1 for d in ("tp", "cp", "pp") if getattr(lay, d) > 1 and d not in used)
+                score = (explained - 2 * contradicted, -idle, lay.tp, lay.dp, lay.pp)
+                if best is None or score > best[0]:
+                    best = (score, lay)
         assert best is not None
         return best[1]
+
+
+def order_from_coords(sizes: Mapping[str, int], rows: Iterable[Sequence[int]]) -> tuple[str, ...]:
+    """The dimension order (innermost first) that numbers ranks as ``rows`` (rank, dp, pp, cp, tp)
+    say: DIMS where it does or where nothing tells, else PP_OUTERMOST, else any order that does.
+    The run's ranks carry their coordinates (written at ingest); the runs table only the sizes."""
+    rows = [tuple(int(x) for x in r) for r in rows if all(x is not None for x in r)]
+    if not rows:
+        return DIMS
+    orders = [DIMS, PP_OUTERMOST] + [o for o in itertools.permutations(DIMS) if o not in (DIMS, PP_OUTERMOST)]
+    for order in orders:
+        lay = Layout(**{d: int(sizes[d]) for d in DIMS}, order=order)
+        st = [lay.stride(d) for d in ("dp", "pp", "cp", "tp")]
+        if all(r[0] == sum(c * k for c, k in zip(r[1:], st)) for r in rows):
+            return lay.order
+    return DIMS
 
 
 def _divisors(n: int) -> list[int]:

@@ -102,6 +102,17 @@ class Scope:
                 "levels": list(self.levels)}
 
 
+def _next_position(lay: Layout, rank: int) -> int:
+    """The rank at the next position of ``rank``'s replica (the previous one from its last)."""
+    if lay.stride("dp") * lay.dp == lay.world_size:  # DP outermost: a replica is a range of ranks
+        return rank + 1 if (rank + 1) % (lay.world_size // lay.dp) else rank - 1
+    c = lay.coords(rank).as_dict()
+    inner = [(d, getattr(lay, d)) for d in ("tp", "cp", "pp") if getattr(lay, d) > 1]
+    for d, n in inner:  # the innermost coordinate that can move
+        return lay.rank_of(**{**c, d: c[d] + 1 if c[d] + 1 < n else c[d] - 1})
+    return rank
+
+
 def _cell(lay: Layout, dp: int, pp: int) -> range:
     first = lay.rank_of(dp=dp, pp=pp)
     return range(first, first + lay.cp * lay.tp)
@@ -116,7 +127,7 @@ def _compute_level(con, run_id: str, lay: Layout, tun: Tunables) -> tuple[list[i
                       f"WHERE run_id = $r AND {COMPUTE_SQL} GROUP BY ALL", params={"r": run_id}).pl()
     if not compute.height:
         return [], {"level": "compute", "read": "events (none recorded)"}, compute
-    compute = compute.with_columns(((pl.col("rank") // (lay.tp * lay.cp)) % lay.pp).alias("pp"))
+    compute = compute.with_columns(((pl.col("rank") // lay.stride("pp")) % lay.pp).alias("pp"))
     peers = ["pp", "step"]
     n = pl.len().over(peers)
     ref = (pl.col("trimmed_ns").sum().over(peers) - pl.col("trimmed_ns")) / (n - 1)
@@ -183,7 +194,7 @@ def _dp_level(con, run_id: str, lay: Layout, tun: Tunables, step_ns: float) -> t
     evidence: dict = {"level": "dp", "read": "collectives of the DP groups only", "rows": rows.height}
     late: list[int] = []
     if rows.height:
-        rows = rows.with_columns((pl.col("rank") // (lay.world_size // lay.dp)).alias("dp"))
+        rows = rows.with_columns((pl.col("rank") // lay.stride("dp") % lay.dp).alias("dp"))
         # the replica everyone waits for waits least itself: its lateness is the others' median wait minus its own
         per = rows.group_by("dp", "step").agg(pl.col("wait_ns").mean()).pivot(on="step", index="dp", values="wait_ns")
         dps = per["dp"].to_numpy()
@@ -286,6 +297,6 @@ def narrow(con, run_id: str, lay: Layout, tun: Tunables = Tunables()) -> Scope:
     stages = {p for _, p in cells}
     cells |= {(d, p) for d in refs for p in stages}
     ranks = {r for d, p in cells for r in _cell(lay, d, p)} | set(slow_group)
-    if slow_group:  # its peers: another DP group of the same kind (the next position)
-        ranks |= {r + 1 if (r + 1) % (lay.world_size // lay.dp) else r - 1 for r in slow_group}
+    if slow_group:  # its peers: another DP group of the same kind (the next position in the replica)
+        ranks |= {_next_position(lay, r) for r in slow_group}
     return Scope(tuple(sorted(ranks)), lay.world_size, tuple(levels), cover)

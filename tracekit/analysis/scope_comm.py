@@ -51,7 +51,7 @@ def link_level(con, run_id: str, lay: Layout, tun: Tunables
     if not rows.height:
         return [], evidence, cover
     send = pl.col("direction") == "send"
-    stage = lambda c: (pl.col(c) // (lay.tp * lay.cp)) % lay.pp  # noqa: E731
+    stage = lambda c: (pl.col(c) // lay.stride("pp")) % lay.pp  # noqa: E731
     links = rows.with_columns(pl.when(send).then("rank").otherwise("peer").alias("src"),
                               pl.when(send).then("peer").otherwise("rank").alias("dst")).group_by("src", "dst").agg(
         pl.col("t").min()).with_columns(stage("src").alias("a"), stage("dst").alias("b"))
@@ -68,16 +68,26 @@ def link_level(con, run_id: str, lay: Layout, tun: Tunables
     return pairs, evidence, cover
 
 
+def replica_ranges(lay: Layout, dp: int) -> list[tuple[int, int]]:
+    """Replica ``dp``'s ranks as inclusive contiguous ranges: one with DP outermost, one per stage
+    (each a TP x CP cell) where PP is (torchtitan's order)."""
+    if lay.stride("dp") * lay.dp == lay.world_size:
+        size = lay.world_size // lay.dp
+        return [(dp * size, (dp + 1) * size - 1)]
+    cell = lay.tp * lay.cp
+    return [(first, first + cell - 1) for first in (lay.rank_of(dp=dp, pp=p) for p in range(lay.pp))]
+
+
 def pp_level(con, run_id: str, lay: Layout, replica: int, ref: int, tun: Tunables, step_ns: float
               ) -> tuple[list[int], dict]:
     """The stages of ``replica`` to read: the ends of its pipeline link whose transfers (the shorter of
     send and receive, one clock) grew most against the same stage pair of ``ref``, and the stage whose
     in-stage collectives grew most. Reads only those two replicas' p2p and non-DP collectives."""
-    size = lay.world_size // lay.dp
-    ranges = sorted([(replica * size, (replica + 1) * size - 1), (ref * size, (ref + 1) * size - 1)])
+    ranges = sorted(replica_ranges(lay, replica) + replica_ranges(lay, ref))
     p2p_src, p2p_within = ranked_source(con, "p2p", ranges)
     coll_src, coll_within = ranked_source(con, "collectives", ranges)
-    stage = (pl.col("rank") // (lay.tp * lay.cp)) % lay.pp
+    stage = (pl.col("rank") // lay.stride("pp")) % lay.pp
+    replica_of = lambda c: pl.col(c) // lay.stride("dp") % lay.dp  # noqa: E731
     waits = "p2p and in-stage collectives" if lay.pp > 1 else "in-replica collectives"
     evidence: dict = {"level": "pp", "replica": replica, "ref": ref, "waits": waits,
                       "read": f"{waits} of replicas {replica} and {ref}"}
@@ -90,11 +100,11 @@ def pp_level(con, run_id: str, lay: Layout, replica: int, ref: int, tun: Tunable
     if p2p.height:
         pairs = pair_messages(p2p)
         # each link against the link at the same position of the reference replica
-        shift = (replica - ref) * size
+        shift = (replica - ref) * lay.stride("dp")
         per = pairs.with_columns(pl.min_horizontal("send", "recv").alias("t")).group_by("src", "dst").agg(
             pl.col("t").median(), (pl.col("t").sum() / pl.col("step").n_unique()).alias("per_step"))
-        mine = per.filter(pl.col("src") // size == replica)
-        theirs = per.filter(pl.col("src") // size == ref).select(
+        mine = per.filter(replica_of("src") == replica)
+        theirs = per.filter(replica_of("src") == ref).select(
             (pl.col("src") + shift).alias("src"), (pl.col("dst") + shift).alias("dst"), pl.col("t").alias("t_ref"),
             pl.col("per_step").alias("ps_ref"))
         both = mine.join(theirs, on=["src", "dst"]).with_columns(
@@ -104,7 +114,7 @@ def pp_level(con, run_id: str, lay: Layout, replica: int, ref: int, tun: Tunable
                            & costs_enough(pl.col("ratio"), pl.col("excess"), step_ns, tun)).sort("ratio", descending=True)
         if both.height:
             top = both.row(0, named=True)
-            a, b = (int(top[x]) // (lay.tp * lay.cp) % lay.pp for x in ("src", "dst"))
+            a, b = (int(top[x]) // lay.stride("pp") % lay.pp for x in ("src", "dst"))
             stages += [a, b]
             evidence["link"] = {"ranks": [int(top["src"]), int(top["dst"])], "ratio": float(top["ratio"])}
     coll = con.sql(
@@ -113,7 +123,7 @@ def pp_level(con, run_id: str, lay: Layout, replica: int, ref: int, tun: Tunable
         f"AND source <> 'fr'{coll_within} AND step IS NOT NULL AND pg_name NOT IN (SELECT pg_name FROM dpg) "
         "GROUP BY ALL", params={"r": run_id}).pl()
     if coll.height:
-        per = coll.with_columns((pl.col("rank") // size).alias("dp"), stage.alias("pp")).group_by("dp", "pp").agg(
+        per = coll.with_columns(replica_of("rank").alias("dp"), stage.alias("pp")).group_by("dp", "pp").agg(
             pl.col("ns").mean())  # per rank and step
         a = dict(per.filter(pl.col("dp") == replica).select("pp", "ns").iter_rows())
         b = dict(per.filter(pl.col("dp") == ref).select("pp", "ns").iter_rows())
@@ -133,12 +143,12 @@ def peerless_link(p2p: pl.DataFrame, lay: Layout, replica: int, ref: int, tun: T
     whose sends grew most against the same position of ``ref``, and its two neighbouring stages (the
     link is to one of them). Sends, not receives: a late replica's receives all wait longer, and a
     slow link's sends grow at its two ends (by 1.3-2x the replica's other sends on the fault grid)."""
-    size = lay.world_size // lay.dp
+    dp_of = pl.col("rank") // lay.stride("dp") % lay.dp
+    pos = pl.col("rank") - dp_of * lay.stride("dp")  # the rank's place within its replica
     sends = p2p.filter((pl.col("direction") == "send") & pl.col("end_ns").is_not_null()).group_by("rank").agg(
         ((pl.col("end_ns") - pl.col("start_ns")).sum() / pl.col("step").n_unique()).cast(pl.Float64).alias("ns"))
-    mine = sends.filter(pl.col("rank") // size == replica).with_columns((pl.col("rank") % size).alias("pos"))
-    theirs = sends.filter(pl.col("rank") // size == ref).select((pl.col("rank") % size).alias("pos"),
-                                                                pl.col("ns").alias("ref_ns"))
+    mine = sends.filter(dp_of == replica).with_columns(pos.alias("pos"))
+    theirs = sends.filter(dp_of == ref).select(pos.alias("pos"), pl.col("ns").alias("ref_ns"))
     grown = mine.join(theirs, on="pos").with_columns((pl.col("ns") - pl.col("ref_ns")).alias("grown")).sort(
         "grown", descending=True)
     if not grown.height or grown["grown"][0] < tun.link_effect_min_frac * step_ns:
@@ -171,7 +181,7 @@ def slow_groups(con, run_id: str, lay: Layout, tun: Tunables, step_ns: float, st
         "AND size >= 2) SELECT t.pg_name, any_value(g.dim) AS dim, any_value(g.first) AS first, "
         f"({int(every)} * sum(t.t) / count(DISTINCT t.step))::DOUBLE AS per_step FROM t JOIN g USING (pg_name) "
         "GROUP BY t.pg_name", params={"r": run_id}).pl()
-    rows = rows.with_columns((pl.col("first") // (lay.tp * lay.cp) % lay.pp).alias("pp"))
+    rows = rows.with_columns((pl.col("first") // lay.stride("pp") % lay.pp).alias("pp"))
     ref = ((pl.col("per_step").sum().over("dim", "pp") - pl.col("per_step")) / (pl.len().over("dim", "pp") - 1))
     measured = rows.filter(pl.len().over("dim", "pp") >= 2).with_columns(ref.alias("ref")).with_columns(
         (pl.col("per_step") / pl.col("ref")).alias("ratio"), (pl.col("per_step") - pl.col("ref")).alias("excess"))
@@ -196,8 +206,7 @@ def group_level(con, run_id: str, lay: Layout, tun: Tunables, step_ns: float
     steps = sorted({run_steps[(i + 1) * len(run_steps) // (SCOPE_GROUP_STEPS + 1)]
                     for i in range(SCOPE_GROUP_STEPS)}) if run_steps else []
     slow, n = slow_groups(con, run_id, lay, tun, step_ns, steps or None, SCOPE_GROUP_EVERY)
-    replica = lay.world_size // lay.dp
-    cells = {(int(f) // replica, int(q)) for f, q in slow.select("first", "pp").iter_rows()}
+    cells = {(lay.coords(int(f)).dp, int(q)) for f, q in slow.select("first", "pp").iter_rows()}
     return cells, {"level": "tp_cp", "read": f"each {SCOPE_GROUP_EVERY}th TP and CP collective of {len(steps)} steps",
                    "rows": n, "steps": steps, "slow_groups": slow["pg_name"].to_list()}
 
@@ -216,7 +225,7 @@ def stage_group_level(con, run_id: str, lay: Layout, tun: Tunables, step_ns: flo
                         "WHERE run_id = $r AND source <> 'fr' AND direction = 'send' AND step IS NOT NULL "
                         "AND end_ns IS NOT NULL GROUP BY rank HAVING count(peer) = 0", params={"r": run_id}).pl()
         if sends.height:
-            sends = sends.with_columns((pl.col("rank") // (lay.tp * lay.cp) % lay.pp).alias("pp")).with_columns(
+            sends = sends.with_columns((pl.col("rank") // lay.stride("pp") % lay.pp).alias("pp")).with_columns(
                 (pl.col("ns") - pl.col("ns").median().over("pp")).alias("grown")).sort("grown", descending=True)
             if sends["grown"][0] >= tun.link_effect_min_frac * step_ns:
                 stages |= set(around(int(sends["pp"][0]), lay))

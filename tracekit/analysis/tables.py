@@ -16,7 +16,7 @@ import polars as pl
 
 from tracekit import schema
 from tracekit.analysis.assign_groups import assign, needs_assignment
-from tracekit.topology import Layout
+from tracekit.topology import Layout, order_from_coords
 
 if TYPE_CHECKING:
     from tracekit.analysis.assign_groups import Assignment
@@ -163,7 +163,11 @@ class RunTables:
         sizes = {d: row[d] for d in ("tp", "cp", "pp", "dp")}
         if any(v is None for v in sizes.values()):
             raise TablesError(f"run {self.run_id!r} has no layout (tp/cp/pp/dp NULL)")
-        return Layout(**{k: int(v) for k, v in sizes.items()})
+        sizes = {k: int(v) for k, v in sizes.items()}
+        # the order its ranks were numbered in, from their coordinates (PP outermost in torchtitan)
+        known = self.ranks.select("rank", "dp", "pp", "cp", "tp").head(4096).rows() \
+            if all(c in self.ranks.columns for c in ("dp", "pp", "cp", "tp")) else []
+        return Layout(**sizes, order=order_from_coords(sizes, known))
 
     @property
     def backend(self) -> str:
@@ -186,8 +190,8 @@ class RunTables:
     def _coords(self) -> pl.DataFrame:
         lay = self.layout
         r = pl.int_range(0, lay.world_size, dtype=pl.Int64)
-        ranks = pl.select(r.cast(pl.Int32).alias("rank"), (r % lay.tp).alias("tp"), (r // lay.tp % lay.cp).alias("cp"),
-                          (r // (lay.tp * lay.cp) % lay.pp).alias("pp"), (r // (lay.tp * lay.cp * lay.pp)).alias("dp"))
+        ranks = pl.select(r.cast(pl.Int32).alias("rank"),
+                          *((r // lay.stride(d) % getattr(lay, d)).alias(d) for d in ("tp", "cp", "pp", "dp")))
         hosts = self.ranks.select(pl.col("rank").cast(pl.Int32), "host")
         ranks = ranks.join(hosts, on="rank", how="left")
         return ranks.with_columns(pl.coalesce("host", pl.format("rank{}", "rank")).alias("host"))

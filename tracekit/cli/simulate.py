@@ -44,6 +44,9 @@ KINETO_MAX_RANKS = 512  # beyond: hundreds of MB of JSON per thousand ranks; the
 @click.option("--detail", is_flag=True,
               help="Also aten ops, nccl: annotations and ac2g flows (the profiler's full layout).")
 @click.option("--layers", type=int, default=1, show_default=True, help="Transformer layers per virtual stage.")
+@click.option("--mesh-order", default="dp,pp,cp,tp", show_default=True,
+              help="How ranks are numbered, outermost dimension first, as init_device_mesh's dims: dp,pp,cp,tp "
+                   "(Llama 3's, the trainer's) or e.g. pp,dp,cp,tp (torchtitan's and Megatron-LM's).")
 @click.option("--attn-ms", type=float, default=1.6, show_default=True, help="Attention cost of a layer (ms, fwd).")
 @click.option("--mlp-ms", type=float, default=2.4, show_default=True, help="MLP cost of a layer (ms, fwd).")
 @click.option("--format", "fmt", type=click.Choice(["auto", "kineto", "parquet"]), default="auto", show_default=True,
@@ -53,7 +56,7 @@ KINETO_MAX_RANKS = 512  # beyond: hundreds of MB of JSON per thousand ranks; the
 def simulate_command(tp: int, cp: int, pp: int, dp: int, steps: int, seed: int, out: str, faults: tuple[str, ...],
                      names: str, skew_ms: float, drift_ppm: float, noise: float, spikes: float, chip_spread: float,
                      trace_names: str, microbatches: int, vstages: int, ranks_per_host: int, detail: bool,
-                     layers: int, attn_ms: float, mlp_ms: float, fmt: str) -> None:
+                     layers: int, mesh_order: str, attn_ms: float, mlp_ms: float, fmt: str) -> None:
     """Simulate a 4D-parallel NCCL job: its traces and ground truth, or its tables for large worlds.
 
     Kineto traces and flight-recorder dumps as the job would write them, with the ground truth in
@@ -65,7 +68,8 @@ def simulate_command(tp: int, cp: int, pp: int, dp: int, steps: int, seed: int, 
     cfg = SimConfig(tp=tp, cp=cp, pp=pp, dp=dp, steps=steps, seed=seed, faults=tuple(faults), names=names,
                     skew_ms=skew_ms, drift_ppm=drift_ppm, noise=noise, spikes=spikes, chip_spread=chip_spread,
                     trace_names=trace_names, microbatches=microbatches, vstages=vstages,
-                    ranks_per_host=ranks_per_host, detail=detail, layers=layers, attn_ms=attn_ms, mlp_ms=mlp_ms)
+                    ranks_per_host=ranks_per_host, detail=detail, layers=layers, attn_ms=attn_ms, mlp_ms=mlp_ms,
+                    order=tuple(reversed([d.strip() for d in mesh_order.split(",")])))
     if fmt == "auto":
         fmt = "kineto" if tp * cp * pp * dp <= KINETO_MAX_RANKS else "parquet"
     try:

@@ -31,6 +31,7 @@ class Manifest:
     world_size: int | None = None
     backend: str | None = None
     sizes: dict[str, int] | None = None
+    order: tuple[str, ...] | None = None  # how the job numbered its ranks, innermost first (None: DIMS)
     pid_rank: dict[int, int] = field(default_factory=dict)
     hosts: dict[int, str] = field(default_factory=dict)
     groups: list[dict] = field(default_factory=list)
@@ -57,6 +58,9 @@ def read_manifest(path: Path) -> Manifest:
     for holder in (data, data.get("config"), data.get("layout")):
         if isinstance(holder, dict) and all(isinstance(holder.get(d), int) for d in DIMS):
             m.sizes = {d: holder[d] for d in DIMS}
+            order = holder.get("order")
+            if isinstance(order, list) and sorted(map(str, order)) == sorted(DIMS):
+                m.order = tuple(map(str, order))
             break
     try:
         for r, pid in _by_rank(data.get("pids")):

@@ -168,7 +168,7 @@ def _layout(con: duckdb.DuckDBPyConnection, rb: RunBatch, world: int, prev: dict
     """(layout, layout_source, why it may be wrong) for one run."""
     m = rb.manifest
     if m is not None and m.sizes is not None:
-        lay = Layout(**m.sizes)
+        lay = Layout(**m.sizes, order=m.order or DIMS)
         if lay.world_size == world:
             return lay, "manifest", None
     if prev.get("layout_source") == "wia-meta" and prev.get("tp"):

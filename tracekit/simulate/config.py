@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tracekit.topology import Layout, LayoutError
+from tracekit.topology import DIMS, Layout, LayoutError
 
 NAMES = ("mesh", "plain", "none")
 TRACE_NAMES = ("rank", "profiler")  # traces/rank<R>.json.gz, or as torch.profiler.tensorboard_trace_handler names them
@@ -53,10 +53,13 @@ class SimConfig:
     intra_gbps: float = 150.0  # NVLink, within a host
     inter_gbps: float = 25.0  # network, across hosts
     extras: dict = field(default_factory=dict, compare=False)
+    # how ranks are numbered, innermost dimension first: DIMS (Llama 3's, the trainer's) or another
+    # (torchtitan and Megatron-LM put PP outermost: ("tp", "cp", "dp", "pp"))
+    order: tuple[str, ...] = DIMS
 
     @property
     def layout(self) -> Layout:
-        return Layout(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp)
+        return Layout(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, order=tuple(self.order))
 
     @property
     def world_size(self) -> int:

@@ -67,7 +67,7 @@ def manifest(cfg: SimConfig, faults: list, trace: Trace, clocks: Clocks, groups:
     hosts = [clocks.host_name(r) for r in range(cfg.world_size)]
     return {
         "config": config,
-        "layout": cfg.layout.as_dict(),
+        "layout": {**cfg.layout.as_dict(), "order": list(cfg.layout.order)},  # innermost first
         "world_size": cfg.world_size,
         "backend": "nccl",
         "torch_version": "simulated",

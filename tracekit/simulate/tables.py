@@ -21,7 +21,7 @@ import numpy as np
 import polars as pl
 
 from tracekit.simulate.clock import EPOCH_NS, Clocks
-from tracekit.simulate.config import SimConfig
+from tracekit.simulate.config import SimConfig, SimError
 from tracekit.simulate.flight import POLL_MS, TIMEOUT_MS
 from tracekit.simulate.kineto import PROFILING_NAME, kernel_name, new_nccl
 from tracekit.simulate.model import Trace
@@ -295,6 +295,10 @@ def write_dataset(cfg: SimConfig, out, run_id: str, fr_tail: int = FR_TAIL) -> N
     """The simulated run's tables as a Parquet dataset store at ``out`` (tracekit/dataset.py), one
     part per chunk; the ground truth is in ``runs.manifest``."""
     from tracekit.dataset import write_tables
+    from tracekit.topology import DIMS
+
+    if cfg.layout.order != DIMS:  # its rank arithmetic is [TP, CP, PP, DP]'s
+        raise SimError(f"--format parquet numbers ranks in the [tp, cp, pp, dp] order only, not {cfg.layout}")
 
     for i, chunk in enumerate(run_tables(cfg, run_id, fr_tail)):
         write_tables(out, {t: df for t, df in chunk.items() if df.height}, part=f"sim-{i:04d}")
