@@ -164,12 +164,15 @@ def test_torchtitans_mesh_with_pp_outermost_gives_that_order(mesh_run):
     assert ("mesh_pp", want.group(0, "pp")) in groups and ("mesh_dp_shard", want.group(0, "dp")) in groups
     guess = infer_layout(WORLD, groups)
     assert (guess.layout, guess.source, guess.ambiguity) == (want, "group-names", None)
-    # Megatron-LM's names in that order; and no names at all, the groups that carried p2p the pipeline's
+    # Megatron-LM's names in that order
     megatron = {"mesh_pp": "pipeline_model_parallel", "mesh_dp_shard": "data_parallel", "mesh_tp": "tensor_model_parallel"}
     plain = [(megatron.get(d, d), r) for d, r in groups if d in megatron]
     assert infer_layout(WORLD, plain).layout == want
+    # no names: the groups that carried p2p are the pipeline's, whatever the order; whether the
+    # stride-2 groups are DP or CP no group says, and the guess says it guessed
     unnamed = [(None, r) for d, r in groups if d in megatron]
-    assert infer_layout(WORLD, unnamed, p2p_groups=want.groups("pp")).layout == want
+    guess = infer_layout(WORLD, unnamed, p2p_groups=want.groups("pp"))
+    assert guess.layout.groups("pp") == want.groups("pp") and "guessed" in guess.ambiguity
 
 
 def test_p2p_groups_name_the_pipeline(mesh_run):

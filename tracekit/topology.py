@@ -197,7 +197,7 @@ class Layout:
         for tp, cp, pp in itertools.product(_divisors(world_size), repeat=3):
             if world_size % (tp * cp * pp):
                 continue
-            for order in (DIMS, PP_OUTERMOST):  # ties go to DIMS, tried first
+            for order in (DIMS, PP_OUTERMOST):
                 lay = cls(tp=tp, cp=cp, pp=pp, dp=world_size // (tp * cp * pp), order=order)
                 if order != DIMS and lay.order == DIMS:
                     continue  # the same numbering
@@ -214,7 +214,8 @@ class Layout:
                 # dims that no recorded group shows (then the largest dp).
                 used = {lay.dim_of(g) for g in recorded}
                 idle = sum(1 for d in ("tp", "cp", "pp") if getattr(lay, d) > 1 and d not in used)
-                score = (explained - 2 * contradicted, -idle, lay.tp, lay.dp, lay.pp)
+                # another order only where it explains more (a p2p group the default calls DP)
+                score = (explained - 2 * contradicted, -idle, lay.order == DIMS, lay.tp, lay.dp, lay.pp)
                 if best is None or score > best[0]:
                     best = (score, lay)
         assert best is not None
