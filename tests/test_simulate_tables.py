@@ -19,6 +19,9 @@ CASES = {
     "skewed": SimConfig(tp=2, cp=2, pp=2, dp=2, steps=3, seed=2, noise=0.05, skew_ms=800, drift_ppm=20,
                         faults=("slow:rank=5,factor=1.3",)),
     "hang": SimConfig(tp=2, cp=1, pp=2, dp=2, steps=3, seed=1, faults=("hang:rank=3,step=1",)),
+    # PP outermost (torchtitan's, Megatron-LM's rank order): both paths number ranks alike
+    "pp_outermost": SimConfig(tp=2, cp=1, pp=2, dp=2, steps=3, seed=4, faults=("link:a=1,b=5,delay_ms=10",),
+                              order=("tp", "cp", "dp", "pp")),
 }
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import polars as pl
 
 from tracekit.simulate.clock import EPOCH_NS, Clocks
-from tracekit.simulate.config import SimConfig, SimError
+from tracekit.simulate.config import SimConfig
 from tracekit.simulate.flight import POLL_MS, TIMEOUT_MS
 from tracekit.simulate.kineto import PROFILING_NAME, kernel_name, new_nccl
 from tracekit.simulate.model import Trace
@@ -49,6 +49,12 @@ def run_tables(cfg: SimConfig, run_id: str, fr_tail: int = FR_TAIL) -> Iterator[
         del stage
 
 
+def _rank(cfg: SimConfig, d, c, p, t):
+    """The ranks at coordinates (dp, cp, pp, tp), numbered in the job's order (``cfg.layout``)."""
+    lay = cfg.layout
+    return t * lay.stride("tp") + c * lay.stride("cp") + p * lay.stride("pp") + d * lay.stride("dp")
+
+
 def _blocked(trace: Trace) -> list[int]:
     """Ranks with an op issued and never completed (the ranks a hang blocks)."""
     cfg = trace.cfg
@@ -58,7 +64,7 @@ def _blocked(trace: Trace) -> list[int]:
         for o in ops:
             stuck |= np.isfinite(o.start) & ~np.isfinite(o.end)
         d, c, t = np.nonzero(stuck)
-        out += (t + cfg.tp * (c + cfg.cp * (p + cfg.pp * d))).tolist()
+        out += _rank(cfg, d, c, p, t).tolist()
     return sorted(out)
 
 
@@ -70,8 +76,8 @@ def _runs(cfg: SimConfig, run_id: str, man: dict) -> pl.DataFrame:
 
 def _ranks(cfg: SimConfig, run_id: str, clocks: Clocks) -> pl.DataFrame:
     r = np.arange(cfg.world_size)
-    tp, cp, pp = r % cfg.tp, (r // cfg.tp) % cfg.cp, (r // (cfg.tp * cfg.cp)) % cfg.pp
-    dp = r // (cfg.tp * cfg.cp * cfg.pp)
+    lay = cfg.layout
+    tp, cp, pp, dp = (r // lay.stride(x) % getattr(lay, x) for x in ("tp", "cp", "pp", "dp"))
     return pl.DataFrame({"run_id": run_id, "rank": r, "dp": dp, "pp": pp, "cp": cp, "tp": tp,
                          "host": [f"node{h:04d}" for h in (r // clocks.rph).tolist()], "pid": 100_000 + 17 * r})
 
@@ -95,7 +101,7 @@ class _Stage:
         cfg = trace.cfg
         self.cfg, self.p, self.ops, self.groups = cfg, p, trace.ops[p], groups
         d, c, t = np.meshgrid(np.arange(cfg.dp), np.arange(cfg.cp), np.arange(cfg.tp), indexing="ij")
-        self.rank = (t + cfg.tp * (c + cfg.cp * (p + cfg.pp * d))).ravel()
+        self.rank = _rank(cfg, d, c, p, t).ravel()
         host = self.rank // clocks.rph
         self.skew, self.rate = clocks.skew_ms[host], 1 + clocks.drift_ppm[host] * 1e-6
         lanes = len(self.rank)
@@ -178,7 +184,7 @@ class _Stage:
         cfg = self.cfg
         peer_stage = np.array([o.peer_stage if o.peer_stage is not None else -1 for o in self.ops])[op_i]
         rank = self.rank[lane]
-        peer = rank + (peer_stage - self.p) * cfg.tp * cfg.cp
+        peer = rank + (peer_stage - self.p) * cfg.layout.stride("pp")
         pp_names = self._lane_names("pp")
         return pl.DataFrame({
             "rank": rank.astype(np.int32), "peer": peer.astype(np.int32),
@@ -295,10 +301,6 @@ def write_dataset(cfg: SimConfig, out, run_id: str, fr_tail: int = FR_TAIL) -> N
     """The simulated run's tables as a Parquet dataset store at ``out`` (tracekit/dataset.py), one
     part per chunk; the ground truth is in ``runs.manifest``."""
     from tracekit.dataset import write_tables
-    from tracekit.topology import DIMS
-
-    if cfg.layout.order != DIMS:  # its rank arithmetic is [TP, CP, PP, DP]'s
-        raise SimError(f"--format parquet numbers ranks in the [tp, cp, pp, dp] order only, not {cfg.layout}")
 
     for i, chunk in enumerate(run_tables(cfg, run_id, fr_tail)):
         write_tables(out, {t: df for t, df in chunk.items() if df.height}, part=f"sim-{i:04d}")
