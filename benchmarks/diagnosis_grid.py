@@ -17,7 +17,9 @@ off by a lognormal factor of sd 0.5% or 1% for the whole run, as real fleets' ch
 what any lower bar for a 3% rank would cost; and slow hosts (``host``: every rank of one host
 1.1-1.5x, in layouts of two hosts or more); half of the job profiled (``untraced``: the traces of
 the first or second half of the ranks removed, their flight recorder kept; a 1.1-1.5x rank among
-them, or nothing); with ``--native``, torch-native jobs too
+them, or nothing); jobs numbered PP-outermost (``order``: torchtitan's and Megatron-LM's rank order,
+layouts with PP and DP above 1, each with a slow rank, two, a transient, a DP or p2p link, or
+nothing, judged as that kind and by the order found as well); with ``--native``, torch-native jobs too
 (benchmarks/native_accuracy.py), reported apart. Judged (rank and coordinates both right):
 - slow: a straggler finding names the rank, and the store's layout is the true one (so its
   coordinates are right); two: both ranks are named as stragglers;
@@ -49,6 +51,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -104,7 +107,7 @@ def run_case(case: Case, work: Path, cache: Path | None, hta_python: Path | None
         cfg = SimConfig(tp=tp, cp=cp, pp=pp, dp=dp, steps=8, seed=case.seed, faults=case.faults, names=case.names,
                         noise=case.noise, spikes=case.spikes, skew_ms=case.skew_ms, drift_ppm=case.drift_ppm,
                         layers=layers, microbatches=mb, vstages=vstages, ranks_per_host=per_host,
-                        chip_spread=case.chips,
+                        chip_spread=case.chips, **({"order": case.order} if case.order else {}),
                         # a host's ranks are known from the profiler's own file names (the manifest is
                         # set aside): the slow-host cases are named so, the published cases as they were
                         trace_names="profiler" if case.kind == "host" or case.profiler_names else "rank")
@@ -124,7 +127,8 @@ def run_case(case: Case, work: Path, cache: Path | None, hta_python: Path | None
         runs = s.table("runs").row(0, named=True)
         h = s.hangs()
         note = s.sql("SELECT error FROM ingest_log WHERE status = 'warning' AND error LIKE 'layout %'")
-    return {"diagnosis": d.to_dict(), "layout": [runs[x] for x in ("tp", "cp", "pp", "dp")],
+        order = list(s.run_tables().layout.order)
+    return {"diagnosis": d.to_dict(), "layout": [runs[x] for x in ("tp", "cp", "pp", "dp")], "order": order,
             "layout_note": note["error"][0] if note.height else None,
             "layout_source": runs["layout_source"], "hang_culprits": list(h.culprits), "truth": manifest["faults"],
             "chips": manifest.get("simulated", {}).get("chips", {}).get("factors"),
@@ -138,7 +142,12 @@ def judge(case: Case, res: dict) -> tuple[bool, list[tuple[float, bool]]]:
     verdict = d["localization"]["verdict"]
     # without group names the dimensions' names can be a guess (ingest warns): then the rank must be
     # right, and the coordinates only where the layout was not ambiguous
-    layout_ok = tuple(res["layout"]) == case.layout or (case.names == "none" and bool(res.get("layout_note")))
+    if case.kind == "order":  # judged as the kind it injects, in a layout that must be found in its order
+        as_kind = replace(case, kind=case.truth["as"], order=())
+        if tuple(res.get("order") or ()) != case.order and not (case.names == "none" and res.get("layout_note")):
+            res = {**res, "layout": None}
+        return judge(as_kind, res)
+    layout_ok = tuple(res["layout"] or ()) == case.layout or (case.names == "none" and bool(res.get("layout_note")))
     t = case.truth
     strag = {f["ranks"][0] for f in fs if f["kind"] == "straggler"}
     ok_finding = [False] * len(fs)

@@ -16,8 +16,11 @@ LAYOUTS = [  # (tp, cp, pp, dp): every dimension at 1 and above 1, TP to 8, CP t
     (1, 1, 2, 8), (2, 2, 4, 1), (1, 1, 8, 2), (2, 4, 1, 1), (1, 2, 1, 8),
 ]
 KINDS = ("slow", "slow3", "two", "transient", "moving", "link_coll", "link_p2p", "cp_imbalance", "stage", "hang",
-         "clean", "chips", "host", "untraced")
-LATER_KINDS = ("chips", "host", "untraced")  # added after the grid was published: random streams of their own
+         "clean", "chips", "host", "untraced", "order")
+# added after the grid was published: random streams of their own
+LATER_KINDS = ("chips", "host", "untraced", "order")
+# what an ``order`` case injects: the grid's kinds, in a job numbered PP-outermost
+ORDER_AS = ("slow", "two", "transient", "link_coll", "link_p2p", "clean")
 # clean runs whose healthy chips differ (each rank's compute off by a lognormal factor of this sigma
 # for the whole run), as real fleets' do: what a lower bar would cost. Reported apart from the
 # issue's clean runs (which have identical chips) and drawn from a random stream of their own, so
@@ -43,6 +46,7 @@ class Case:
     chips: float = 0.0  # sigma of the ranks' own compute factors (chips that differ); 0: identical chips
     profiler_names: bool = False  # traces named host_pid.ns.pt.trace.json.gz: the hosts known, as in a real job
     untraced: tuple[int, ...] = ()  # ranks whose profiler traces are removed (profiled ranks only, as jobs do)
+    order: tuple[str, ...] = ()  # how the job numbers its ranks, innermost first; (): [TP, CP, PP, DP]
 
     @property
     def label(self) -> str:
@@ -51,6 +55,7 @@ class Case:
         sched += f" chips {self.chips:.3f}" if self.chips else ""
         sched += " profiler-names" if self.profiler_names and self.kind != "host" else ""
         sched += f" untraced {self.untraced[0]}-{self.untraced[-1]}" if self.untraced else ""
+        sched += f" pp-outermost as {self.truth.get('as')}" if self.order else ""
         return (f"{self.kind:12s} tp{tp} cp{cp} pp{pp} dp{dp} {self.names:5s} noise {self.noise:.2f} "
                 f"skew {self.skew_ms:.0f}ms seed {self.seed}{sched} {' '.join(self.faults)}")
 
@@ -146,6 +151,8 @@ def make_cases(kinds, seeds: int, quick: bool, draw: int = 0, schedules: bool = 
         cases += _host_cases(seeds, quick, draw, schedules)
     if "untraced" in kinds:
         cases += _untraced_cases(seeds, quick, draw, schedules)
+    if "order" in kinds:
+        cases += _order_cases(seeds, quick, draw, schedules)
     return cases
 
 
@@ -206,6 +213,56 @@ def _untraced_cases(seeds: int, quick: bool, draw: int, schedules: bool) -> list
                 names, noise, spikes, skew, drift = _conditions(rng)
                 out.append(_finished(Case("untraced", (tp, cp, pp, dp), s, faults, names, noise, spikes, skew, drift,
                                            truth, untraced=untraced), rng, schedules))
+    return out
+
+
+def _order_cases(seeds: int, quick: bool, draw: int, schedules: bool) -> list[Case]:
+    """Jobs numbered PP-outermost, as torchtitan's and Megatron-LM's meshes number them, per seed and
+    layout with PP and DP above 1, twice: each with one of ``ORDER_AS``'s faults (judged as that kind,
+    and by the order found as well)."""
+    from tracekit.topology import PP_OUTERMOST, Layout
+
+    rng = random.Random(20261126 + 7919 * draw + 181_081)  # not the grid's stream: its cases stay
+    out = []
+    for seed in range(seeds):
+        for li, (tp, cp, pp, dp) in enumerate(LAYOUTS):
+            if pp < 2 or dp < 2:
+                continue
+            lay = Layout(tp=tp, cp=cp, pp=pp, dp=dp, order=PP_OUTERMOST)
+            world = lay.world_size
+            for v in range(2):
+                if quick and (li + seed + v) % 4:
+                    continue
+                kind = rng.choice(ORDER_AS)
+                faults: tuple[str, ...] = ()
+                truth: dict = {"as": kind}
+                if kind == "slow":
+                    r, f = rng.randrange(world), rng.choice([1.05, 1.1, 1.3, 1.5])
+                    faults, truth = (f"slow:rank={r},factor={f}",), {**truth, "ranks": [r], "factor": f}
+                elif kind == "two":
+                    a, b = rng.sample(range(world), 2)
+                    f = rng.choice([1.1, 1.3, 1.5])
+                    faults = (f"slow:rank={a},factor={f}", f"slow:rank={b},factor={f}")
+                    truth = {**truth, "ranks": sorted([a, b])}
+                elif kind == "transient":
+                    r, st, f = rng.randrange(world), sorted(rng.sample(range(8), 2)), rng.choice([1.5, 2.0])
+                    faults = (f"slow:rank={r},factor={f},steps={st[0]}+{st[1]}",)
+                    truth = {**truth, "ranks": [r], "steps": st}
+                elif kind == "link_coll":  # a DP group's link: the one this order moves
+                    a = rng.randrange(world)
+                    g = lay.group(a, "dp")
+                    b = rng.choice([x for x in g if x != a])
+                    faults = (f"link:a={a},b={b},delay_ms={rng.choice([10, 20])}",)
+                    truth = {**truth, "ranks": sorted(g), "dim": "dp"}
+                elif kind == "link_p2p":
+                    a = _rank(lay, rng, pp=rng.randrange(pp - 1))
+                    b = a + lay.stride("pp")
+                    faults = (f"link:a={a},b={b},delay_ms={rng.choice([10, 20])}",)
+                    truth = {**truth, "ranks": [a, b]}
+                s = seed * 1000 + li * 37 + 60 + 100 * v + 100_000 * draw
+                names, noise, spikes, skew, drift = _conditions(rng)
+                out.append(_finished(Case("order", (tp, cp, pp, dp), s, faults, names, noise, spikes, skew, drift,
+                                           truth, order=PP_OUTERMOST), rng, schedules))
     return out
 
 
