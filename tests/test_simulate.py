@@ -213,6 +213,17 @@ def test_manifest_ground_truth_in_the_trainers_schema(tmp_path: Path) -> None:
     assert len(sim["skew_ms_by_host"]) == 2 and all(abs(v) <= 500 for v in sim["skew_ms_by_host"])
 
 
+def test_a_job_numbered_pp_outermost_says_so_in_its_manifest_and_its_groups(tmp_path: Path) -> None:
+    """--mesh-order pp,dp,cp,tp: rank = tp + 2 * (cp + 2 * (dp + 2 * pp)); the stage fault's ranks,
+    the manifest's order (innermost first) and the pipeline groups the traces record follow it."""
+    m = _truth(tmp_path, **{**BASE, "order": ("tp", "cp", "dp", "pp"), "faults": ("stage:pp=1,factor=1.3",)})
+    assert m["layout"] == {"tp": 2, "cp": 2, "pp": 2, "dp": 2, "order": ["tp", "cp", "dp", "pp"]}
+    assert m["faults"][0]["ranks"] == list(range(8, 16))
+    doc = json.load(gzip.open(tmp_path / "run" / "traces" / "rank0.json.gz"))
+    pgs = {g["pg_desc"]: g["ranks"] for g in doc["distributedInfo"]["pg_config"] if 0 in g["ranks"]}
+    assert pgs["mesh_pp"] == [0, 8] and pgs["mesh_dp"] == [0, 4]
+
+
 # -- what the traces show --------------------------------------------------------------------------
 def _kernels(path: Path) -> list[dict]:
     doc = json.load(gzip.open(path))

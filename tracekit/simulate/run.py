@@ -18,6 +18,7 @@ from tracekit.simulate.faults import Effects, chip_factors, ground_truth, parse_
 from tracekit.simulate.model import Trace, simulate_job
 from tracekit.simulate.ranks import Views
 from tracekit.simulate.schedule import Groups, schedule_names
+from tracekit.topology import DIMS
 
 
 def run_model(cfg: SimConfig) -> tuple[Trace, list]:
@@ -67,7 +68,8 @@ def manifest(cfg: SimConfig, faults: list, trace: Trace, clocks: Clocks, groups:
     hosts = [clocks.host_name(r) for r in range(cfg.world_size)]
     return {
         "config": config,
-        "layout": {**cfg.layout.as_dict(), "order": list(cfg.layout.order)},  # innermost first
+        # the trainer's schema; a job numbered otherwise says how, innermost first
+        "layout": {**cfg.layout.as_dict(), **({"order": list(cfg.layout.order)} if cfg.layout.order != DIMS else {})},
         "world_size": cfg.world_size,
         "backend": "nccl",
         "torch_version": "simulated",
