@@ -293,6 +293,7 @@ def test_a_pipeline_alone_is_scoped_without_error_and_answers_as_the_whole_read(
 @pytest.mark.parametrize("faults, want", [
     (("slow:rank=13,factor=1.3",), {"straggler": [(13,)]}),
     (("link:a=9,b=17,delay_ms=20",), {"slow_link": [(9, 17)]}),  # stages 1 -> 2 of replica 1 (tp 1)
+    (("link:a=9,b=11,delay_ms=20",), {"slow_link": [(9, 11, 13, 15)]}),  # the DP group of stage 1, tp 1
 ])
 def test_with_pp_outermost_the_scope_reads_whole_replicas_and_finds_the_same(tmp_path, faults, want):
     """torchtitan's and Megatron-LM's rank order puts PP outermost: a replica is one TP x CP cell per

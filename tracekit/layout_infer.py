@@ -47,6 +47,23 @@ def dim_of_desc(desc: str | None) -> str | None:
     return named.pop() if len(named) == 1 and "expert" not in d else None
 
 
+# What a run with no layout found is analysed as, and what each view says of it.
+ASSUMED_LAYOUTS = {
+    "assumed-dp": "no parallel layout recorded: every rank is compared with every other as a data-parallel replica",
+    "assumed-pp": "no parallel layout recorded: the ranks are taken as the stages of one pipeline, in rank order "
+                  "(their p2p ops chain them so)",
+}
+
+
+def assumed_layout(world: int, p2p_pairs: Iterable[Sequence[int]]) -> str:
+    """The ``ASSUMED_LAYOUTS`` key for a run of ``world`` ranks with no layout: one pipeline where
+    its p2p (rank, peer) pairs chain every rank to its neighbours in rank order (taken as replicas,
+    a 2-stage job's heavier stage read "a slow worker" at 0.99), else data-parallel replicas."""
+    pairs = [(int(a), int(b)) for a, b in p2p_pairs]
+    chained = bool(pairs) and all(abs(a - b) == 1 for a, b in pairs) and {a for a, _ in pairs} == set(range(world))
+    return "assumed-pp" if chained else "assumed-dp"
+
+
 @dataclass(frozen=True)
 class LayoutGuess:
     layout: Layout | None

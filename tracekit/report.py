@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tracekit.store import ASSUMED_LAYOUTS
+from tracekit.layout_infer import ASSUMED_LAYOUTS
 
 if TYPE_CHECKING:
     from tracekit.analysis.cp_wait import CPWait

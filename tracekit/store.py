@@ -189,7 +189,7 @@ class Store:
         row = tables.runs.row(0, named=True)
         if any(row[d] is None for d in ("tp", "cp", "pp", "dp")):
             # No layout (e.g. traces without process-group metadata): every rank in one dimension,
-            # as layout_source says in every result (ASSUMED_LAYOUTS)
+            # as layout_source says in every result (layout_infer.ASSUMED_LAYOUTS)
             world = int(row["world_size"] or tables.ranks["rank"].n_unique())
             source = self.layout_source(run_id)
             dim = {"assumed-pp": "pp", "assumed-dp": "dp"}[source]
@@ -204,17 +204,16 @@ class Store:
 
     def layout_source(self, run_id: str | None = None) -> str:
         """How the run's layout was found (``runs.layout_source``); where none was, the one assumed
-        (``ASSUMED_LAYOUTS``): a pipeline where the ranks' p2p ops chain them in rank order, else
-        data-parallel replicas."""
+        (``layout_infer.assumed_layout``)."""
         rid = self._run(run_id)
         row = self.sql("SELECT layout_source, tp, cp, pp, dp, world_size FROM runs WHERE run_id = ?", [rid]).row(
             0, named=True)
         if all(row[d] is not None for d in ("tp", "cp", "pp", "dp")):
             return row["layout_source"]
-        pairs = self.sql("SELECT DISTINCT rank, peer FROM p2p WHERE run_id = ? AND peer IS NOT NULL", [rid])
-        chained = pairs.height and (pairs["rank"] - pairs["peer"]).abs().max() == 1 and \
-            set(pairs["rank"].to_list()) == set(range(int(row["world_size"] or 0)))
-        return "assumed-pp" if chained else "assumed-dp"
+        from tracekit.layout_infer import assumed_layout
+
+        pairs = self.sql("SELECT DISTINCT rank, peer FROM p2p WHERE run_id = ? AND peer IS NOT NULL", [rid]).rows()
+        return assumed_layout(int(row["world_size"] or 0), pairs)
 
     def attention_work(self, run_id: str | None = None) -> pl.DataFrame | None:
         """Attention work per (rank, step) where the run's manifest records it
@@ -400,14 +399,6 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store({str(self.path)!r}, runs={self.run_ids})"
-
-
-# what each assumed layout means, for every view that says the layout was assumed
-ASSUMED_LAYOUTS = {
-    "assumed-dp": "no parallel layout recorded: every rank is compared with every other as a data-parallel replica",
-    "assumed-pp": "no parallel layout recorded: the ranks are taken as the stages of one pipeline, in rank order "
-                  "(their p2p ops chain them so)",
-}
 
 
 def open(path: str | Path) -> Store:  # noqa: A001 - the public name is tracekit.open

@@ -38,8 +38,7 @@ from tracekit.analysis.stage_findings import stage_findings, stages_alone
 from tracekit.analysis.tables import RunTables
 from tracekit.analysis.tunables import Tunables
 from tracekit.analysis.unprofiled import RecorderJudgement, recorder_findings
-from tracekit.analysis.wait_cost import wait_cost
-from tracekit.analysis.whatif import WhatIfError, saving
+from tracekit.analysis.wait_cost import rank_cost
 
 @dataclass(frozen=True)
 class Diagnosis:
@@ -145,34 +144,12 @@ def _rank_finding(tables: RunTables, f: RankFinding, loc: Localization, tun: Tun
     what = {"straggler": "is a straggler", "transient": "is a transient straggler",
             "moving": "is slow in some steps (the slowness moves)"}[kind]
     summary = f"{where(tables, (f.rank,))} {what}: {cause.summary}" + (f"; in doubt: {f.doubt}" if f.doubt else "")
-    cost, how, bound = _rank_cost(tables, f, kind, others)
+    cost, how, bound = rank_cost(tables, f.rank, list(f.steps) if kind != "straggler" else None, f.cost_ns,
+                                 [(o.rank, None if o.kind == "persistent" else o.steps) for o in others if o.rank != f.rank])
     return Finding(kind, (f.rank,), where(tables, (f.rank,)), f.steps, cost, cost / step_ns, f.confidence, cause.kind,
                    summary, NEXT_STEP.get(cause.kind, NEXT_STEP["unexplained"]).format(who=f"rank {f.rank}"),
                    {"compute_ratio": f.ratio, **cause.evidence, "span_ratio": f.ratio, "margin": f.margin,
                     "extra_compute_ns": max(f.cost_ns, 0.0), "cost_from": how}, cost_upper_bound=bound)
-
-
-def _rank_cost(tables: RunTables, f: RankFinding, kind: str, others: Sequence[RankFinding] = ()
-               ) -> tuple[float, str, bool]:
-    """(ns per step, how it was measured, whether it is an upper bound only) of a rank finding:
-    the what-if replay where the run replays (the trainer's program-order calls); else how long its
-    peers waited on it (``wait_cost``; ``others``, the other rank findings, are not its peers where
-    they are late), never above its extra compute; else its extra compute, which
-    the step's slack and overlap may absorb (an upper bound)."""
-    steps = list(f.steps) if kind != "straggler" else None
-    extra = max(f.cost_ns, 0.0)
-    try:  # what the step would be with this rank at its peers' speed
-        saved, _ = saving(tables, [f.rank], steps)
-        return max(saved, 0.0), "what-if replay", False
-    except WhatIfError:
-        pass
-    waited = wait_cost(tables, f.rank, steps, [(o.rank, None if o.kind == "persistent" else o.steps)
-                                               for o in others if o.rank != f.rank])
-    if waited is None:
-        return extra, "extra compute", True
-    if waited.cost_ns >= extra:
-        return extra, "extra compute", waited.upper_bound
-    return waited.cost_ns, f"waits in its {waited.dim.upper()} groups", waited.upper_bound
 
 
 def diagnose(tables: RunTables, tunables: Tunables = Tunables(), work: pl.DataFrame | None = None,

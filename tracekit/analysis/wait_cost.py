@@ -1,4 +1,5 @@
-"""What a slow rank costs the step where the what-if replay cannot run (GPU kernel traces).
+"""What a slow rank costs the step (``rank_cost``): the what-if replay's saving where the run replays,
+else, where it cannot run (GPU kernel traces), how long its peers waited on it.
 
 A rank's extra compute is what it adds to its own timeline; the step grows by less where its
 pipeline stage had slack. On the simulator (tp 2 x pp 4 x dp 2), a 1.3x rank of stage 1 adds
@@ -22,6 +23,7 @@ import polars as pl
 
 from tracekit.analysis.collectives import match_collectives
 from tracekit.analysis.tables import RunTables
+from tracekit.analysis.whatif import WhatIfError, saving
 from tracekit.topology import OUTER_TO_INNER, Layout
 
 
@@ -89,3 +91,24 @@ def slack_unseen(layout: Layout, dims) -> bool:
     pipeline's slack shows in no group's waits, unless a DP group (whole replicas waiting) is among
     them."""
     return layout.pp > 1 and not any("dp" in d.split("_") for d in dims)
+
+
+def rank_cost(tables: RunTables, rank: int, steps: list[int] | None, extra_ns: float,
+              others: Iterable[tuple[int, tuple[int, ...] | None]] = ()) -> tuple[float, str, bool]:
+    """(ns per step, how it was measured, whether it is an upper bound only) of ``rank`` over
+    ``steps`` (None: every step): what the what-if replay saves with it at its peers' speed, where
+    the run replays (the trainer's program-order calls); else ``wait_cost`` (``others``: the other
+    culprits), never above ``extra_ns``, its extra compute; else that extra compute, which the
+    step's slack and overlap may absorb (an upper bound)."""
+    extra = max(extra_ns, 0.0)
+    try:
+        saved, _ = saving(tables, [rank], steps)
+        return max(saved, 0.0), "what-if replay", False
+    except WhatIfError:
+        pass
+    waited = wait_cost(tables, rank, steps, others)
+    if waited is None:
+        return extra, "extra compute", True
+    if waited.cost_ns >= extra:
+        return extra, "extra compute", waited.upper_bound
+    return waited.cost_ns, f"waits in its {waited.dim.upper()} groups", waited.upper_bound

@@ -22,7 +22,7 @@ import click
 
 from tracekit.cli._common import EXIT_FINDING, EXIT_OK, fail, store_of
 from tracekit.report import Findings, gather, markdown
-from tracekit.store import ASSUMED_LAYOUTS
+from tracekit.layout_infer import ASSUMED_LAYOUTS
 
 # The run `tracekit demo --no-train` reports on (sample_traces/README.md).
 BUNDLED_SAMPLE = Path(__file__).resolve().parents[2] / "sample_traces" / "slow_rank_8"
